@@ -1,0 +1,32 @@
+# uv is installed with pip when it is missing; PyPI's torch (a large CUDA build) is then kept in uv's cache.
+UV := $(shell command -v uv 2>/dev/null || echo python3 -m uv)
+CARGO ?= cargo
+
+.PHONY: install run test lint typecheck bench
+
+install:  ## create .venv with every package, extra and dev tool, building the Rust extension
+	@command -v uv >/dev/null 2>&1 || python3 -m uv --version >/dev/null 2>&1 || python3 -m pip install --quiet uv
+	$(UV) sync --all-packages --all-extras --locked
+
+run: install  ## run the main job
+	$(UV) run python benchmarks/micro/admission.py
+
+test: install lint typecheck  ## the whole suite, as CI runs it
+	$(CARGO) test --workspace
+	$(UV) run pytest
+
+lint:  ## ruff, rustfmt and clippy, warnings as errors
+	$(UV) run ruff check .
+	$(UV) run ruff format --check .
+	$(CARGO) fmt --all --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	$(CARGO) clippy --workspace --features buffer_core/python -- -D warnings
+
+typecheck:  ## pyright (strict on packages/*/src) and stubtest of the Rust extension's .pyi
+	$(UV) run pyright
+	$(UV) run python -m mypy.stubtest asyncrl_core._buffer_core
+
+bench:  ## microbenchmarks of the admission path
+	$(CARGO) bench -p buffer_core
+	$(UV) run pytest benchmarks/micro --benchmark-enable --benchmark-only
+	$(UV) run python benchmarks/micro/admission.py

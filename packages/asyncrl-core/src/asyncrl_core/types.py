@@ -1,0 +1,123 @@
+"""The data that crosses component boundaries: generations, trajectories and groups.
+
+Plain dataclasses with no heavy imports, so every package (and a test) can build them. Token-level lists
+are indexed over the *response* part of a trajectory: every token after the initial prompt, model tokens
+and tool/observation tokens alike, in the order they appear in `Trajectory.token_ids`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+"""Why a generation ended: a stop string or token, `max_new_tokens` or the context, or an abort."""
+
+NO_VERSION = -1
+"""The weight version recorded for tokens no model generated (prompt, tool and observation tokens)."""
+
+
+@dataclass(frozen=True, slots=True)
+class VersionSpan:
+    """Output tokens `[start, end)` of one generation were sampled under actor weight version `version`."""
+
+    version: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Sampling settings for one generation, as the SGLang `sampling_params` object names them."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    no_stop_trim: bool = False
+    """Keep a matched stop string in the output (agent loops need it to close a tool tag)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """One finished generation, token ids in and out, as the rollout client returns it."""
+
+    output_ids: list[int]
+    logprobs: list[float]
+    """Log-probability of each output token under the weights that sampled it; `len == len(output_ids)`."""
+    text: str
+    finish_reason: FinishReason
+    version_spans: tuple[VersionSpan, ...]
+    """Cover `output_ids` exactly, in order. One span when no weight update happened mid-request."""
+    versions_verified: bool = True
+    """False when the server reported only one version for the whole request (older SGLang builds)."""
+    matched_stop: int | str | None = None
+    prompt_tokens: int = 0
+    num_retractions: int = 0
+
+    def token_versions(self) -> list[int]:
+        """The weight version of each output token, expanded from the spans."""
+        versions = [NO_VERSION] * len(self.output_ids)
+        for span in self.version_spans:
+            versions[span.start : span.end] = [span.version] * (span.end - span.start)
+        return versions
+
+
+@dataclass(slots=True)
+class Trajectory:
+    """One multi-turn episode: the prompt, then model turns interleaved with tool observations.
+
+    `token_ids[:prompt_len]` is the prompt; every per-token list below has length
+    `len(token_ids) - prompt_len` and is aligned with `token_ids[prompt_len:]`.
+    """
+
+    token_ids: list[int]
+    prompt_len: int
+    loss_mask: list[int]
+    """1 for tokens the model sampled (trained on), 0 for tool and observation tokens."""
+    rollout_logprobs: list[float]
+    """The engine's log-probability for each model token; 0.0 where `loss_mask` is 0."""
+    versions: list[int]
+    """The weight version that sampled each token; `NO_VERSION` where `loss_mask` is 0."""
+    reward: float = 0.0
+    num_turns: int = 0
+    finish_reason: str = ""
+    """Why the episode ended: `answer`, `max_turns`, `context`, `length`, `abort`, ..."""
+    metrics: dict[str, float] = field(default_factory=dict[str, float])
+
+    @property
+    def response_len(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    def version_range(self) -> tuple[int, int] | None:
+        """(earliest, latest) version of the model tokens, or None if the model produced no token."""
+        model_versions = [v for v in self.versions if v != NO_VERSION]
+        if not model_versions:
+            return None
+        return min(model_versions), max(model_versions)
+
+
+@dataclass(slots=True)
+class Group:
+    """`group_size` trajectories of one prompt: the unit of admission, buffering and advantage."""
+
+    group_id: int
+    """The admission id the buffer gave this group."""
+    prompt_index: int
+    """Index of the prompt in the task's dataset (returned to the dataloader if the group is dropped)."""
+    trajectories: list[Trajectory]
+    finish_version: int = NO_VERSION
+    """The actor version current when the group finished."""
+
+    def version_range(self) -> tuple[int, int]:
+        """(earliest, latest) weight version over all model tokens of the group.
+
+        A group whose trajectories sampled no token at all is attributed to `finish_version`.
+        """
+        ranges = [r for t in self.trajectories if (r := t.version_range()) is not None]
+        if not ranges:
+            return self.finish_version, self.finish_version
+        return min(r[0] for r in ranges), max(r[1] for r in ranges)
