@@ -14,7 +14,7 @@ import fcntl
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Generator
 from pathlib import Path
 
 from asyncrl_core.errors import AsyncRLError
@@ -26,7 +26,7 @@ _MARKER = ".complete"
 
 
 def cache_dir() -> Path:
-    """Where converted models live: `$ASYNCRL_CACHE`, else `$XDG_CACHE_HOME/asyncrl`, else `~/.cache/asyncrl`."""
+    """Where converted models live: `$ASYNCRL_CACHE`, else `$XDG_CACHE_HOME/asyncrl` or `~/.cache/asyncrl`."""
     if env := os.environ.get("ASYNCRL_CACHE"):
         return Path(env)
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
@@ -50,7 +50,7 @@ def smollm2_gguf() -> Path:
 
 
 @contextlib.contextmanager
-def _exclusive(lock_path: Path) -> Iterator[None]:
+def _exclusive(lock_path: Path) -> Generator[None]:
     """Serialise conversions across processes (tests and workers may ask for the model at once)."""
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     with open(lock_path, "w") as lock_file:
@@ -85,7 +85,7 @@ def smollm2_135m() -> Path:
             # refuses to save: rebuild the architecture without it and move the weights over.
             config = loaded.config
             if hasattr(config, "quantization_config"):
-                del config.quantization_config
+                delattr(config, "quantization_config")
             model = AutoModelForCausalLM.from_config(config)
             model.load_state_dict(loaded.state_dict())
             model.save_pretrained(str(staging), safe_serialization=True)
@@ -130,7 +130,6 @@ def tiny_llama(
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_position_embeddings,
         rms_norm_eps=1e-5,
-        rope_theta=10000.0,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
