@@ -1,12 +1,46 @@
 """asyncrl's exception hierarchy: every error a user can cause is an `AsyncRLError` with a clear message."""
 
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 
 class AsyncRLError(Exception):
     """Base class of every error asyncrl raises on purpose."""
 
 
+@dataclass(frozen=True, slots=True)
+class ConfigProblem:
+    """One problem of a configuration: the dotted key it concerns and what to write instead."""
+
+    key: str
+    """Dotted key path, e.g. `rollout.sglang.launch` or `rollout.sglang.urls[0]`; empty for the whole file."""
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.message}" if self.key else self.message
+
+
 class ConfigError(AsyncRLError):
-    """The configuration is invalid; the message names each offending key and the fix."""
+    """The configuration is invalid; the message names each offending key and the fix.
+
+    `problems` lists every problem found, so a user fixes them all in one pass. A plain string is accepted
+    too and becomes one problem without a key; so does a single `ConfigProblem`.
+    """
+
+    def __init__(self, problems: str | ConfigProblem | Sequence[ConfigProblem]) -> None:
+        if isinstance(problems, str):
+            problems = ConfigProblem("", problems)
+        self.problems: tuple[ConfigProblem, ...] = (
+            (problems,) if isinstance(problems, ConfigProblem) else tuple(problems)
+        )
+        if len(self.problems) == 1:
+            text = str(self.problems[0])
+        else:
+            lines = "\n".join(f"  - {problem}" for problem in self.problems)
+            text = f"{len(self.problems)} problems in the configuration:\n{lines}"
+        super().__init__(text)
 
 
 class PluginError(AsyncRLError):
@@ -19,3 +53,31 @@ class GenerationError(AsyncRLError):
 
 class EngineUnavailableError(AsyncRLError):
     """The rollout engine could not be reached within the retries and timeouts allowed."""
+
+
+class GroupBufferError(AsyncRLError):
+    """The group buffer refused an operation; the buffer is exactly as it was before the call."""
+
+
+class InvalidArgumentError(GroupBufferError, ValueError):
+    """A limit or argument is out of range: a limit below 1, a batch of 0 groups, a negative index."""
+
+
+class InvalidGroupError(GroupBufferError):
+    """The group id was never admitted, or the group is no longer in flight (finished twice, ...)."""
+
+
+class VersionError(GroupBufferError):
+    """A weight version is negative, or the versions of a group or of the actor go backwards."""
+
+
+class BatchTooLargeError(GroupBufferError):
+    """`take_batch` asked for more groups than are buffered after the stale ones are dropped."""
+
+
+class DropLimitExceededError(GroupBufferError):
+    """More stale groups would be dropped in one step than `rollout_buffer.max_dropped_groups_per_step`."""
+
+
+class CorruptStateError(GroupBufferError):
+    """Snapshot bytes that are truncated, damaged, of another format, or describe an impossible state."""
