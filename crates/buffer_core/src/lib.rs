@@ -2,5 +2,24 @@
 //! staleness ledger (ARCHITECTURE.md section 3). The logic lives in plain Rust modules; the pyo3 glue
 //! is in `python.rs` alone and compiled only with the `python` feature.
 
+pub mod admission;
+pub mod buffer;
+pub mod clock;
+pub mod error;
+pub mod heap;
+pub mod ledger;
+pub mod limits;
+pub mod state;
+mod sync;
+
 #[cfg(feature = "python")]
 mod python;
+
+pub use admission::{Admission, Blocked, Counts};
+pub use buffer::{GroupBuffer, TakenBatch};
+pub use clock::{Clock, ManualClock, MonotonicClock};
+pub use error::BufferError;
+pub use heap::{FinishedGroup, GroupVersions};
+pub use ledger::StepStats;
+pub use limits::Limits;
+pub use state::BufferState;

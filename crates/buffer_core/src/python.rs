@@ -1,8 +1,256 @@
 //! The only pyo3 file: exposes the buffer core as `asyncrl_core._buffer_core`.
+//!
+//! Python code uses the facade `asyncrl_core.buffer`; this module converts arguments, releases the
+//! GIL around the blocking wait, and turns each `BufferError` into its exception class from
+//! `asyncrl_core.errors` (one conversion, `From<BufferError> for PyErr`).
 
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyType};
+
+use crate::buffer::GroupBuffer;
+use crate::error::BufferError;
+use crate::heap::GroupVersions;
+use crate::ledger::StepStats;
+use crate::limits::Limits;
+
+/// How long `wait_admit` sleeps without the GIL before it checks for Ctrl-C.
+const SIGNAL_CHECK_INTERVAL: Duration = Duration::from_millis(100);
+
+impl From<BufferError> for PyErr {
+    fn from(error: BufferError) -> Self {
+        Python::attach(|py| {
+            let class = py
+                .import("asyncrl_core.errors")
+                .and_then(|module| module.getattr(error.python_class()))
+                .and_then(|class| class.cast_into::<PyType>().map_err(PyErr::from));
+            match class {
+                Ok(class) => PyErr::from_type(class, error.to_string()),
+                // Only if asyncrl_core itself is broken; keep the message rather than lose it.
+                Err(import_error) => PyRuntimeError::new_err(format!(
+                    "{error} (and asyncrl_core.errors.{} could not be loaded: {import_error})",
+                    error.python_class()
+                )),
+            }
+        })
+    }
+}
+
+fn non_negative(name: &str, value: i64) -> Result<u64, BufferError> {
+    u64::try_from(value)
+        .map_err(|_| BufferError::InvalidArgument(format!("{name} must be 0 or more, got {value}")))
+}
+
+/// The totals of one step, as `GroupBuffer.end_step` returns them.
+#[pyclass(frozen, get_all, module = "asyncrl_core._buffer_core")]
+struct StepTotals {
+    num_groups: u64,
+    staleness_sum: u64,
+    staleness_max: u64,
+    staleness_counts: BTreeMap<u64, u64>,
+    version_span_sum: u64,
+    queue_steps_sum: u64,
+    dropped_groups: u64,
+    admission_wait_inflight_limit_s: f64,
+    admission_wait_buffer_full_s: f64,
+    wall_s: f64,
+}
+
+impl From<StepStats> for StepTotals {
+    fn from(stats: StepStats) -> Self {
+        let seconds = |ns: u64| ns as f64 * 1e-9;
+        Self {
+            num_groups: stats.num_groups,
+            staleness_sum: stats.staleness_sum,
+            staleness_max: stats.staleness_max,
+            staleness_counts: stats.staleness_counts,
+            version_span_sum: stats.version_span_sum,
+            queue_steps_sum: stats.queue_steps_sum,
+            dropped_groups: stats.dropped_groups,
+            admission_wait_inflight_limit_s: seconds(stats.wait_inflight_limit_ns),
+            admission_wait_buffer_full_s: seconds(stats.wait_buffer_full_ns),
+            wall_s: seconds(stats.wall_ns),
+        }
+    }
+}
+
+/// The buffer core. Frozen and internally synchronised, so any number of Python threads may call it
+/// at once without a Python-level lock.
+#[pyclass(frozen, name = "GroupBuffer", module = "asyncrl_core._buffer_core")]
+struct PyGroupBuffer {
+    inner: GroupBuffer,
+}
+
+type TakenIds = (Vec<u64>, Vec<(u64, u64)>);
+type BufferedRow = (u64, u64, i64, i64, i64);
+
+#[pymethods]
+impl PyGroupBuffer {
+    #[new]
+    #[pyo3(signature = (*, max_inflight_groups, max_buffered_groups, max_dropped_groups_per_step, max_actor_accept_staleness=None))]
+    fn new(
+        max_inflight_groups: i64,
+        max_buffered_groups: i64,
+        max_dropped_groups_per_step: i64,
+        max_actor_accept_staleness: Option<i64>,
+    ) -> PyResult<Self> {
+        let limits = Limits::new(
+            max_inflight_groups,
+            max_buffered_groups,
+            max_dropped_groups_per_step,
+            max_actor_accept_staleness,
+        )?;
+        Ok(Self {
+            inner: GroupBuffer::new(limits),
+        })
+    }
+
+    #[staticmethod]
+    fn from_state_bytes(data: &[u8]) -> PyResult<Self> {
+        Ok(Self {
+            inner: GroupBuffer::from_bytes(data)?,
+        })
+    }
+
+    fn state_bytes<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.inner.to_bytes())
+    }
+
+    #[getter]
+    fn max_inflight_groups(&self) -> u32 {
+        self.inner.limits().max_inflight_groups
+    }
+
+    #[getter]
+    fn max_buffered_groups(&self) -> u32 {
+        self.inner.limits().max_buffered_groups
+    }
+
+    #[getter]
+    fn max_dropped_groups_per_step(&self) -> u64 {
+        self.inner.limits().max_dropped_groups_per_step
+    }
+
+    #[getter]
+    fn max_actor_accept_staleness(&self) -> Option<u64> {
+        self.inner.limits().max_actor_accept_staleness
+    }
+
+    #[getter]
+    fn num_inflight(&self) -> u32 {
+        self.inner.counts().inflight
+    }
+
+    #[getter]
+    fn num_buffered(&self) -> u32 {
+        self.inner.counts().buffered
+    }
+
+    fn try_admit(&self, prompt_index: i64) -> PyResult<Option<u64>> {
+        let prompt_index = non_negative("prompt_index", prompt_index)?;
+        Ok(self.inner.try_admit(prompt_index))
+    }
+
+    fn wait_admit(
+        &self,
+        py: Python<'_>,
+        prompt_index: i64,
+        timeout_s: f64,
+    ) -> PyResult<Option<u64>> {
+        let prompt_index = non_negative("prompt_index", prompt_index)?;
+        let timeout = Duration::try_from_secs_f64(timeout_s).map_err(|_| {
+            BufferError::InvalidArgument(format!(
+                "timeout_s must be a finite number of seconds, 0 or more, got {timeout_s}"
+            ))
+        })?;
+        // A timeout too long to represent waits without a deadline (still interruptible).
+        let deadline = Instant::now().checked_add(timeout);
+        loop {
+            let slice = match deadline {
+                Some(deadline) => deadline
+                    .saturating_duration_since(Instant::now())
+                    .min(SIGNAL_CHECK_INTERVAL),
+                None => SIGNAL_CHECK_INTERVAL,
+            };
+            // Without the GIL: other Python threads complete groups and take batches meanwhile.
+            let inner = &self.inner;
+            if let Some(group_id) = py.detach(|| inner.wait_admit(prompt_index, slice)) {
+                return Ok(Some(group_id));
+            }
+            if deadline.is_some_and(|deadline| Instant::now() >= deadline) {
+                return Ok(None);
+            }
+            py.check_signals()?;
+        }
+    }
+
+    fn complete(
+        &self,
+        group_id: i64,
+        earliest_version: i64,
+        latest_version: i64,
+        finish_version: i64,
+    ) -> PyResult<()> {
+        let group_id = non_negative("group_id", group_id)?;
+        let versions = GroupVersions {
+            earliest_version,
+            latest_version,
+            finish_version,
+        };
+        Ok(self.inner.complete(group_id, versions)?)
+    }
+
+    fn abandon(&self, group_id: i64) -> PyResult<u64> {
+        let group_id = non_negative("group_id", group_id)?;
+        Ok(self.inner.abandon(group_id)?)
+    }
+
+    fn take_batch(&self, num_groups: i64, actor_version: i64) -> PyResult<TakenIds> {
+        let num_groups = usize::try_from(num_groups).map_err(|_| {
+            BufferError::InvalidArgument(format!("num_groups must be 1 or more, got {num_groups}"))
+        })?;
+        let batch = self.inner.take_batch(num_groups, actor_version)?;
+        Ok((
+            batch.groups.iter().map(|group| group.group_id).collect(),
+            batch
+                .dropped
+                .iter()
+                .map(|group| (group.group_id, group.prompt_index))
+                .collect(),
+        ))
+    }
+
+    fn end_step(&self) -> StepTotals {
+        self.inner.end_step().into()
+    }
+
+    fn inflight_groups(&self) -> Vec<(u64, u64)> {
+        self.inner.inflight_groups()
+    }
+
+    fn buffered_groups(&self) -> Vec<BufferedRow> {
+        self.inner
+            .buffered_groups()
+            .into_iter()
+            .map(|group| {
+                (
+                    group.group_id,
+                    group.prompt_index,
+                    group.versions.earliest_version,
+                    group.versions.latest_version,
+                    group.versions.finish_version,
+                )
+            })
+            .collect()
+    }
+}
 
 #[pymodule]
-fn _buffer_core(_m: &Bound<'_, PyModule>) -> PyResult<()> {
+fn _buffer_core(module: &Bound<'_, PyModule>) -> PyResult<()> {
+    module.add_class::<PyGroupBuffer>()?;
+    module.add_class::<StepTotals>()?;
     Ok(())
 }

@@ -1,0 +1,438 @@
+//! `GroupBuffer`: admission, the finished-group heap and the staleness ledger behind one API.
+//!
+//! Concurrency: the admission decision is the lock-free CAS of `Admission`; everything else (the
+//! per-group records, the heap, the ledger) sits behind one mutex. Capacity only ever frees while that
+//! mutex is held, and every freeing notifies the condition variable, so a waiter that re-checks the
+//! counters under the mutex before it sleeps cannot miss a wake-up.
+//!
+//! Versions: every version is 0 or more. A group's versions satisfy
+//! `earliest_version <= latest_version <= finish_version` (tokens cannot come from weights newer than
+//! the actor's), and `finish_version` is at least the `actor_version` of the last `take_batch` (the
+//! actor never goes back to a version older than one it already trained on). `take_batch`'s
+//! `actor_version` never decreases and is at least every `finish_version` seen, so the staleness,
+//! version span and queue steps of a handed-out group are never negative. Anything else is a
+//! `BufferError::Version` that changes nothing.
+
+use std::collections::HashMap;
+use std::sync::PoisonError;
+use std::time::{Duration, Instant};
+
+use crate::admission::{Admission, Counts};
+use crate::clock::{Clock, MonotonicClock};
+use crate::error::{BufferError, Result};
+use crate::heap::{FinishedGroup, FinishedHeap, GroupVersions};
+use crate::ledger::{Ledger, StepStats};
+use crate::limits::Limits;
+use crate::state::{self, BufferState};
+use crate::sync::{Condvar, Mutex, MutexGuard};
+
+/// What `take_batch` hands out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TakenBatch {
+    /// The groups for the actor, oldest first.
+    pub groups: Vec<FinishedGroup>,
+    /// The groups dropped by the staleness cap before the batch was taken, oldest first; their
+    /// prompts go back to the dataloader.
+    pub dropped: Vec<FinishedGroup>,
+}
+
+/// The state behind the mutex.
+struct Records {
+    next_group_id: u64,
+    /// prompt index of each group in flight, by group id.
+    inflight: HashMap<u64, u64>,
+    finished: FinishedHeap,
+    ledger: Ledger,
+    last_actor_version: Option<i64>,
+    max_finish_version: Option<i64>,
+}
+
+impl Records {
+    fn not_inflight(&self, group_id: u64) -> BufferError {
+        if group_id >= self.next_group_id {
+            BufferError::UnknownGroup {
+                group_id,
+                next_group_id: self.next_group_id,
+            }
+        } else {
+            BufferError::GroupNotInflight { group_id }
+        }
+    }
+}
+
+/// The buffer between the rollout and the actor (ARCHITECTURE.md section 3). `Sync`: share it by
+/// reference or `Arc` between the admitting, completing and training threads.
+pub struct GroupBuffer<C: Clock = MonotonicClock> {
+    limits: Limits,
+    admission: Admission,
+    records: Mutex<Records>,
+    /// Notified after every change that may let a new prompt in.
+    capacity_changed: Condvar,
+    clock: C,
+}
+
+impl GroupBuffer<MonotonicClock> {
+    /// An empty buffer with the monotonic clock.
+    pub fn new(limits: Limits) -> Self {
+        Self::with_clock(limits, MonotonicClock::new())
+    }
+
+    /// Restore a buffer from `to_bytes` output, with the monotonic clock.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
+        Self::from_state(state::decode(bytes)?, MonotonicClock::new())
+    }
+}
+
+impl<C: Clock> GroupBuffer<C> {
+    /// An empty buffer that reads time from `clock`; its first step starts now.
+    pub fn with_clock(limits: Limits, clock: C) -> Self {
+        let now_ns = clock.now_ns();
+        Self {
+            limits,
+            admission: Admission::new(
+                limits.max_inflight_groups,
+                limits.max_buffered_groups,
+                Counts::default(),
+            ),
+            records: Mutex::new(Records {
+                next_group_id: 0,
+                inflight: HashMap::new(),
+                finished: FinishedHeap::default(),
+                ledger: Ledger::new(now_ns, StepStats::default()),
+                last_actor_version: None,
+                max_finish_version: None,
+            }),
+            capacity_changed: Condvar::new(),
+            clock,
+        }
+    }
+
+    /// A buffer in exactly the state `state` describes; the running step continues from the wall
+    /// time and totals it recorded (time between snapshot and restore is not counted).
+    pub fn from_state(state: BufferState, clock: C) -> Result<Self> {
+        state.validate()?;
+        // validate() bounded both lengths by u32 limits, so the casts are exact.
+        let counts = Counts {
+            inflight: state.inflight.len() as u32,
+            buffered: state.finished.len() as u32,
+        };
+        let mut finished = FinishedHeap::default();
+        for group in state.finished {
+            finished.push(group);
+        }
+        let now_ns = clock.now_ns();
+        Ok(Self {
+            limits: state.limits,
+            admission: Admission::new(
+                state.limits.max_inflight_groups,
+                state.limits.max_buffered_groups,
+                counts,
+            ),
+            records: Mutex::new(Records {
+                next_group_id: state.next_group_id,
+                inflight: state.inflight.into_iter().collect(),
+                finished,
+                ledger: Ledger::new(now_ns, state.step),
+                last_actor_version: state.last_actor_version,
+                max_finish_version: state.max_finish_version,
+            }),
+            capacity_changed: Condvar::new(),
+            clock,
+        })
+    }
+
+    pub fn limits(&self) -> Limits {
+        self.limits
+    }
+
+    /// The admission counters at some instant during the call.
+    pub fn counts(&self) -> Counts {
+        self.admission.counts()
+    }
+
+    /// Admit a prompt if both limits allow it: `Some(group_id)`, or `None` when a limit blocks (the
+    /// refusal starts the wait accounting). Never blocks on a full buffer.
+    pub fn try_admit(&self, prompt_index: u64) -> Option<u64> {
+        // Fast path: the lock-free CAS decides; the lock is taken only to record the new group.
+        if self.admission.try_acquire().is_ok() {
+            let mut records = self.lock();
+            return Some(self.record_admission(&mut records, prompt_index));
+        }
+        let mut records = self.lock();
+        // Capacity may have freed between the failed CAS and the lock; decide again under the lock
+        // so a refusal is only recorded while a limit really blocks.
+        match self.admission.try_acquire() {
+            Ok(_) => Some(self.record_admission(&mut records, prompt_index)),
+            Err(blocked) => {
+                records.ledger.refused(blocked, self.clock.now_ns());
+                None
+            }
+        }
+    }
+
+    /// Admit a prompt, waiting up to `timeout` for capacity: `Some(group_id)`, or `None` on timeout.
+    /// Wakes on every capacity change and re-checks both limits.
+    pub fn wait_admit(&self, prompt_index: u64, timeout: Duration) -> Option<u64> {
+        if self.admission.try_acquire().is_ok() {
+            let mut records = self.lock();
+            return Some(self.record_admission(&mut records, prompt_index));
+        }
+        // A timeout too long to represent waits without a deadline.
+        let deadline = Instant::now().checked_add(timeout);
+        let mut records = self.lock();
+        loop {
+            // Under the lock: every release happens under it too, so between this check and the wait
+            // below (which releases the lock atomically) no capacity can free unnoticed.
+            match self.admission.try_acquire() {
+                Ok(_) => return Some(self.record_admission(&mut records, prompt_index)),
+                Err(blocked) => records.ledger.refused(blocked, self.clock.now_ns()),
+            }
+            records = match deadline {
+                None => self
+                    .capacity_changed
+                    .wait(records)
+                    .unwrap_or_else(PoisonError::into_inner),
+                Some(deadline) => {
+                    let remaining = deadline.saturating_duration_since(Instant::now());
+                    if remaining.is_zero() {
+                        return None;
+                    }
+                    self.capacity_changed
+                        .wait_timeout(records, remaining)
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .0
+                }
+            };
+        }
+    }
+
+    /// Move an in-flight group to the finished heap with the weight versions that generated it.
+    pub fn complete(&self, group_id: u64, versions: GroupVersions) -> Result<()> {
+        check_group_versions(group_id, versions)?;
+        let mut records = self.lock();
+        let Some(&prompt_index) = records.inflight.get(&group_id) else {
+            return Err(records.not_inflight(group_id));
+        };
+        if let Some(last_actor_version) = records.last_actor_version {
+            if versions.finish_version < last_actor_version {
+                return Err(BufferError::Version(format!(
+                    "group {group_id}: finish_version {} is older than actor version {last_actor_version}, \
+                     which a batch was already handed out at",
+                    versions.finish_version
+                )));
+            }
+        }
+        records.inflight.remove(&group_id);
+        // The record was present, so this group's admission CAS happened and it is counted in flight.
+        self.admission.finish_one();
+        records.finished.push(FinishedGroup {
+            group_id,
+            prompt_index,
+            versions,
+        });
+        records.max_finish_version = Some(
+            records
+                .max_finish_version
+                .map_or(versions.finish_version, |max| {
+                    max.max(versions.finish_version)
+                }),
+        );
+        self.release_done(records);
+        Ok(())
+    }
+
+    /// Give up on an in-flight group (its generation failed); frees its slot and returns its prompt
+    /// index so the dataloader can issue it again.
+    pub fn abandon(&self, group_id: u64) -> Result<u64> {
+        let mut records = self.lock();
+        let Some(prompt_index) = records.inflight.remove(&group_id) else {
+            return Err(records.not_inflight(group_id));
+        };
+        self.admission.release_inflight();
+        self.release_done(records);
+        Ok(prompt_index)
+    }
+
+    /// Hand the `num_groups` oldest finished groups to the actor, which trains at `actor_version`.
+    ///
+    /// First, when `max_actor_accept_staleness` is set, every buffered group with
+    /// `actor_version - earliest_version > max_actor_accept_staleness` is dropped (they are the
+    /// oldest, so they leave from the top of the heap). Errors, each changing nothing (no drop, no
+    /// hand-out): `num_groups == 0`, versions going backwards, more drops this step than
+    /// `max_dropped_groups_per_step`, or fewer than `num_groups` groups left after the drops.
+    pub fn take_batch(&self, num_groups: usize, actor_version: i64) -> Result<TakenBatch> {
+        if num_groups == 0 {
+            return Err(BufferError::InvalidArgument(
+                "take_batch needs at least one group, got 0".into(),
+            ));
+        }
+        let mut records = self.lock();
+        check_actor_version(&records, actor_version)?;
+        let mut dropped = Vec::new();
+        if let Some(cap) = self.limits.max_actor_accept_staleness {
+            // actor_version >= every finish_version >= every earliest_version >= 0 (checked above and
+            // on completion), so the difference is non-negative and fits u64.
+            while let Some(oldest) = records.finished.peek() {
+                if (actor_version - oldest.versions.earliest_version) as u64 <= cap {
+                    break;
+                }
+                dropped.extend(records.finished.pop());
+            }
+        }
+        let dropped_this_step = records.ledger.step().dropped_groups;
+        let would_drop = dropped.len() as u64;
+        let over_drop_limit =
+            dropped_this_step + would_drop > self.limits.max_dropped_groups_per_step;
+        let available = records.finished.len();
+        if over_drop_limit || available < num_groups {
+            // Put the stale groups back: the heap order is total, so the heap is as it was.
+            for group in &dropped {
+                records.finished.push(*group);
+            }
+            return Err(if over_drop_limit {
+                BufferError::DropLimitExceeded {
+                    dropped_this_step,
+                    would_drop,
+                    max_dropped_groups_per_step: self.limits.max_dropped_groups_per_step,
+                }
+            } else {
+                BufferError::BatchTooLarge {
+                    requested: num_groups,
+                    available,
+                    stale: dropped.len(),
+                }
+            });
+        }
+        let mut groups = Vec::with_capacity(num_groups);
+        for _ in 0..num_groups {
+            groups.extend(records.finished.pop());
+        }
+        let step = records.ledger.step_mut();
+        step.dropped_groups += would_drop;
+        for group in &groups {
+            step.record_trained(group, actor_version);
+        }
+        records.last_actor_version = Some(actor_version);
+        // Both came off the heap, whose length equals the buffered count under the lock, and the
+        // buffered count is at most max_buffered_groups <= u32::MAX.
+        self.admission
+            .release_buffered((groups.len() + dropped.len()) as u32);
+        self.release_done(records);
+        Ok(TakenBatch { groups, dropped })
+    }
+
+    /// Close the running step: its totals (staleness, drops, admission waits, wall time) are returned
+    /// and the next step starts now with zero totals.
+    pub fn end_step(&self) -> StepStats {
+        let now_ns = self.clock.now_ns();
+        self.lock().ledger.end_step(now_ns)
+    }
+
+    /// The whole state, consistent at one instant (groups admitted concurrently appear once their
+    /// admission has been recorded).
+    pub fn state(&self) -> BufferState {
+        let records = self.lock();
+        let mut inflight: Vec<(u64, u64)> = records
+            .inflight
+            .iter()
+            .map(|(&group_id, &prompt_index)| (group_id, prompt_index))
+            .collect();
+        inflight.sort_unstable();
+        BufferState {
+            limits: self.limits,
+            next_group_id: records.next_group_id,
+            last_actor_version: records.last_actor_version,
+            max_finish_version: records.max_finish_version,
+            inflight,
+            finished: records.finished.sorted(),
+            step: records.ledger.totals_at(self.clock.now_ns()),
+        }
+    }
+
+    /// The state as checkpoint bytes (`from_bytes` restores it).
+    pub fn to_bytes(&self) -> Vec<u8> {
+        state::encode(&self.state())
+    }
+
+    /// `(group_id, prompt_index)` of every group in flight, by group id.
+    pub fn inflight_groups(&self) -> Vec<(u64, u64)> {
+        self.state().inflight
+    }
+
+    /// The finished groups waiting for the actor, oldest first.
+    pub fn buffered_groups(&self) -> Vec<FinishedGroup> {
+        self.lock().finished.sorted()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Records> {
+        // No code panics while holding this lock (no unwrap, no indexing, no arithmetic that can
+        // overflow), so a poisoned lock still guards consistent records and is safe to recover.
+        self.records.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn record_admission(&self, records: &mut Records, prompt_index: u64) -> u64 {
+        let group_id = records.next_group_id;
+        records.next_group_id += 1;
+        records.inflight.insert(group_id, prompt_index);
+        records.ledger.admitted(self.clock.now_ns());
+        group_id
+    }
+
+    /// After a release under the lock: update the wait accounting, unlock, wake the waiters.
+    fn release_done(&self, mut records: MutexGuard<'_, Records>) {
+        let blocked = self.admission.blocked_by(self.admission.counts());
+        records
+            .ledger
+            .capacity_changed(blocked, self.clock.now_ns());
+        drop(records);
+        // After unlocking, so woken waiters do not queue on the lock we hold. No wake-up is lost: a
+        // waiter checks the counters under the lock before it sleeps, and this release happened
+        // under the lock.
+        self.capacity_changed.notify_all();
+    }
+}
+
+fn check_group_versions(group_id: u64, versions: GroupVersions) -> Result<()> {
+    let GroupVersions {
+        earliest_version,
+        latest_version,
+        finish_version,
+    } = versions;
+    let problem = if earliest_version < 0 {
+        format!(
+            "earliest_version {earliest_version} is negative: versions start at 0, and tokens that no \
+             model sampled (NO_VERSION) must not be counted"
+        )
+    } else if latest_version < earliest_version {
+        format!("latest_version {latest_version} is older than earliest_version {earliest_version}")
+    } else if finish_version < latest_version {
+        format!(
+            "finish_version {finish_version} is older than latest_version {latest_version}: no token \
+             can come from weights newer than the actor's"
+        )
+    } else {
+        return Ok(());
+    };
+    Err(BufferError::Version(format!("group {group_id}: {problem}")))
+}
+
+fn check_actor_version(records: &Records, actor_version: i64) -> Result<()> {
+    let problem = if actor_version < 0 {
+        format!("actor_version {actor_version} is negative")
+    } else if let Some(last) = records
+        .last_actor_version
+        .filter(|&last| actor_version < last)
+    {
+        format!(
+            "actor_version {actor_version} is older than {last}, the version of the previous batch"
+        )
+    } else if let Some(max) = records
+        .max_finish_version
+        .filter(|&max| actor_version < max)
+    {
+        format!("actor_version {actor_version} is older than {max}, a group's finish_version")
+    } else {
+        return Ok(());
+    };
+    Err(BufferError::Version(problem))
+}
