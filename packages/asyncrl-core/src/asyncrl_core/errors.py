@@ -55,6 +55,11 @@ class EngineUnavailableError(AsyncRLError):
     """The rollout engine could not be reached within the retries and timeouts allowed."""
 
 
+class EngineControlError(AsyncRLError):
+    """A rollout engine refused or failed a control call (pause, flush, weight update, launch); the message
+    names the engine and the engine's reason."""
+
+
 class GroupBufferError(AsyncRLError):
     """The group buffer refused an operation; the buffer is exactly as it was before the call."""
 
