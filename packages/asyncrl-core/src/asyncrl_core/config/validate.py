@@ -77,18 +77,22 @@ def derive(config: AsyncRLConfig, warnings: list[ConfigProblem]) -> dict[str, ob
     if device_type == "auto":
         device_type = "gpu" if visible_gpu_count() > 0 else "cpu"
         derived["cluster.device_type"] = device_type
-    if cluster.num_devices is None:
-        present = detect_devices(device_type)
-        if present > 0:
-            derived["cluster.num_devices"] = present
-        else:
-            warnings.append(
-                ConfigProblem(
-                    "cluster.num_devices",
-                    "no GPU is visible on this machine, so the placement is not checked against the devices "
-                    "present; set `cluster.num_devices` to check it here. Launching here will fail.",
-                )
+    present = detect_devices(device_type)
+    if cluster.num_devices is None and present > 0:
+        derived["cluster.num_devices"] = present
+    elif present == 0:
+        unchecked = (
+            "the placement is not checked against a device count; set `cluster.num_devices` to check it. "
+            if cluster.num_devices is None
+            else ""
+        )
+        warnings.append(
+            ConfigProblem(
+                "cluster.device_type",
+                f"`gpu` is asked for but no GPU is visible on this machine: {unchecked}A launch here will "
+                "fail (fine when preparing a configuration for another machine).",
             )
+        )
     if config.runner.run_dir is None:
         derived["runner.run_dir"] = f"runs/{config.runner.name}"
     if data.seed is None:
@@ -505,3 +509,36 @@ def _names_at(parents: list[str], actor_tag: str) -> list[str]:
             return []
         section = info.annotation
     return field_names([section])
+
+
+def check_launch_devices(config: AsyncRLConfig) -> list[ConfigProblem]:
+    """Problems that only a launch on this machine has: placement ids beyond the devices present here.
+
+    A dry run skips this, so a cluster's configuration can be prepared on a laptop. With `RAY_ADDRESS` set
+    the run joins a Ray cluster whose devices are not all on this machine, and this check is left to the
+    runner, which sees the cluster's resources.
+    """
+    import os
+
+    cluster = config.cluster
+    if os.environ.get("RAY_ADDRESS") or placement(cluster) is None:
+        return []
+    used = [device_id for ids in (placement(cluster) or {}).values() for device_id in ids]
+    if not used:
+        return []
+    device_type = "gpu" if cluster.device_type == "gpu" else "cpu"
+    present = detect_devices(device_type)
+    needed = max(used) + 1
+    if present >= needed:
+        return []
+    what = "GPUs are visible" if device_type == "gpu" else "CPU cores are present"
+    return [
+        ConfigProblem(
+            "cluster.component_placement",
+            f"the placement uses {device_type} ids up to {needed - 1}, but only {present} {what} on this "
+            f"machine; place the components on ids below {present}, or join a Ray cluster (RAY_ADDRESS)"
+            if present
+            else f"the placement asks for {device_type} devices, but no {what.split(' ')[0]} "
+            "is visible on this machine; write `cluster.device_type: cpu` to run on CPU cores",
+        )
+    ]

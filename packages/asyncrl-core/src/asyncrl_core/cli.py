@@ -1,0 +1,230 @@
+"""`asyncrl-run`: validate a configuration, then start the run, or only show what would run.
+
+Nothing heavy is imported before the configuration is validated: `--help`, `--schema`, `--list-tasks`
+(apart from the tasks themselves) and an invalid configuration never load torch, Ray, Megatron or SGLang.
+
+Exit status: 0 done, 2 invalid configuration or arguments (nothing was started), 3 this installation has
+no runner, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from asyncrl_core.config import AsyncRLConfig
+    from asyncrl_core.errors import ConfigProblem
+
+EXIT_OK = 0
+EXIT_INVALID = 2
+EXIT_NO_RUNNER = 3
+EXIT_INTERRUPTED = 130
+
+_PROGRAM = "asyncrl-run"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=_PROGRAM,
+        description=(
+            "Train a language-model agent with asynchronous reinforcement learning. CONFIG is a YAML file "
+            "(default: the embedded `searchr1-mini`, sized for a laptop CPU); each key=value overrides one "
+            "dotted key, its value read as YAML."
+        ),
+        epilog=(
+            "examples:\n"
+            "  asyncrl-run --dry-run\n"
+            "  asyncrl-run examples/searchr1-gpu.yaml rollout.pause_mode=drain runner.num_steps=50\n"
+            "  asyncrl-run examples/searchr1-mini.yaml 'cluster.component_placement={actor: 0, rollout: 1}'\n"
+            "\n"
+            "exit status: 0 done, 2 invalid configuration (nothing started), 3 no runner installed"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "arguments",
+        nargs="*",
+        metavar="CONFIG [key=value ...]",
+        help="configuration file, then overrides such as rollout.pause_mode=drain",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the resolved configuration (derived values marked) and the warnings; start nothing",
+    )
+    parser.add_argument(
+        "--list-tasks", action="store_true", help="list the tasks of the entry-point group asyncrl.tasks"
+    )
+    parser.add_argument(
+        "--schema", action="store_true", help="print the JSON Schema of the configuration (for editors)"
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run `asyncrl-run` with `argv` (default: the process arguments); returns the exit status."""
+    args = _parser().parse_intermixed_args(argv)
+    try:
+        if args.schema:
+            return _print_schema()
+        if args.list_tasks:
+            return _list_tasks()
+    except BrokenPipeError:
+        sys.stderr.close()
+        return EXIT_OK
+    config_path, overrides = _split_arguments(args.arguments)
+    try:
+        return _run(config_path, overrides, dry_run=args.dry_run)
+    except KeyboardInterrupt:
+        print(f"{_PROGRAM}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # the reader of our output went away (`asyncrl-run --dry-run | head`)
+        sys.stderr.close()
+        return EXIT_OK
+
+
+def _split_arguments(arguments: list[str]) -> tuple[str | None, list[str]]:
+    """CONFIG is the first argument unless it is an override (`key=value` that is not a file)."""
+    if arguments and ("=" not in arguments[0] or os.path.isfile(arguments[0])):
+        return arguments[0], arguments[1:]
+    return None, arguments
+
+
+def _print_schema() -> int:
+    import json
+
+    from asyncrl_core.config import AsyncRLConfig
+
+    schema = {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        **AsyncRLConfig.model_json_schema(),
+    }
+    print(json.dumps(schema, indent=2))
+    return EXIT_OK
+
+
+def _list_tasks() -> int:
+    from asyncrl_core import plugins
+
+    infos = plugins.available("asyncrl.tasks")
+    if not infos:
+        print("no tasks are installed; a task declares an entry point in the group `asyncrl.tasks`")
+        return EXIT_OK
+    width = max(len(info.name) for info in infos)
+    for info in infos:
+        status = "ok" if info.error is None else "broken"
+        print(f"{info.name:<{width}}  {status:<6}  {info.target}  ({info.source})")
+    for info in infos:
+        if info.error is not None:
+            print(f"{_PROGRAM}: warning: task {info.name!r} cannot be loaded: {info.error}", file=sys.stderr)
+    return EXIT_OK
+
+
+def _report_invalid(problems: Sequence[ConfigProblem]) -> int:
+    count = "1 problem" if len(problems) == 1 else f"{len(problems)} problems"
+    lines = "\n".join(f"  {problem}" for problem in problems)
+    print(
+        f"{_PROGRAM}: the configuration is invalid ({count}); nothing was started:\n{lines}", file=sys.stderr
+    )
+    return EXIT_INVALID
+
+
+def _run(config_path: str | None, overrides: list[str], *, dry_run: bool) -> int:
+    from asyncrl_core import plugins
+    from asyncrl_core.config import load_config, render_yaml
+    from asyncrl_core.errors import ConfigError, ConfigProblem, PluginError
+
+    try:
+        config = load_config(config_path, overrides)
+    except ConfigError as error:
+        return _report_invalid(error.problems)
+    task_name = config.agentloop.task_name
+    assert task_name is not None  # validation requires a task
+    try:
+        plugins.load("asyncrl.tasks", task_name)
+    except PluginError as error:
+        return _report_invalid([ConfigProblem("agentloop.task_name", str(error))])
+    for warning in config.warnings:
+        print(f"{_PROGRAM}: warning: {warning}", file=sys.stderr)
+    if dry_run:
+        print("# resolved configuration; `# derived` marks values computed from other keys")
+        print(render_yaml(config), end="")
+        return EXIT_OK
+    return _launch(config)
+
+
+def _launch(config: AsyncRLConfig) -> int:
+    import importlib.util
+
+    from asyncrl_core.config.validate import check_launch_devices
+
+    problems = check_launch_devices(config)
+    if problems:
+        return _report_invalid(problems)
+    if importlib.util.find_spec("asyncrl_core.runner") is None:
+        print(
+            f"{_PROGRAM}: this installation of asyncrl-core has no runner (`asyncrl_core.runner`), so the "
+            "configuration is valid but cannot be run; `--dry-run` shows what would run",
+            file=sys.stderr,
+        )
+        return EXIT_NO_RUNNER
+    try:
+        run_dir = prepare_run_dir(config)
+    except FileExistsError as error:
+        return _report_invalid([_run_dir_problem(str(error))])
+    print(f"{_PROGRAM}: run folder {run_dir}", file=sys.stderr)
+    from asyncrl_core.runner import run  # pyright: ignore[reportMissingImports, reportUnknownVariableType]
+
+    run(config)
+    return EXIT_OK
+
+
+def _run_dir_problem(message: str) -> ConfigProblem:
+    from asyncrl_core.errors import ConfigProblem
+
+    return ConfigProblem("runner.run_dir", message)
+
+
+def prepare_run_dir(config: AsyncRLConfig) -> Path:
+    """Create the run folder and write `config.yaml` (resolved, derived values marked) and `warnings.log`.
+
+    A folder that already holds a run is used again only to resume (`checkpoint.resume_from` set); its
+    earlier `config.yaml` is then kept as `config.<n>.yaml`. Otherwise raises `FileExistsError`, so an
+    earlier run is never overwritten.
+    """
+    from pathlib import Path
+
+    from asyncrl_core.config import render_yaml
+
+    assert config.runner.run_dir is not None  # derived when unset
+    run_dir = Path(config.runner.run_dir)
+    config_file = run_dir / "config.yaml"
+    if config_file.exists():
+        if config.checkpoint.resume_from is None:
+            raise FileExistsError(
+                f"{run_dir} already holds a run; choose another `runner.run_dir` or `runner.name`, or set "
+                "`checkpoint.resume_from: latest` to continue it"
+            )
+        number = 1
+        while (run_dir / f"config.{number}.yaml").exists():
+            number += 1
+        config_file.rename(run_dir / f"config.{number}.yaml")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_file.write_text(
+        "# resolved configuration; `# derived` marks values computed from other keys\n" + render_yaml(config),
+        encoding="utf-8",
+    )
+    with open(run_dir / "warnings.log", "a", encoding="utf-8") as log:
+        for warning in config.warnings:
+            log.write(f"config: {warning}\n")
+    return run_dir
+
+
+if __name__ == "__main__":
+    sys.exit(main())
