@@ -1,0 +1,436 @@
+"""A compact Llama / Qwen2 decoder that loads HuggingFace safetensors by their HuggingFace names.
+
+The engine keeps the projections fused (`q|k|v` in one matrix, `gate|up` in another) because one matmul beats
+three on every device; each HuggingFace name is a *view* into a fused tensor, so `load_named_tensors` copies a
+tensor sent under its HuggingFace name straight into place. Tied embeddings share one tensor, so
+`lm_head.weight` is accepted for a tied model and lands in the embedding.
+
+Three entry points:
+- `forward_logits(input_ids)`: a plain full-sequence forward without a cache (reference and tests).
+- `prefill(input_ids, cache, slot)`: runs a prompt into a KV-cache slot, returns the last hidden states.
+- `decode(input_ids, positions, cache)`: one token for each of the first `B` slots, batched.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from asyncrl_core.errors import AsyncRLError
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+
+
+class ModelLoadError(AsyncRLError):
+    """A checkpoint or a weight update does not fit the model. `problems` lists every offending name."""
+
+    def __init__(self, message: str, problems: Sequence[str] = ()) -> None:
+        self.problems: tuple[str, ...] = tuple(problems)
+        text = message if not problems else f"{message}: " + "; ".join(problems)
+        super().__init__(text)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """The architecture, read from a HuggingFace `config.json` (Llama or Qwen2)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, float | str] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    """q/k/v projections carry a bias (always for Qwen2; `attention_bias` for Llama)."""
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, object]) -> ModelConfig:
+        model_type = str(raw.get("model_type", ""))
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ModelLoadError(
+                f"model_type {model_type!r} is not supported; the built-in engine runs "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        hidden_size = _int(raw, "hidden_size")
+        num_heads = _int(raw, "num_attention_heads")
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        if not isinstance(rope, dict):
+            raise ModelLoadError(f"rope parameters must be a mapping, got {rope!r}")
+        rope_dict: dict[str, float | str] = {
+            str(k): v for k, v in rope.items() if isinstance(v, float | int | str)
+        }
+        theta = rope_dict.pop("rope_theta", _float(raw, "rope_theta", 10000.0))
+        rope_type = str(rope_dict.get("rope_type", rope_dict.get("type", "default")))
+        scaling = None if rope_type == "default" else {**rope_dict, "rope_type": rope_type}
+        eos = raw.get("eos_token_id")
+        eos_list: list[object] = list(eos) if isinstance(eos, list) else [eos]  # pyright: ignore[reportUnknownArgumentType]
+        eos_ids = tuple(e for e in eos_list if isinstance(e, int))
+        head_dim = raw.get("head_dim")
+        return cls(
+            model_type=model_type,
+            vocab_size=_int(raw, "vocab_size"),
+            hidden_size=hidden_size,
+            intermediate_size=_int(raw, "intermediate_size"),
+            num_layers=_int(raw, "num_hidden_layers"),
+            num_heads=num_heads,
+            num_kv_heads=_int(raw, "num_key_value_heads", num_heads),
+            head_dim=int(head_dim) if isinstance(head_dim, int) else hidden_size // num_heads,
+            rms_norm_eps=_float(raw, "rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=_int(raw, "max_position_embeddings", 4096),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
+            eos_token_ids=eos_ids,
+        )
+
+
+def _float(raw: dict[str, object], key: str, default: float) -> float:
+    value = raw.get(key, default)
+    if not isinstance(value, float | int):
+        raise ModelLoadError(f"config.json: `{key}` must be a number, got {value!r}")
+    return float(value)
+
+
+def _int(raw: dict[str, object], key: str, default: int | None = None) -> int:
+    value = raw.get(key, default)
+    if value is None:
+        value = default
+    if not isinstance(value, int):
+        raise ModelLoadError(f"config.json: `{key}` must be an int, got {value!r}")
+    return value
+
+
+def _inverse_frequencies(config: ModelConfig) -> Tensor:
+    """RoPE inverse frequencies [head_dim / 2], with the `linear` and `llama3` scalings applied."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    rope_type = scaling["rope_type"]
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        original = float(scaling.get("original_max_position_embeddings", 8192))
+        wavelength = 2 * math.pi / inv_freq
+        low_wavelength, high_wavelength = original / low, original / high
+        smooth = (original / wavelength - low) / (high - low)
+        smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        scaled = torch.where(wavelength > low_wavelength, inv_freq / factor, inv_freq)
+        medium = (wavelength >= high_wavelength) & (wavelength <= low_wavelength)
+        return torch.where(medium, smoothed, scaled)
+    raise ModelLoadError(f"rope scaling {rope_type!r} is not supported (default, linear and llama3 are)")
+
+
+class KVCache:
+    """Per-slot static KV buffers: `keys[l]`, `values[l]` of shape [num_slots, kv_heads, capacity, head_dim].
+
+    Slot `s` holds one request's KV at positions `0..length-1`. The engine keeps the running requests in slots
+    `0..B-1` (it moves the last slot into a freed one), so a decode step reads one contiguous view.
+    """
+
+    def __init__(
+        self, config: ModelConfig, num_slots: int, capacity: int, device: torch.device, dtype: torch.dtype
+    ) -> None:
+        self.num_slots = num_slots
+        self.capacity = capacity
+        shape = (num_slots, config.num_kv_heads, capacity, config.head_dim)
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
+
+    def move_slot(self, source: int, target: int, length: int) -> None:
+        """Copy the first `length` positions of slot `source` into slot `target`."""
+        for layer_keys, layer_values in zip(self.keys, self.values, strict=True):
+            layer_keys[target, :, :length].copy_(layer_keys[source, :, :length])
+            layer_values[target, :, :length].copy_(layer_values[source, :, :length])
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+
+class EngineModel:
+    """The decoder. Parameters are plain tensors (no autograd) in fused layouts with HuggingFace-named views.
+
+    Not thread-safe: the engine calls it from its one scheduler thread.
+    """
+
+    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        c = config
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+
+        def empty(*shape: int) -> Tensor:
+            return torch.zeros(shape, device=device, dtype=dtype)
+
+        self.embed = empty(c.vocab_size, c.hidden_size)
+        self.lm_head = self.embed if c.tie_word_embeddings else empty(c.vocab_size, c.hidden_size)
+        self.final_norm = empty(c.hidden_size)
+        self.qkv: list[Tensor] = []
+        self.qkv_bias: list[Tensor | None] = []
+        self.o_proj: list[Tensor] = []
+        self.gate_up: list[Tensor] = []
+        self.down: list[Tensor] = []
+        self.attn_norm: list[Tensor] = []
+        self.mlp_norm: list[Tensor] = []
+        # HuggingFace name -> the view it is loaded into.
+        self.named: dict[str, Tensor] = {
+            "model.embed_tokens.weight": self.embed,
+            "model.norm.weight": self.final_norm,
+        }
+        self.named["lm_head.weight"] = self.lm_head
+        for i in range(c.num_layers):
+            qkv = empty(q_size + 2 * kv_size, c.hidden_size)
+            bias = empty(q_size + 2 * kv_size) if c.attention_bias else None
+            gate_up = empty(2 * c.intermediate_size, c.hidden_size)
+            layer = (
+                qkv,
+                empty(c.hidden_size, q_size),
+                gate_up,
+                empty(c.hidden_size, c.intermediate_size),
+                empty(c.hidden_size),
+                empty(c.hidden_size),
+            )
+            self.qkv.append(layer[0])
+            self.qkv_bias.append(bias)
+            self.o_proj.append(layer[1])
+            self.gate_up.append(layer[2])
+            self.down.append(layer[3])
+            self.attn_norm.append(layer[4])
+            self.mlp_norm.append(layer[5])
+            prefix = f"model.layers.{i}."
+            splits = {
+                "q": (0, q_size),
+                "k": (q_size, q_size + kv_size),
+                "v": (q_size + kv_size, q_size + 2 * kv_size),
+            }
+            for letter, (start, end) in splits.items():
+                self.named[f"{prefix}self_attn.{letter}_proj.weight"] = qkv[start:end]
+                if bias is not None:
+                    self.named[f"{prefix}self_attn.{letter}_proj.bias"] = bias[start:end]
+            self.named[f"{prefix}self_attn.o_proj.weight"] = layer[1]
+            self.named[f"{prefix}mlp.gate_proj.weight"] = gate_up[: c.intermediate_size]
+            self.named[f"{prefix}mlp.up_proj.weight"] = gate_up[c.intermediate_size :]
+            self.named[f"{prefix}mlp.down_proj.weight"] = layer[3]
+            self.named[f"{prefix}input_layernorm.weight"] = layer[4]
+            self.named[f"{prefix}post_attention_layernorm.weight"] = layer[5]
+        inv_freq = _inverse_frequencies(c)
+        self._inv_freq = inv_freq
+        self._rope_cos = torch.empty(0, device=device)
+        self._rope_sin = torch.empty(0, device=device)
+        self._ensure_rope(c.max_position_embeddings)
+
+    # ---------------------------------------------------------------------------------------------- loading
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    ) -> EngineModel:
+        """Build from a HuggingFace folder (`config.json` + `*.safetensors`); all parameters must be there."""
+        folder = Path(path)
+        config = ModelConfig.from_dict(json.loads((folder / "config.json").read_text()))
+        model = cls(config, torch.device(device), dtype)
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise ModelLoadError(f"no *.safetensors file in {folder}")
+        from safetensors.torch import load_file
+
+        loaded: set[str] = set()
+        for file in files:
+            tensors = list(load_file(str(file)).items())
+            model.load_named_tensors(tensors)
+            loaded.update(name for name, _ in tensors)
+        missing = sorted(model.required_names() - loaded)
+        if missing:
+            raise ModelLoadError(f"checkpoint {folder} lacks {len(missing)} parameters", missing[:20])
+        return model
+
+    @classmethod
+    def random(
+        cls,
+        config: ModelConfig,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        seed: int = 0,
+    ) -> EngineModel:
+        """A model with random weights (normal, std 0.02; norms at 1), for benchmarks."""
+        model = cls(config, torch.device(device), dtype)
+        generator = torch.Generator().manual_seed(seed)
+        for name in sorted(model.required_names()):
+            view = model.named[name]
+            if name.endswith("norm.weight"):
+                view.fill_(1.0)
+            elif name.endswith(".bias"):
+                view.zero_()
+            else:
+                view.copy_(torch.randn(view.shape, generator=generator) * 0.02)
+        return model
+
+    def required_names(self) -> set[str]:
+        """The names a full checkpoint must carry (`lm_head.weight` only when not tied)."""
+        names = set(self.named)
+        if self.config.tie_word_embeddings:
+            names.discard("lm_head.weight")
+        return names
+
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: tuple(view.shape) for name, view in self.named.items()}
+
+    def validate_named_tensors(self, tensors: Iterable[tuple[str, Tensor]]) -> None:
+        """Raise `ModelLoadError` listing every unknown name, shape mismatch and non-floating tensor."""
+        problems: list[str] = []
+        for name, tensor in tensors:
+            view = self.named.get(name)
+            if view is None:
+                problems.append(f"unknown parameter {name!r}")
+            elif tuple(tensor.shape) != tuple(view.shape):
+                problems.append(f"{name}: shape {list(tensor.shape)} but the model has {list(view.shape)}")
+            elif not tensor.is_floating_point():
+                problems.append(f"{name}: dtype {tensor.dtype} is not a floating-point type")
+        if problems:
+            raise ModelLoadError(f"{len(problems)} tensors do not fit the model", problems)
+
+    @torch.inference_mode()
+    def load_named_tensors(self, tensors: Sequence[tuple[str, Tensor]]) -> None:
+        """Copy tensors (any subset, HuggingFace names) into the model; on any error nothing changes."""
+        self.validate_named_tensors(tensors)
+        for name, tensor in tensors:
+            self.named[name].copy_(tensor)
+
+    def move_weights(self, device: torch.device) -> None:
+        """Move every parameter (and the rope tables) to `device`; the named views are rebuilt to match."""
+        if device == self.device:
+            return
+        moved = EngineModel(self.config, device, self.dtype)
+        moved.load_named_tensors([(name, self.named[name]) for name in sorted(self.required_names())])
+        self.__dict__.update(moved.__dict__)
+
+    # ---------------------------------------------------------------------------------------------- forward
+    def _ensure_rope(self, length: int) -> None:
+        if self._rope_cos.shape[0] >= length:
+            return
+        positions = torch.arange(length, dtype=torch.float64)
+        angles = torch.outer(positions, self._inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)
+        self._rope_cos = angles.cos().to(self.device, torch.float32)
+        self._rope_sin = angles.sin().to(self.device, torch.float32)
+
+    def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """RoPE with the half-split (HuggingFace) layout; x [..., T, head_dim], cos/sin broadcastable."""
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+    def _rms_norm(self, x: Tensor, weight: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        return weight * xf.to(x.dtype)
+
+    def _project_qkv(self, layer: int, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        c = self.config
+        qkv = F.linear(h, self.qkv[layer], self.qkv_bias[layer])
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        return qkv[..., :q_size], qkv[..., q_size : q_size + kv_size], qkv[..., q_size + kv_size :]
+
+    def _mlp(self, layer: int, x: Tensor) -> Tensor:
+        h = self._rms_norm(x, self.mlp_norm[layer])
+        gate, up = F.linear(h, self.gate_up[layer]).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down[layer])
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Final norm and LM head: hidden [..., hidden_size] -> float32 logits [..., vocab]."""
+        return F.linear(self._rms_norm(hidden, self.final_norm), self.lm_head).float()
+
+    @torch.inference_mode()
+    def forward_logits(self, input_ids: Tensor) -> Tensor:
+        """Full causal forward without a cache: input_ids LongTensor[T] -> float32 logits [T, vocab]."""
+        hidden = self._forward_sequence(input_ids.to(self.device), cache=None, slot=0)
+        return self.logits(hidden)
+
+    @torch.inference_mode()
+    def prefill(self, input_ids: Tensor, cache: KVCache, slot: int) -> Tensor:
+        """Run input_ids [T] from position 0, write their KV into `slot`; return hidden states [T, hidden]."""
+        return self._forward_sequence(input_ids.to(self.device), cache=cache, slot=slot)
+
+    def _forward_sequence(self, input_ids: Tensor, cache: KVCache | None, slot: int) -> Tensor:
+        c = self.config
+        length = input_ids.shape[0]
+        self._ensure_rope(length)
+        cos, sin = self._rope_cos[:length], self._rope_sin[:length]
+        x = self.embed[input_ids]
+        for layer in range(c.num_layers):
+            h = self._rms_norm(x, self.attn_norm[layer])
+            q, k, v = self._project_qkv(layer, h)
+            # [T, heads * D] -> [1, heads, T, D]
+            q = self._rotate(q.view(length, c.num_heads, c.head_dim).transpose(0, 1), cos, sin).unsqueeze(0)
+            k = self._rotate(k.view(length, c.num_kv_heads, c.head_dim).transpose(0, 1), cos, sin).unsqueeze(
+                0
+            )
+            v = v.view(length, c.num_kv_heads, c.head_dim).transpose(0, 1).unsqueeze(0)
+            if cache is not None:
+                cache.keys[layer][slot, :, :length] = k[0]
+                cache.values[layer][slot, :, :length] = v[0]
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            x = x + F.linear(attn[0].transpose(0, 1).reshape(length, -1), self.o_proj[layer])
+            x = self._mlp(layer, x)
+        return x
+
+    @torch.inference_mode()
+    def decode(self, input_ids: Tensor, positions: Tensor, cache: KVCache, attend_length: int) -> Tensor:
+        """One decode step for slots 0..B-1: input_ids [B] at positions [B] -> hidden states [B, hidden].
+
+        Writes the new K/V at `positions` and attends over the first `attend_length` positions of each slot
+        (at least max(positions) + 1), masking positions beyond each row's own. Shapes depend only on B and
+        `attend_length`, so a captured CUDA graph replays this unchanged.
+        """
+        c = self.config
+        batch = input_ids.shape[0]
+        group = c.num_heads // c.num_kv_heads
+        cos = self._rope_cos[positions].unsqueeze(1)  # [B, 1, D]
+        sin = self._rope_sin[positions].unsqueeze(1)
+        rows = torch.arange(batch, device=input_ids.device)
+        # [B, 1, 1, L]: a row may attend to positions <= its own.
+        mask = (torch.arange(attend_length, device=input_ids.device) <= positions.unsqueeze(1)).view(
+            batch, 1, 1, attend_length
+        )
+        x = self.embed[input_ids]
+        for layer in range(c.num_layers):
+            h = self._rms_norm(x, self.attn_norm[layer])
+            q, k, v = self._project_qkv(layer, h)
+            q = self._rotate(q.view(batch, c.num_heads, c.head_dim), cos, sin)
+            k = self._rotate(k.view(batch, c.num_kv_heads, c.head_dim), cos, sin)
+            v = v.view(batch, c.num_kv_heads, c.head_dim)
+            layer_keys, layer_values = cache.keys[layer], cache.values[layer]
+            layer_keys[rows, :, positions] = k
+            layer_values[rows, :, positions] = v
+            # Grouped-query attention without repeating K/V: the `group` query heads that share a KV head
+            # become the query-length axis of one attention over that head.
+            q = q.view(batch, c.num_kv_heads, group, c.head_dim)
+            attn = F.scaled_dot_product_attention(
+                q,
+                layer_keys[:batch, :, :attend_length],
+                layer_values[:batch, :, :attend_length],
+                attn_mask=mask,
+            )
+            x = x + F.linear(attn.reshape(batch, -1), self.o_proj[layer])
+            x = self._mlp(layer, x)
+        return x
