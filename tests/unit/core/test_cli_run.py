@@ -1,0 +1,204 @@
+"""`asyncrl-run`: fast help, dry runs, exit statuses, the schema, the task listing and the run folder."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from asyncrl_core.cli import EXIT_INVALID, EXIT_NO_RUNNER, main, prepare_run_dir
+from asyncrl_core.config import load_config
+
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
+MINI = EXAMPLES / "searchr1-mini.yaml"
+HEAVY = ("torch", "transformers", "ray", "megatron", "sglang")
+
+
+def write_task_distribution(root: Path, module: str) -> None:
+    """A distribution on `root` offering the tasks `good` (importable) and `broken` (raises on import)."""
+    info = root / "cli_tasks-0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: cli-tasks\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(
+        f"[asyncrl.tasks]\ngood = {module}:Task\nbroken = {module}_broken:Task\n"
+    )
+    (root / f"{module}.py").write_text("class Task:\n    pass\n")
+    (root / f"{module}_broken.py").write_text("raise ImportError('no corpus')\n")
+
+
+@pytest.fixture
+def task_site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    module = f"cli_task_{tmp_path.name.replace('-', '_')}"
+    site = tmp_path / "site"
+    write_task_distribution(site, module)
+    monkeypatch.syspath_prepend(str(site))
+    return site
+
+
+def module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:
+        return False
+
+
+def run_cli(*arguments: str, cwd: Path, site: Path | None = None) -> subprocess.CompletedProcess[str]:
+    environment = dict(os.environ)
+    if site is not None:
+        environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), environment.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "asyncrl_core.cli", *arguments],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+        env=environment,
+        check=False,
+    )
+
+
+def imported_modules(importtime_stderr: str) -> set[str]:
+    """Top-level packages named in `-X importtime` output."""
+    names: set[str] = set()
+    for line in importtime_stderr.splitlines():
+        if line.startswith("import time:") and "|" in line:
+            names.add(line.rsplit("|", 1)[1].strip().split(".")[0])
+    return names
+
+
+def test_help_imports_nothing_heavy(tmp_path: Path) -> None:
+    done = run_cli("--help", cwd=tmp_path)
+    assert done.returncode == 0
+    assert "usage: asyncrl-run" in done.stdout
+    assert "--dry-run" in done.stdout
+    imported = imported_modules(done.stderr)
+    assert "asyncrl_core" in imported  # the importtime listing works
+    assert imported.isdisjoint(HEAVY)
+    assert "pydantic" not in imported  # not even the configuration is loaded for --help
+
+
+def test_console_script_is_installed(tmp_path: Path) -> None:
+    script = Path(sys.executable).parent / "asyncrl-run"
+    done = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0
+    assert "usage: asyncrl-run" in done.stdout
+
+
+def test_schema_is_json_schema(tmp_path: Path) -> None:
+    done = run_cli("--schema", cwd=tmp_path)
+    assert done.returncode == 0
+    schema = json.loads(done.stdout)
+    assert schema["$schema"].endswith("2020-12/schema")
+    assert set(schema["required"]) >= {"runner", "cluster", "data", "rollout", "actor", "algorithm"}
+    assert imported_modules(done.stderr).isdisjoint(HEAVY)
+
+
+def test_dry_run_prints_the_resolved_configuration(tmp_path: Path, task_site: Path) -> None:
+    done = run_cli(
+        "--dry-run", str(MINI), "agentloop.task_name=good", "runner.num_steps=3", cwd=tmp_path, site=task_site
+    )
+    assert done.returncode == 0, done.stderr
+    assert "  max_inflight_groups: 3  # derived" in done.stdout
+    resolved = yaml.safe_load(done.stdout)
+    assert resolved["runner"]["num_steps"] == 3
+    assert resolved["rollout"]["model_path"] == "smollm2-135m"
+    assert imported_modules(done.stderr).isdisjoint(HEAVY)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_dry_run_shows_warnings(task_site: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    arguments = ["--dry-run", str(MINI), "agentloop.task_name=good", "agentloop.max_actor_accept_staleness=1"]
+    status = main(arguments)
+    assert status == 0
+    assert "warning: agentloop.max_actor_accept_staleness: 1 is below" in capsys.readouterr().err
+
+
+def test_overrides_without_a_file_use_the_embedded_default(
+    task_site: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--dry-run", "agentloop.task_name=good", "runner.num_steps=7"]) == 0
+    resolved = yaml.safe_load(capsys.readouterr().out)
+    assert resolved["runner"]["name"] == "searchr1-mini"
+    assert resolved["runner"]["num_steps"] == 7
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.yaml")), ids=lambda path: path.name)
+def test_examples_pass_the_dry_run(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    task_name = load_config(path).agentloop.task_name
+    assert task_name is not None
+    from asyncrl_core import plugins
+
+    infos = plugins.available("asyncrl.tasks", try_load=False)
+    target = next(info.target for info in infos if info.name == task_name)
+    if not module_exists(target.split(":")[0]):
+        pytest.skip(f"the module of task {task_name!r} ({target}) is not written yet")
+    assert main(["--dry-run", str(path)]) == 0, capsys.readouterr().err
+
+
+def test_invalid_configuration_exits_2_and_starts_nothing(tmp_path: Path) -> None:
+    done = run_cli(str(MINI), "actor.micro_batch_size=3", "rollout.context_length=10", cwd=tmp_path)
+    assert done.returncode == EXIT_INVALID
+    assert "the configuration is invalid (2 problems); nothing was started" in done.stderr
+    assert "actor.micro_batch_size: " in done.stderr
+    assert "rollout.context_length: " in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "runs").exists()
+    assert imported_modules(done.stderr).isdisjoint(HEAVY)
+
+
+def test_broken_selected_task_is_an_error(task_site: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--dry-run", str(MINI), "agentloop.task_name=broken"]) == EXIT_INVALID
+    error = capsys.readouterr().err
+    assert "agentloop.task_name: `asyncrl.tasks`: plugin 'broken'" in error
+    assert "ImportError: no corpus" in error
+
+
+def test_list_tasks_warns_about_broken_ones(tmp_path: Path, task_site: Path) -> None:
+    done = run_cli("--list-tasks", cwd=tmp_path, site=task_site)
+    assert done.returncode == 0
+    lines = {line.split()[0]: line.split()[1] for line in done.stdout.splitlines()}
+    assert lines["good"] == "ok"
+    assert lines["broken"] == "broken"
+    assert "warning: task 'broken' cannot be loaded" in done.stderr
+
+
+@pytest.mark.skipif(module_exists("asyncrl_core.runner"), reason="a runner is installed: this would run")
+def test_launch_without_a_runner_exits_3_and_writes_nothing(tmp_path: Path, task_site: Path) -> None:
+    done = run_cli(str(MINI), "agentloop.task_name=good", cwd=tmp_path, site=task_site)
+    assert done.returncode == EXIT_NO_RUNNER
+    assert "no runner" in done.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_launch_refuses_gpus_that_are_not_here(
+    task_site: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    gpu_example = str(EXAMPLES / "searchr1-gpu.yaml")
+    assert main(["--dry-run", gpu_example, "agentloop.task_name=good"]) == 0
+    assert main([gpu_example, "agentloop.task_name=good"]) == EXIT_INVALID
+    assert "cluster.component_placement: the placement asks for gpu devices" in capsys.readouterr().err
+
+
+def test_run_folder_holds_config_and_warnings(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    overrides = [f"runner.run_dir={run_dir}", "agentloop.max_actor_accept_staleness=1"]
+    config = load_config(MINI, overrides)
+    assert prepare_run_dir(config) == run_dir
+    written = (run_dir / "config.yaml").read_text()
+    assert "# derived" in written
+    assert load_config(run_dir / "config.yaml").model_dump() == config.model_dump()
+    assert "max_actor_accept_staleness" in (run_dir / "warnings.log").read_text()
+    with pytest.raises(FileExistsError, match=r"checkpoint\.resume_from"):
+        prepare_run_dir(config)
+    resumed = load_config(MINI, [*overrides, "checkpoint.resume_from=latest"])
+    prepare_run_dir(resumed)
+    assert (run_dir / "config.1.yaml").read_text() == written
+    assert "resume_from: latest" in (run_dir / "config.yaml").read_text()

@@ -1,0 +1,203 @@
+"""YAML loading: interpolation, overrides, the rendered resolved configuration, the JSON Schema, and that
+importing the configuration stays light."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from asyncrl_core.config import AsyncRLConfig, load_config, render_yaml
+from asyncrl_core.config.loader import default_config_text
+from asyncrl_core.errors import ConfigError
+
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
+MINI = EXAMPLES / "searchr1-mini.yaml"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return path
+
+
+def mini_with(tmp_path: Path, old: str, new: str) -> Path:
+    text = MINI.read_text()
+    assert old in text
+    return write(tmp_path, text.replace(old, new))
+
+
+def only_problem(path: Path | None, *overrides: str) -> str:
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, overrides)
+    assert len(caught.value.problems) == 1, caught.value.problems
+    return str(caught.value.problems[0])
+
+
+def test_embedded_default_is_the_mini_example() -> None:
+    assert default_config_text() == MINI.read_text()
+    assert load_config(None) == load_config(MINI)
+
+
+def test_whole_reference_keeps_its_type(tmp_path: Path) -> None:
+    path = mini_with(tmp_path, "    max_new_tokens: 128", "    max_new_tokens: ${data.max_response_len}")
+    assert load_config(path).rollout.sampling.max_new_tokens == 512
+
+
+def test_reference_inside_text_and_escape(tmp_path: Path) -> None:
+    replacement = "  name: run-s${runner.seed}\n  run_dir: out/$${literal}/${runner.name}"
+    path = mini_with(tmp_path, "  name: searchr1-mini", replacement)
+    config = load_config(path)
+    assert config.runner.name == "run-s1"
+    assert config.runner.run_dir == "out/${literal}/run-s1"
+
+
+def test_reference_to_a_default(tmp_path: Path) -> None:
+    path = mini_with(tmp_path, "  name: searchr1-mini", "  name: ${actor.optimizer}")
+    assert load_config(path).runner.name == "adamw"
+
+
+def test_overrides_feed_interpolation() -> None:
+    config = load_config(MINI, ["actor.model_path=/models/tiny"])
+    assert config.rollout.model_path == "/models/tiny"
+
+
+def test_unknown_reference_names_the_key(tmp_path: Path) -> None:
+    path = mini_with(tmp_path, "  model_path: ${actor.model_path}", "  model_path: ${actor.model}")
+    message = only_problem(path)
+    assert message.startswith("rollout.model_path: `${actor.model}` cannot be resolved")
+    assert "did you mean `model_path`" in message
+
+
+def test_reference_to_unset_key_without_default(tmp_path: Path) -> None:
+    path = mini_with(tmp_path, "  num_steps: 20", "  run_dir: run-${runner.num_steps}")
+    message = only_problem(path)
+    assert message.startswith("runner.run_dir: `${runner.num_steps}` cannot be resolved")
+    assert "has no default" in message
+
+
+def test_interpolation_cycle(tmp_path: Path) -> None:
+    path = mini_with(tmp_path, "  model_path: smollm2-135m", "  model_path: ${rollout.model_path}")
+    message = only_problem(path)
+    assert "cycle" in message
+    assert "rollout.model_path -> actor.model_path -> rollout.model_path" in message
+
+
+def test_section_inside_text_is_refused(tmp_path: Path) -> None:
+    path = mini_with(tmp_path, "  name: searchr1-mini", "  name: x${cluster}")
+    assert message_key(only_problem(path)) == "runner.name"
+
+
+def message_key(message: str) -> str:
+    return message.split(":", 1)[0]
+
+
+def test_override_of_unknown_key_suggests() -> None:
+    message = only_problem(MINI, "rollout.pausemode=drain")
+    assert message.startswith("rollout.pausemode: unknown key `pausemode` in rollout")
+    assert "did you mean `pause_mode`" in message
+
+
+def test_override_below_a_value_is_refused() -> None:
+    assert "is a value, not a section" in only_problem(MINI, "runner.seed.x=1")
+
+
+def test_override_value_that_is_not_yaml() -> None:
+    message = only_problem(MINI, "rollout.sglang.urls=[http://a:1")
+    assert message.startswith("rollout.sglang.urls: cannot read the value")
+
+
+def test_override_without_equals() -> None:
+    assert "is not `key=value`" in only_problem(MINI, "runner.seed")
+
+
+def test_all_bad_overrides_are_reported_together() -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(MINI, ["runner.sed=1", "actor.lr=[", "nothing"])
+    assert [problem.key for problem in caught.value.problems] == ["runner.sed", "actor.lr", "nothing"]
+
+
+def test_override_values_are_yaml() -> None:
+    config = load_config(
+        MINI,
+        [
+            "actor.lr=3e-6",
+            "logging.tensorboard=false",
+            "agentloop.task_args={split: dev, top_k: 3}",
+            "rollout.sglang.extra_args.mem_fraction_static=0.7",
+        ],
+    )
+    assert config.actor.lr == 3e-6
+    assert config.logging.tensorboard is False
+    assert config.agentloop.task_args == {"split": "dev", "top_k": 3}
+    assert config.rollout.sglang.extra_args == {"mem_fraction_static": 0.7}
+
+
+def test_override_into_a_scalar_in_the_file(tmp_path: Path) -> None:
+    path = mini_with(tmp_path, "checkpoint:\n  save_every_steps: 10\n  keep_last: 2", "checkpoint: 3")
+    message = only_problem(path, "checkpoint.keep_last=4")
+    assert message.startswith("checkpoint: holds 3 in the file")
+
+
+def test_repeated_yaml_key_is_an_error(tmp_path: Path) -> None:
+    path = mini_with(tmp_path, "  num_steps: 20", "  num_steps: 20\n  num_steps: 30")
+    assert "written twice" in only_problem(path)
+
+
+@pytest.mark.parametrize("text", ["- a\n- b\n", "just text", "runner: [1\n", "!!python/object:os.system {}"])
+def test_files_that_are_not_a_configuration(tmp_path: Path, text: str) -> None:
+    with pytest.raises(ConfigError):
+        load_config(write(tmp_path, text))
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    assert "cannot read the configuration file" in only_problem(tmp_path / "absent.yaml")
+
+
+def test_render_marks_derived_values_and_round_trips(tmp_path: Path) -> None:
+    config = load_config(MINI)
+    text = render_yaml(config)
+    assert "  max_inflight_groups: 3  # derived\n" in text
+    assert "  max_buffered_groups: 8  # derived\n" in text
+    assert "  num_steps: 20\n" in text
+    again = load_config(write(tmp_path, text))
+    assert again.model_dump() == config.model_dump()
+    assert again.derived_keys == frozenset()  # every value is explicit now
+    assert yaml.safe_load(text) == config.model_dump(mode="json")
+
+
+def test_configuration_is_frozen() -> None:
+    config = load_config(MINI)
+    with pytest.raises(ValidationError):
+        config.runner.num_steps = 3  # pyright: ignore[reportAttributeAccessIssue]
+
+
+def test_schema_describes_every_field() -> None:
+    schema = AsyncRLConfig.model_json_schema()
+    rollout = schema["$defs"]["RolloutConfig"]["properties"]
+    assert "SGLang" in json.dumps(schema["$defs"]["SGLangConfig"])
+    assert rollout["pause_mode"]["enum"] == ["retract", "in_place", "drain"]
+    undocumented = [
+        f"{name}.{field}"
+        for name, definition in schema["$defs"].items()
+        for field, spec in definition.get("properties", {}).items()
+        if not spec.get("description")
+    ]
+    assert undocumented == []
+
+
+def test_importing_the_configuration_is_light() -> None:
+    code = (
+        "import sys, asyncrl_core.config, asyncrl_core.plugins, asyncrl_core.cli\n"
+        "heavy = ('torch', 'ray', 'transformers', 'megatron', 'sglang', 'numpy')\n"
+        "print(','.join(name for name in heavy if name in sys.modules))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.strip() == ""
