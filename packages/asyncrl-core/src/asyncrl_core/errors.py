@@ -51,6 +51,11 @@ class GenerationError(AsyncRLError):
     """The rollout engine refused a request (bad input, prompt too long); retrying will not help."""
 
 
+class PromptTooLongError(AsyncRLError, ValueError):
+    """A prompt, chat template applied, is longer than `data.max_prompt_len` or leaves no room to generate;
+    the caller skips it (the dataloader filters such prompts)."""
+
+
 class EngineUnavailableError(AsyncRLError):
     """The rollout engine could not be reached within the retries and timeouts allowed."""
 

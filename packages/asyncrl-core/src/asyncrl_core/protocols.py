@@ -8,10 +8,22 @@ heavy.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from asyncrl_core.types import Generation, Group, SamplingParams
+from asyncrl_core.types import (
+    Demonstration,
+    FinalAnswer,
+    Generation,
+    Group,
+    InvalidTurn,
+    SamplingParams,
+    TaskSample,
+    ToolCall,
+    ToolResult,
+    TurnAction,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -66,4 +78,84 @@ class Actor(Protocol):
 
     def load_checkpoint(self, path: str) -> None:
         """Restore what `save_checkpoint` wrote."""
+        ...
+
+
+@runtime_checkable
+class Tool(Protocol):
+    """One tool a task offers the model, called with the text the model wrote between the tool's tags."""
+
+    @property
+    def name(self) -> str:
+        """The name the task's parser puts in `ToolCall.tool`."""
+        ...
+
+    async def __call__(self, arguments: str) -> str:
+        """Run the tool and return its output text.
+
+        Any exception is a failed call: the agent loop turns it into an observation for the model (through
+        `Task.observation`), never into a crashed trajectory. The loop also bounds the call with a timeout.
+        """
+        ...
+
+
+@runtime_checkable
+class Task(Protocol):
+    """An agentic task: prompts with ground truth, tools, the parsing of a model turn, observations, reward.
+
+    A task registers in the entry-point group `asyncrl.tasks`; the entry point is a factory (usually the
+    class) called with the run's `agentloop.task_args` as keyword arguments. The agent loop (asyncrl_agents)
+    applies the chat template to `TaskSample.messages`, generates until one of `stop` (kept in the output),
+    parses the turn, calls the tool, appends the observation as non-trained tokens, and repeats until a final
+    answer, `max_turns` model turns or the context budget.
+    """
+
+    @property
+    def name(self) -> str:
+        """The task's name, as registered."""
+        ...
+
+    @property
+    def max_turns(self) -> int:
+        """Most model turns of one episode (a final answer may end it sooner)."""
+        ...
+
+    @property
+    def stop(self) -> tuple[str, ...]:
+        """Stop strings that close an action (`</search>`, `</answer>`): a turn's generation ends there."""
+        ...
+
+    def dataset(self, split: str) -> Sequence[TaskSample]:
+        """The prompts of `split` (`train`, `test`, ...); raises `KeyError` naming the known splits."""
+        ...
+
+    def tools(self) -> Mapping[str, Tool]:
+        """The tools by name; the parser's `ToolCall.tool` selects one."""
+        ...
+
+    def parse_turn(self, text: str) -> TurnAction:
+        """What the model's turn `text` (its tokens decoded, the matched stop string included) asks for."""
+        ...
+
+    def observation(self, action: ToolCall | InvalidTurn, result: ToolResult | None) -> str:
+        """The text appended after a turn that did not end the episode: the tool's result (or its error)
+        for a `ToolCall`, a correction for an `InvalidTurn` (then `result` is None)."""
+        ...
+
+    def reward(self, sample: TaskSample, answer: FinalAnswer | None) -> float:
+        """The episode's reward; `answer` is None when it ended without a final answer."""
+        ...
+
+    def demonstrations(self) -> Sequence[Demonstration]:
+        """Worked examples (for few-shot prompts or a warm start); may be empty."""
+        ...
+
+    def serve(self) -> AbstractContextManager[Mapping[str, str]]:
+        """Start the services the tools need for a run (a retrieval server, ...), stopped when the context
+        exits. Yields keyword arguments to add to the `task_args` of the tasks the agent-loop workers build
+        (e.g. `retriever_url`); yields `{}` when the task needs no service."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release what the tools hold in this process (HTTP connections); the task is not used afterwards."""
         ...

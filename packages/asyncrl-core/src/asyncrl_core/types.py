@@ -121,3 +121,70 @@ class Group:
         if not ranges:
             return self.finish_version, self.finish_version
         return min(r[0] for r in ranges), max(r[1] for r in ranges)
+
+
+# The task side: what a task plugin (`asyncrl_core.protocols.Task`) hands the agent loop and gets back.
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    """One message of a chat, in the `{"role", "content"}` shape chat templates read."""
+
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class TaskSample:
+    """One prompt of a task's dataset, with the answers that earn the reward."""
+
+    sample_id: str
+    """Stable id within the task's dataset (for logs and evaluation reports)."""
+    messages: tuple[ChatMessage, ...]
+    """The conversation the model continues: system prompt, question; the chat template is applied by the
+    agent loop, with the generation prompt."""
+    answers: tuple[str, ...]
+    """Accepted ground-truth answers (the reward compares a final answer with each)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Demonstration:
+    """A worked example: a conversation and the full assistant response, tool observations included."""
+
+    messages: tuple[ChatMessage, ...]
+    response: str
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """The model asked for tool `tool` with `arguments` (the text between the tool's tags, stripped)."""
+
+    tool: str
+    arguments: str
+
+
+@dataclass(frozen=True, slots=True)
+class FinalAnswer:
+    """The model gave its final answer; the episode ends."""
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class InvalidTurn:
+    """The turn is neither a tool call nor a final answer (no tag, an unclosed tag, an empty call)."""
+
+    reason: str
+
+
+TurnAction = ToolCall | FinalAnswer | InvalidTurn
+"""What one model turn amounts to, as the task parses it."""
+
+
+@dataclass(frozen=True, slots=True)
+class ToolResult:
+    """What a tool call produced: its text, or the error that stopped it (then `text` is empty)."""
+
+    text: str
+    error: str | None = None
+    latency_s: float = 0.0
