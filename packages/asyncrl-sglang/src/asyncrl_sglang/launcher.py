@@ -1,0 +1,492 @@
+"""Start the rollout engines, wait until they serve, and stop every process started, whatever happens.
+
+`rollout.sglang.launch`:
+- `builtin`: `python -m asyncrl_sglang.builtin` per instance (asyncrl's torch engine);
+- `sglang`: `python -m sglang.launch_server` per instance, with the flags an RL run needs (`--weight-version
+  0` so versions are asyncrl ints from the start, `--enable-metrics` for the saturation gauges) and
+  `CUDA_VISIBLE_DEVICES` set to the instance's share of the rollout devices;
+- `external`: nothing is started; the servers at `rollout.sglang.urls` must become healthy.
+
+Every process runs in its own process group (its own session), with its output in
+`<run_dir>/engines/engine-<i>.log`. Stopping sends SIGTERM to the whole group (SGLang's scheduler and
+detokenizer processes included), then SIGKILL after a grace period. Processes are stopped when the
+`LaunchedEngines` context exits, at interpreter exit (`atexit`), on SIGTERM/SIGHUP (turned into `SystemExit`
+while engines run, when no other handler is installed) and, on Linux, when the launching thread dies
+(`PR_SET_PDEATHSIG`), so a crash of the parent leaves no engine behind. An engine that dies before it is
+healthy fails the launch with the tail of its log.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import errno
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Generator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING
+
+import httpx
+
+from asyncrl_core.errors import EngineControlError, EngineUnavailableError
+from asyncrl_sglang.client import ClientTimeouts, SGLangClient
+from asyncrl_sglang.pool import EnginePool
+
+if TYPE_CHECKING:
+    from asyncrl_core.config.models import RolloutConfig
+
+ServerArgument = str | int | float | bool
+
+SMOLLM2_ALIAS = "smollm2-135m"
+"""`rollout.model_path` naming the offline SmolLM2-135M-Instruct (`asyncrl_core.models.smollm2_135m`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCommand:
+    """How to start one engine: its command line, extra environment, and where it will listen."""
+
+    argv: tuple[str, ...]
+    host: str
+    port: int
+    env: Mapping[str, str] = field(default_factory=dict[str, str])
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        # A server bound to every interface is reached on loopback from here.
+        host = {"0.0.0.0": "127.0.0.1", "[::]": "[::1]"}.get(host, host)
+        return f"http://{host}:{self.port}"
+
+
+def resolve_model_path(model_path: str) -> str:
+    """A HuggingFace folder for `model_path` (`smollm2-135m` is converted once into the cache)."""
+    if model_path == SMOLLM2_ALIAS:
+        from asyncrl_core.models import smollm2_135m
+
+        return str(smollm2_135m())
+    return model_path
+
+
+def _flag_arguments(extra_args: Mapping[str, ServerArgument]) -> list[str]:
+    """`{"mem_fraction_static": 0.8, "disable_cuda_graph": True}` -> `--mem-fraction-static 0.8
+    --disable-cuda-graph` (False omits a flag)."""
+    argv: list[str] = []
+    for key, value in extra_args.items():
+        flag = "--" + key.replace("_", "-").lstrip("-")
+        if value is True:
+            argv.append(flag)
+        elif value is not False:
+            argv += [flag, str(value)]
+    return argv
+
+
+def sglang_command(
+    *,
+    model_path: str,
+    host: str,
+    port: int,
+    tensor_parallel_size: int,
+    max_running_requests: int,
+    devices: Sequence[int] = (),
+    context_length: int | None = None,
+    api_key: str | None = None,
+    extra_args: Mapping[str, ServerArgument] | None = None,
+    python: str = sys.executable,
+) -> EngineCommand:
+    """The command line of one real SGLang server for RL rollouts.
+
+    `devices` are the GPU ids of this instance (`tensor_parallel_size` of them; none: SGLang's default);
+    `extra_args` add or override flags (`mem_fraction_static: 0.8`).
+    """
+    if devices and len(devices) != tensor_parallel_size:
+        raise EngineControlError(
+            f"an SGLang instance with tensor_parallel_size {tensor_parallel_size} needs as many devices, "
+            f"got {list(devices)}"
+        )
+    arguments: dict[str, ServerArgument] = {
+        "model_path": model_path,
+        "host": host,
+        "port": port,
+        "tp_size": tensor_parallel_size,
+        "max_running_requests": max_running_requests,
+        "weight_version": "0",
+        "enable_metrics": True,
+    }
+    if context_length is not None:
+        arguments["context_length"] = context_length
+    if api_key:
+        arguments["api_key"] = api_key
+    arguments.update(extra_args or {})
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(str(device) for device in devices)} if devices else {}
+    return EngineCommand(
+        argv=(python, "-m", "sglang.launch_server", *_flag_arguments(arguments)),
+        host=host,
+        port=port,
+        env=env,
+    )
+
+
+def builtin_command(
+    *,
+    model_path: str,
+    host: str,
+    port: int,
+    max_running_requests: int,
+    devices: Sequence[int] = (),
+    context_length: int | None = None,
+    api_key: str | None = None,
+    enable_metrics: bool = True,
+    extra_args: Mapping[str, ServerArgument] | None = None,
+    python: str = sys.executable,
+) -> EngineCommand:
+    """The command line of one built-in engine (same flag names as SGLang's where they exist).
+
+    `devices`: GPU ids for the engine (`CUDA_VISIBLE_DEVICES`); none runs it where it finds itself.
+    """
+    arguments: dict[str, ServerArgument] = {
+        "model_path": model_path,
+        "host": host,
+        "port": port,
+        "max_running_requests": max_running_requests,
+        "weight_version": "0",
+        "enable_metrics": enable_metrics,
+    }
+    if context_length is not None:
+        arguments["context_length"] = context_length
+    if api_key:
+        arguments["api_key"] = api_key
+    arguments.update(extra_args or {})
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(str(device) for device in devices)} if devices else {}
+    return EngineCommand(
+        argv=(python, "-m", "asyncrl_sglang.builtin", *_flag_arguments(arguments)),
+        host=host,
+        port=port,
+        env=env,
+    )
+
+
+# -------------------------------------------------------------------------------------------------------
+# Ports
+
+
+def port_is_free(host: str, port: int) -> bool:
+    """Whether nothing listens on (`host`, `port`) and it can be bound now."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS reports free on `host` now (another process may still take it before it is bound)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
+def pick_ports(host: str, count: int, base_port: int | None, *, taken: Sequence[int] = ()) -> list[int]:
+    """`count` distinct free ports: from `base_port` upward (the first free ones), or OS-chosen when None."""
+    ports: list[int] = []
+    candidate = base_port
+    while len(ports) < count:
+        if candidate is None:
+            port = free_port(host)
+            if port not in ports and port not in taken:
+                ports.append(port)
+            continue
+        if candidate > 65535:
+            raise EngineControlError(f"no {count} free ports on {host} from {base_port} upward")
+        if candidate not in taken and port_is_free(host, candidate):
+            ports.append(candidate)
+        candidate += 1
+    return ports
+
+
+# -------------------------------------------------------------------------------------------------------
+# Processes
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the launching thread dies (Linux; a no-op elsewhere)."""
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+class EngineProcess:
+    """One engine process (and its process group), with its output in `log_path`."""
+
+    def __init__(self, command: EngineCommand, log_path: Path) -> None:
+        self.command = command
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log:
+            self._popen = subprocess.Popen(
+                command.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **command.env},
+                start_new_session=True,
+                preexec_fn=_die_with_parent,  # only calls prctl: safe between fork and exec
+            )
+        _LIVE.add(self)
+
+    def __repr__(self) -> str:
+        return f"EngineProcess(pid={self.pid}, url={self.command.url!r})"
+
+    @property
+    def pid(self) -> int:
+        return self._popen.pid
+
+    @property
+    def url(self) -> str:
+        return self.command.url
+
+    def returncode(self) -> int | None:
+        """The exit status once the process has exited, else None."""
+        return self._popen.poll()
+
+    def log_tail(self, num_lines: int = 40) -> str:
+        """The last lines of the engine's log."""
+        try:
+            with open(self.log_path, "rb") as log:
+                log.seek(0, os.SEEK_END)
+                log.seek(max(0, log.tell() - 64 * 1024))
+                lines = log.read().decode("utf-8", errors="replace").splitlines()
+        except OSError as exc:
+            return f"(cannot read {self.log_path}: {exc})"
+        return "\n".join(lines[-num_lines:])
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM to the process group, SIGKILL after `grace_s`; returns once the process is reaped."""
+        _LIVE.discard(self)
+        if self._popen.poll() is None:
+            self._signal_group(signal.SIGTERM)
+            try:
+                self._popen.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                self._signal_group(signal.SIGKILL)
+                self._popen.wait(timeout=grace_s)
+        # Children that outlived the leader (a scheduler subprocess) still share its process group.
+        self._signal_group(signal.SIGKILL)
+
+    def _signal_group(self, signum: int) -> None:
+        try:
+            os.killpg(self._popen.pid, signum)
+        except ProcessLookupError:
+            pass
+        except OSError as exc:
+            if exc.errno != errno.ESRCH:
+                raise
+
+
+_LIVE: set[EngineProcess] = set()
+"""Engine processes started and not stopped yet: stopped at interpreter exit."""
+_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def _stop_live() -> None:
+    for process in list(_LIVE):
+        with contextlib.suppress(Exception):
+            process.stop(grace_s=5.0)
+
+
+atexit.register(_stop_live)
+
+
+def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def _signals_exit() -> Generator[None]:
+    """While engines run, SIGTERM and SIGHUP raise `SystemExit` (so `finally` blocks stop the engines)
+    where they would otherwise kill the interpreter outright. Other handlers are left alone."""
+    installed: list[signal.Signals] = []
+    if threading.current_thread() is threading.main_thread():
+        for signum in _SIGNALS:
+            if signal.getsignal(signum) is signal.SIG_DFL:
+                signal.signal(signum, _exit_on_signal)
+                installed.append(signum)
+    try:
+        yield
+    finally:
+        for signum in installed:
+            if signal.getsignal(signum) is _exit_on_signal:
+                signal.signal(signum, signal.SIG_DFL)
+
+
+def _wait_healthy(
+    urls: Sequence[str],
+    processes: Sequence[EngineProcess | None],
+    timeout_s: float,
+    api_key: str | None,
+) -> None:
+    """Poll `/health` of every engine until all answer 200; fail early when a started engine exits."""
+    deadline = time.monotonic() + timeout_s
+    pending = set(range(len(urls)))
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with httpx.Client(timeout=httpx.Timeout(5.0), headers=headers, trust_env=False) as http:
+        while pending:
+            for index in sorted(pending):
+                process = processes[index]
+                if process is not None and (code := process.returncode()) is not None:
+                    raise EngineUnavailableError(
+                        f"engine {index} ({urls[index]}) exited with status {code} before it was healthy; "
+                        f"the end of {process.log_path}:\n{process.log_tail()}"
+                    )
+                try:
+                    if http.get(f"{urls[index]}/health").status_code == 200:
+                        pending.discard(index)
+                except httpx.HTTPError:
+                    pass
+            if not pending:
+                return
+            if time.monotonic() >= deadline:
+                names = ", ".join(urls[index] for index in sorted(pending))
+                raise EngineUnavailableError(f"engines not healthy within {timeout_s:.0f} s: {names}")
+            time.sleep(0.25)
+
+
+class LaunchedEngines:
+    """The engines of a run: their URLs, the processes started for them, and clients to reach them.
+
+    A context manager: leaving it stops every process started (no-op for `external` servers).
+    """
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        processes: Sequence[EngineProcess] = (),
+        *,
+        api_key: str | None = None,
+    ) -> None:
+        self.urls: tuple[str, ...] = tuple(urls)
+        self.processes: tuple[EngineProcess, ...] = tuple(processes)
+        self.api_key = api_key
+        self._signals = _signals_exit()
+        self._signals.__enter__()
+
+    def __enter__(self) -> LaunchedEngines:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Stop every process started (all at once, each with a grace period)."""
+        threads = [threading.Thread(target=process.stop) for process in self.processes]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        self._signals.__exit__(None, None, None)
+
+    def clients(self, timeouts: ClientTimeouts | None = None) -> list[SGLangClient]:
+        """A new client per engine (create them inside the event loop that uses them)."""
+        return [SGLangClient(url, api_key=self.api_key, timeouts=timeouts) for url in self.urls]
+
+    def pool(self, timeouts: ClientTimeouts | None = None) -> EnginePool:
+        """A new pool over every engine."""
+        return EnginePool(self.clients(timeouts))
+
+
+def start_engines(
+    commands: Sequence[EngineCommand],
+    *,
+    log_dir: Path,
+    health_timeout_s: float = 600.0,
+    api_key: str | None = None,
+) -> LaunchedEngines:
+    """Start one process per command and wait until all are healthy; on any failure stop them all."""
+    processes: list[EngineProcess] = []
+    try:
+        for index, command in enumerate(commands):
+            processes.append(EngineProcess(command, log_dir / f"engine-{index}.log"))
+        _wait_healthy([command.url for command in commands], processes, health_timeout_s, api_key)
+    except BaseException:
+        for process in processes:
+            process.stop()
+        raise
+    return LaunchedEngines([command.url for command in commands], processes, api_key=api_key)
+
+
+def launch_engines(
+    rollout: RolloutConfig,
+    *,
+    run_dir: Path,
+    devices: Sequence[int] = (),
+    gpu: bool = False,
+    health_timeout_s: float = 600.0,
+) -> LaunchedEngines:
+    """Start (or, for `external`, reach) the engines `rollout` describes and wait until they are healthy.
+
+    `devices`: the rollout devices of the placement; instance `i` gets `devices[i*tp:(i+1)*tp]` (as
+    `CUDA_VISIBLE_DEVICES` when `gpu`). The number of instances is `rollout.num_instances`, else
+    `len(devices) // tensor_parallel_size` (at least 1).
+    """
+    sglang = rollout.sglang
+    if sglang.launch == "external":
+        if not sglang.urls:
+            raise EngineControlError("rollout.sglang.launch is external but rollout.sglang.urls is empty")
+        urls = [url.rstrip("/") for url in sglang.urls]
+        _wait_healthy(urls, [None] * len(urls), health_timeout_s, sglang.api_key)
+        return LaunchedEngines(urls, api_key=sglang.api_key)
+    tp = rollout.tensor_parallel_size
+    num_instances = rollout.num_instances or max(1, len(devices) // tp)
+    if gpu and len(devices) < num_instances * tp:
+        raise EngineControlError(
+            f"{num_instances} rollout instances with tensor_parallel_size {tp} need {num_instances * tp} "
+            f"devices; the placement gives the rollout {list(devices)}"
+        )
+    if rollout.model_path is None:
+        raise EngineControlError("rollout.model_path is not set (it defaults to actor.model_path)")
+    model_path = resolve_model_path(rollout.model_path)
+    ports = pick_ports(sglang.host, num_instances, sglang.base_port)
+    commands: list[EngineCommand] = []
+    for index, port in enumerate(ports):
+        share = tuple(devices[index * tp : (index + 1) * tp]) if gpu else ()
+        if sglang.launch == "sglang":
+            commands.append(
+                sglang_command(
+                    model_path=model_path,
+                    host=sglang.host,
+                    port=port,
+                    tensor_parallel_size=tp,
+                    max_running_requests=rollout.max_running_requests,
+                    devices=share,
+                    context_length=rollout.context_length,
+                    api_key=sglang.api_key,
+                    extra_args=sglang.extra_args,
+                )
+            )
+        else:
+            commands.append(
+                builtin_command(
+                    model_path=model_path,
+                    host=sglang.host,
+                    port=port,
+                    max_running_requests=rollout.max_running_requests,
+                    devices=share,
+                    context_length=rollout.context_length,
+                    api_key=sglang.api_key,
+                )
+            )
+    return start_engines(
+        commands, log_dir=run_dir / "engines", health_timeout_s=health_timeout_s, api_key=sglang.api_key
+    )
