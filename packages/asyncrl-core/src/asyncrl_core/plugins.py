@@ -15,10 +15,12 @@ loading imports the plugin's module, so a broken plugin is reported by `availabl
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import importlib.util
 import re
+import sys
 from dataclasses import dataclass
 from typing import Literal
 
@@ -74,7 +76,17 @@ def _check_group(group: str) -> PluginGroup:
 
 
 def _declared(group: PluginGroup) -> dict[str, list[PluginInfo]]:
-    """Every declaration of every name in `group`: built-ins first, then entry points by distribution."""
+    """Every declaration of every name in `group`: built-ins first, then entry points by distribution.
+
+    Reading every installed distribution's metadata takes tens of milliseconds, and validation asks for
+    each group once per configuration; the answer is kept per `sys.path`, so a folder added to it is seen.
+    """
+    return {name: list(infos) for name, infos in _declared_on_path(group, tuple(sys.path)).items()}
+
+
+@functools.lru_cache(maxsize=32)
+def _declared_on_path(group: PluginGroup, path: tuple[str, ...]) -> dict[str, tuple[PluginInfo, ...]]:
+    del path  # the cache key: entry points are read from the folders on sys.path
     declared: dict[str, list[PluginInfo]] = {}
     for name, target in BUILTINS[group].items():
         declared.setdefault(name, []).append(PluginInfo(group, name, target, BUILTIN_SOURCE))
@@ -86,7 +98,7 @@ def _declared(group: PluginGroup) -> dict[str, list[PluginInfo]]:
         # The same distribution can be found twice on sys.path (an editable install and a build folder).
         if all((known.target, known.source) != (info.target, info.source) for known in infos):
             infos.append(info)
-    return declared
+    return {name: tuple(infos) for name, infos in declared.items()}
 
 
 def _conflict(infos: list[PluginInfo]) -> str | None:
