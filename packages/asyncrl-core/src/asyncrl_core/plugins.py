@@ -38,7 +38,7 @@ BUILTINS: dict[PluginGroup, dict[str, str]] = {
         "megatron": "asyncrl_megatron:MegatronActor",
     },
     "asyncrl.rollout_backends": {
-        "sglang": "asyncrl_sglang:SGLangRollout",
+        "sglang": "asyncrl_sglang.launcher:launch_engines",
     },
 }
 """Plugins that ship with asyncrl's own packages, as `module:attr` targets. Tasks ship as entry points of
