@@ -4,6 +4,7 @@ importing the configuration stays light."""
 from __future__ import annotations
 
 import json
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -169,6 +170,15 @@ def test_render_marks_derived_values_and_round_trips(tmp_path: Path) -> None:
     assert again.model_dump() == config.model_dump()
     assert again.derived_keys == frozenset()  # every value is explicit now
     assert yaml.safe_load(text) == config.model_dump(mode="json")
+
+
+def test_configuration_pickles_with_its_derived_keys_and_warnings() -> None:
+    # Ray sends the configuration to every worker by pickling it.
+    config = load_config(MINI, ["agentloop.max_actor_accept_staleness=1"])
+    copy = pickle.loads(pickle.dumps(config))
+    assert copy == config
+    assert copy.derived_keys == config.derived_keys
+    assert copy.warnings == config.warnings != ()
 
 
 def test_configuration_is_frozen() -> None:

@@ -15,6 +15,7 @@ from asyncrl_core.errors import ConfigError, ConfigProblem
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 MINI = EXAMPLES / "searchr1-mini.yaml"
 GPU = EXAMPLES / "searchr1-gpu.yaml"
+PLACEMENT = "cluster.component_placement"
 
 
 def problems(path: Path, *overrides: str) -> tuple[ConfigProblem, ...]:
@@ -195,15 +196,18 @@ def test_overlapping_placements() -> None:
         "runner.async_mode=false",
         "cluster.component_placement={actor: 0-1, rollout: 1}",
     )
-    assert "1 are also placed under `actor`" in message
-    assert "`actor,rollout: 1`" in message
+    assert "device 1 is also placed under `actor`" in message
+    assert "list colocated components under one key (`actor,rollout: ...`)" in message
+    # In async mode colocating them is no fix, so it is not offered.
+    message = problem_at(f"{PLACEMENT}.rollout", MINI, f"{PLACEMENT}={{actor: 0-1, rollout: 1}}")
+    assert message.endswith("give each key its own devices")
 
 
 def test_placement_beyond_the_devices_present() -> None:
     message = problem_at(
         "cluster.component_placement.rollout", MINI, "cluster.component_placement.rollout=1-5"
     )
-    assert "2-5 are not present" in message
+    assert "devices 2-5 are not present" in message
     assert "cluster.num_devices" in message
 
 
@@ -403,3 +407,9 @@ def test_model_validate_raises_config_error_only() -> None:
     assert {"cluster", "data", "rollout", "actor", "algorithm"} <= {
         problem.key for problem in caught.value.problems
     }
+
+
+def test_run_without_any_checkpoint_is_a_warning() -> None:
+    config = load_config(MINI, ["checkpoint.save_at_end=false", "checkpoint.save_every_steps=50"])
+    assert "set it to at most 20" in warning_at("checkpoint.save_every_steps", config)
+    assert load_config(MINI, ["checkpoint.save_at_end=false"]).warnings == ()

@@ -32,10 +32,11 @@ _PROGRAM = "asyncrl-run"
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=_PROGRAM,
+        usage=f"{_PROGRAM} [CONFIG] [key=value ...] [--dry-run] [--list-tasks] [--schema]",
         description=(
-            "Train a language-model agent with asynchronous reinforcement learning. CONFIG is a YAML file "
-            "(default: the embedded `searchr1-mini`, sized for a laptop CPU); each key=value overrides one "
-            "dotted key, its value read as YAML."
+            "Train a language-model agent with asynchronous reinforcement learning.\n\n"
+            "CONFIG is a YAML file (default: the embedded `searchr1-mini`, sized for a laptop CPU); each\n"
+            "key=value overrides one dotted key, its value read as YAML."
         ),
         epilog=(
             "examples:\n"
@@ -50,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "arguments",
         nargs="*",
-        metavar="CONFIG [key=value ...]",
+        metavar="CONFIG key=value",
         help="configuration file, then overrides such as rollout.pause_mode=drain",
     )
     parser.add_argument(

@@ -132,6 +132,7 @@ def run_rules(config: AsyncRLConfig, errors: list[ConfigProblem], warnings: list
     _check_lengths(config, errors)
     _check_buffer(config, errors, warnings)
     _check_plugins(config, errors)
+    _check_checkpoint(config, warnings)
 
 
 def _check_placement(config: AsyncRLConfig, errors: list[ConfigProblem]) -> None:
@@ -174,7 +175,7 @@ def _check_placement(config: AsyncRLConfig, errors: list[ConfigProblem]) -> None
                 errors.append(
                     ConfigProblem(
                         f"{root}.{key}",
-                        f"device(s) {format_device_ids(absent)} are not present: there are "
+                        f"{_devices(absent)} not present: there are "
                         f"{cluster.num_devices} {cluster.device_type} devices ({ids_text}); use ids below "
                         f"{cluster.num_devices} or set `cluster.num_devices`",
                     )
@@ -183,16 +184,15 @@ def _check_placement(config: AsyncRLConfig, errors: list[ConfigProblem]) -> None
     for index, first in enumerate(keys):
         for second in keys[index + 1 :]:
             shared = tuple(sorted(set(parsed[first]) & set(parsed[second])))
-            if shared:
-                together = ",".join(_components(first) + _components(second))
-                errors.append(
-                    ConfigProblem(
-                        f"{root}.{second}",
-                        f"devices {format_device_ids(shared)} are also placed under `{first}`; give each key "
-                        f"its own devices, or list colocated components under one key "
-                        f"(`{together}: {format_device_ids(shared)}`)",
-                    )
-                )
+            if not shared:
+                continue
+            names = _components(first) + _components(second)
+            fix = "give each key its own devices"
+            if not (config.runner.async_mode and {"actor", "rollout"} <= set(names)):
+                fix += f", or list colocated components under one key (`{','.join(names)}: ...`)"
+            errors.append(
+                ConfigProblem(f"{root}.{second}", f"{_devices(shared)} also placed under `{first}`; {fix}")
+            )
     needed = ["actor"]
     if config.rollout.sglang.launch != "external":
         needed.append("rollout")
@@ -201,17 +201,16 @@ def _check_placement(config: AsyncRLConfig, errors: list[ConfigProblem]) -> None
         if component not in owner:
             example = f"{component}: {free - 1}" if free else f"{component}: 0"
             errors.append(ConfigProblem(root, f"no devices for `{component}`; add a key such as `{example}`"))
-    if config.runner.async_mode and "actor" in owner and "rollout" in owner:
-        shared = tuple(sorted(set(cluster.devices_of("actor")) & set(cluster.devices_of("rollout"))))
-        if shared:
-            errors.append(
-                ConfigProblem(
-                    f"{root}.{owner['rollout']}",
-                    f"async mode needs the actor and the rollout on different devices, but both use "
-                    f"{format_device_ids(shared)}; place them apart (e.g. `actor: 0-3`, `rollout: 4-7`) or "
-                    "set `runner.async_mode: false`",
-                )
+    # Under two keys, shared devices are already an overlap error; under one key they are colocated.
+    if config.runner.async_mode and "actor" in owner and owner.get("rollout") == owner["actor"]:
+        errors.append(
+            ConfigProblem(
+                f"{root}.{owner['actor']}",
+                f"async mode needs the actor and the rollout on different devices, but both use "
+                f"{format_device_ids(parsed[owner['actor']])}; place them apart (e.g. `actor: 0-3`, "
+                "`rollout: 4-7`) or set `runner.async_mode: false`",
             )
+        )
 
 
 def _check_rollout(config: AsyncRLConfig, errors: list[ConfigProblem], warnings: list[ConfigProblem]) -> None:
@@ -426,6 +425,19 @@ def _check_buffer(config: AsyncRLConfig, errors: list[ConfigProblem], warnings: 
         )
 
 
+def _check_checkpoint(config: AsyncRLConfig, warnings: list[ConfigProblem]) -> None:
+    checkpoint, num_steps = config.checkpoint, config.runner.num_steps
+    periodic = checkpoint.save_every_steps is not None and checkpoint.save_every_steps <= num_steps
+    if not periodic and not checkpoint.save_at_end:
+        warnings.append(
+            ConfigProblem(
+                "checkpoint.save_every_steps",
+                f"no checkpoint is saved in {num_steps} steps; set it to at most {num_steps}, or "
+                "`checkpoint.save_at_end: true`",
+            )
+        )
+
+
 def _check_plugins(config: AsyncRLConfig, errors: list[ConfigProblem]) -> None:
     from asyncrl_core import plugins
 
@@ -451,6 +463,11 @@ def _check_plugins(config: AsyncRLConfig, errors: list[ConfigProblem]) -> None:
         problem = plugins.check_selectable("asyncrl.rollout_backends", config.rollout.rollout_backend)
         if problem is not None:
             errors.append(ConfigProblem("rollout.rollout_backend", problem))
+
+
+def _devices(ids: tuple[int, ...]) -> str:
+    """`device 3 is` or `devices 2-5 are`, for messages."""
+    return f"device {ids[0]} is" if len(ids) == 1 else f"devices {format_device_ids(ids)} are"
 
 
 def _divisors(number: int) -> str:
