@@ -1,0 +1,204 @@
+"""`python -m asyncrl_sglang.builtin --model-path DIR [...]`: serve SGLang's routes with the built-in engine.
+
+Arguments are parsed before torch is imported, so `--help` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("asyncrl_sglang.builtin")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m asyncrl_sglang.builtin",
+        description="The asyncrl built-in engine: a small PyTorch server speaking SGLang's HTTP routes.",
+    )
+    parser.add_argument("--model-path", required=True, help="HuggingFace folder (config.json, safetensors)")
+    parser.add_argument("--tokenizer-path", help="tokenizer folder (default: the model folder)")
+    parser.add_argument(
+        "--served-model-name", help="the model_name label of metrics (default: the folder name)"
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    parser.add_argument("--port", type=int, default=30000, help="0 picks a free port (see --port-file)")
+    parser.add_argument("--port-file", help="write the bound port to this file once the server listens")
+    parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route but /health")
+    parser.add_argument("--max-running-requests", type=int, default=32)
+    parser.add_argument("--context-length", type=int, help="default: min(max_position_embeddings, 4096)")
+    parser.add_argument("--weight-version", default="default")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--enable-metrics", action="store_true", help="serve Prometheus text at /metrics")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
+    parser.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="random weights of the model's shape (SGLang's --load-format dummy); updates fill real ones",
+    )
+    parser.add_argument(
+        "--weight-version-route",
+        choices=["old", "new"],
+        default="new",
+        help="/get_weight_version: 200 like older SGLang servers, or 404 like newer ones",
+    )
+    parser.add_argument("--disable-cuda-graph", action="store_true", help="decode eagerly on CUDA")
+    parser.add_argument("--skip-server-warmup", action="store_true")
+    parser.add_argument("--num-threads", type=int, help="torch intra-op threads on CPU")
+    parser.add_argument("--log-level", default="info")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_serve(args))
+    return 0
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    import json
+
+    import torch
+    from aiohttp import web
+
+    from asyncrl_sglang.builtin.engine import Engine
+    from asyncrl_sglang.builtin.model import EngineModel, ModelConfig
+    from asyncrl_sglang.builtin.server import BuiltinServer, ServerArgs
+
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    device = torch.device(args.device)
+    dtype_name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    dtype = getattr(torch, dtype_name)
+    model_path = Path(args.model_path)
+    loop = asyncio.get_running_loop()
+    if args.random_weights:
+        config = ModelConfig.from_dict(json.loads((model_path / "config.json").read_text()))
+        model = await asyncio.to_thread(EngineModel.random, config, device, dtype, args.seed)
+    else:
+        model = await asyncio.to_thread(EngineModel.from_pretrained, model_path, device, dtype)
+    tokenizer_path = args.tokenizer_path or str(model_path)
+    tokenizer = _load_tokenizer(tokenizer_path)
+    context_length = args.context_length or min(model.config.max_position_embeddings, 4096)
+    eos_ids = list(model.config.eos_token_ids)
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        eos_ids.append(int(tokenizer.eos_token_id))
+
+    def decode_text(ids: list[int]) -> str:
+        assert tokenizer is not None
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    engine = Engine(
+        model,
+        max_running_requests=args.max_running_requests,
+        context_length=context_length,
+        weight_version=args.weight_version,
+        seed=args.seed,
+        eos_token_ids=eos_ids,
+        decode_text=decode_text if tokenizer is not None else None,
+        use_cuda_graphs=not args.disable_cuda_graph,
+    )
+    server_args = ServerArgs(
+        model_path=str(model_path),
+        served_model_name=args.served_model_name or model_path.name,
+        tokenizer_path=tokenizer_path if tokenizer is not None else None,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        max_running_requests=args.max_running_requests,
+        context_length=context_length,
+        weight_version=args.weight_version,
+        device=str(device),
+        dtype=dtype_name,
+        enable_metrics=args.enable_metrics,
+        seed=args.seed,
+        load_format="dummy" if args.random_weights else "safetensors",
+        weight_version_route=args.weight_version_route,
+        cuda_graphs=not args.disable_cuda_graph,
+    )
+    engine.start()
+    server = BuiltinServer(engine, tokenizer, server_args)
+    runner = web.AppRunner(server.app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    await site.start()
+    port = _bound_port(site, args.port)
+    if args.port_file:
+        _write_port_file(Path(args.port_file), port)
+    logger.info("listening on http://%s:%d", args.host, port)
+    print(f"asyncrl builtin engine listening on http://{args.host}:{port}", flush=True)
+
+    stop = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        if not args.skip_server_warmup:
+            await asyncio.to_thread(_warmup, engine)
+        server.ready = True
+        logger.info("The server is fired up and ready to roll!")
+        await stop.wait()
+    finally:
+        server.ready = False
+        await asyncio.to_thread(engine.stop)
+        await runner.cleanup()
+
+
+def _warmup(engine: object) -> None:
+    """One short greedy generation through the scheduler (captures CUDA graphs on CUDA)."""
+    import threading
+
+    from asyncrl_sglang.builtin.engine import Engine, Request
+    from asyncrl_sglang.builtin.sampling import SamplingOptions
+
+    assert isinstance(engine, Engine)
+    done = threading.Event()
+    probe = Request(
+        rid="warmup",
+        prompt_ids=[0, 1, 2, 3],
+        options=SamplingOptions(max_new_tokens=8, temperature=0.0, ignore_eos=True),
+        on_update=lambda _request, finished: done.set() if finished else None,
+    )
+    engine.call(lambda: engine.add_request(probe), timeout_s=60.0)
+    if not done.wait(600.0):
+        raise RuntimeError("warm-up generation did not finish within 600 s")
+
+
+def _write_port_file(path: Path, port: int) -> None:
+    """Write atomically, so a reader never sees a half-written number."""
+    staging = path.with_name(path.name + ".tmp")
+    staging.write_text(f"{port}\n")
+    staging.replace(path)
+
+
+def _load_tokenizer(path: str) -> Any:
+    if not (Path(path) / "tokenizer.json").exists() and not (Path(path) / "tokenizer_config.json").exists():
+        logger.warning("no tokenizer in %s: text input and stop strings are refused", path)
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _bound_port(site: object, requested: int) -> int:
+    server = getattr(site, "_server", None)
+    sockets = getattr(server, "sockets", None) or []
+    for sock in sockets:
+        return int(sock.getsockname()[1])
+    return requested
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,575 @@
+"""The engine core: continuous batching over a per-slot KV cache, sampling, pause modes and weight versions.
+
+One scheduler thread owns the model, the KV cache and every request's state. Everything else (the HTTP
+handlers) talks to it through `Engine.call`, which runs a function on that thread between two steps, and
+through each request's `on_update` callback, which the thread calls after every token and at the finish.
+
+A step: run the pending control calls; unless paused, admit waiting requests into free slots (one prefill
+each, FIFO, up to `max_running_requests`), then decode one token for every running request in one batched
+forward. Running requests occupy slots `0..B-1`; when one finishes, the last slot's KV moves into its place,
+so the decode reads one contiguous view of the cache.
+
+Invariant of a running request: the cache of its slot holds K/V for `prompt + output[:-1]`; the last output
+token is fed at the next decode step (at position `len(prompt) + len(output) - 1`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+import torch
+from torch import Tensor
+
+from asyncrl_sglang.builtin.model import EngineModel, KVCache
+from asyncrl_sglang.builtin.sampling import SamplingOptions, sample_tokens
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+PauseMode = Literal["abort", "retract", "in_place"]
+KV_CAPACITY_STEP = 256
+"""The KV cache grows in multiples of this many positions (up to the context length)."""
+
+
+class EngineBusyError(RuntimeError):
+    """A control operation that needs an idle engine was called while requests are held or running."""
+
+
+@dataclass(slots=True)
+class Request:
+    """One sequence being generated. Mutated only by the scheduler thread; lists only ever grow."""
+
+    rid: str
+    prompt_ids: list[int]
+    options: SamplingOptions
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    on_update: Callable[[Request, bool], None] | None = None
+    """Called on the scheduler thread after each new token (finished=False) and once at the end (True)."""
+    stream: bool = False
+    output_ids: list[int] = field(default_factory=lambda: list[int]())
+    output_logprobs: list[float] = field(default_factory=lambda: list[float]())
+    output_top_logprobs: list[list[tuple[float, int]]] = field(
+        default_factory=lambda: list[list[tuple[float, int]]]()
+    )
+    input_logprobs: list[float | None] = field(default_factory=lambda: list[float | None]())
+    input_top_logprobs: list[list[tuple[float, int]] | None] = field(
+        default_factory=lambda: list[list[tuple[float, int]] | None]()
+    )
+    version_marks: list[tuple[str, int]] = field(default_factory=lambda: list[tuple[str, int]]())
+    """(version, first output position under it); the spans of `weight_versions`."""
+    num_retractions: int = 0
+    finish_reason: dict[str, Any] | None = None
+    was_running: bool = False
+    """False while it never left the waiting queue (then an abort response carries no `prompt_tokens`)."""
+    created_s: float = field(default_factory=time.monotonic)
+    generator: torch.Generator | None = None
+    stop_text_scan: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def weight_versions(self, length: int | None = None) -> list[dict[str, Any]]:
+        """Half-open spans over the first `length` output positions (all by default), empty ones dropped."""
+        end_all = len(self.output_ids) if length is None else length
+        spans: list[dict[str, Any]] = []
+        for index, (version, start) in enumerate(self.version_marks):
+            end = self.version_marks[index + 1][1] if index + 1 < len(self.version_marks) else end_all
+            start, end = min(start, end_all), min(end, end_all)
+            if end > start:
+                spans.append({"version": version, "start": start, "end": end})
+        if not spans:
+            # Finished before its first token: one empty span under the last version.
+            spans.append({"version": self.version_marks[-1][0], "start": 0, "end": 0})
+        return spans
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    """Totals since start, read by `/metrics` (plain ints: written by the scheduler thread only)."""
+
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    num_requests_total: int = 0
+    num_aborted_requests_total: int = 0
+    num_retracted_requests_total: int = 0
+    num_retracted_output_tokens_total: int = 0
+    num_weight_updates_total: int = 0
+    gen_throughput: float = 0.0
+    """Decode tokens per second over the last decode steps (zeroed on a retract pause)."""
+
+
+class Engine:
+    """Continuous batching for one model; start with `start()`, stop with `stop()`."""
+
+    def __init__(
+        self,
+        model: EngineModel,
+        *,
+        max_running_requests: int = 32,
+        context_length: int | None = None,
+        weight_version: str = "default",
+        seed: int = 0,
+        eos_token_ids: Sequence[int] = (),
+        decode_text: Callable[[list[int]], str] | None = None,
+        use_cuda_graphs: bool = False,
+    ) -> None:
+        if max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
+        self.model = model
+        self.max_running_requests = max_running_requests
+        self.context_length = context_length or model.config.max_position_embeddings
+        self.weight_version = weight_version
+        self.eos_token_ids = frozenset(eos_token_ids or model.config.eos_token_ids)
+        self.decode_text = decode_text
+        """Token ids -> text, used for stop strings (None: stop strings are refused at validation)."""
+        self.generator = torch.Generator(device=model.device).manual_seed(seed)
+        self.counters = EngineCounters()
+        self.running: list[Request] = []
+        self.waiting: deque[Request] = deque()
+        self.paused: PauseMode | None = None
+        self.weights_released = False
+        self._cache: KVCache | None = None
+        self._graphs = _DecodeGraphs(self) if use_cuda_graphs and model.device.type == "cuda" else None
+        self._commands: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="builtin-engine", daemon=True)
+        self._throughput_window: deque[tuple[float, int]] = deque(maxlen=32)
+
+    # ---------------------------------------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Finish every request with an abort and end the scheduler thread."""
+        if not self._thread.is_alive():
+            return
+        try:
+            self.call(lambda: self._abort_all("Server is shutting down"), timeout_s=timeout_s)
+        finally:
+            with self._wake:
+                self._stopping = True
+                self._wake.notify()
+            self._thread.join(timeout_s)
+
+    def call(self, fn: Callable[[], T], timeout_s: float | None = None) -> T:
+        """Run `fn` on the scheduler thread between two steps and return its result (or raise its error)."""
+        return self.call_async(fn).result(timeout_s)
+
+    def call_async(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        if threading.current_thread() is self._thread:
+            future.set_result(fn())
+            return future
+        with self._wake:
+            if self._stopping:
+                future.set_exception(RuntimeError("the engine has stopped"))
+                return future
+            self._commands.append((fn, future))
+            self._wake.notify()
+        return future
+
+    # ---------------------------------------------------------------------------------------------- state
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def is_idle(self) -> bool:
+        return not self.running and not self.waiting
+
+    def find(self, rid: str) -> Request | None:
+        for request in (*self.running, *self.waiting):
+            if request.rid == rid:
+                return request
+        return None
+
+    # ---------------------------------------------------------------------------------------------- commands
+    # Everything below named without a leading underscore is meant to run through `call`.
+    def add_request(self, request: Request) -> None:
+        """Queue a request (FIFO). Its version spans start at the current weight version."""
+        request.version_marks = [(self.weight_version, 0)]
+        if request.options.sampling_seed is not None:
+            request.generator = torch.Generator(device=self.model.device).manual_seed(
+                request.options.sampling_seed
+            )
+        self.counters.num_requests_total += 1
+        self.waiting.append(request)
+
+    def abort(self, rid: str, message: str = "Aborted") -> bool:
+        """Finish the request `rid` with an abort reason; False if no such request is live."""
+        request = self.find(rid)
+        if request is None:
+            return False
+        self._abort(request, message)
+        return True
+
+    def _abort_all(self, message: str = "Aborted") -> int:
+        victims = [*self.running, *self.waiting]
+        for request in victims:
+            self._abort(request, message)
+        return len(victims)
+
+    def abort_all(self) -> int:
+        """Abort every running and waiting request; returns how many."""
+        return self._abort_all()
+
+    def pause(self, mode: PauseMode) -> None:
+        """Stop forming batches. `retract` also frees the KV of every running request and requeues it."""
+        if mode == "retract":
+            for request in reversed(self.running):
+                request.num_retractions += 1
+                self.counters.num_retracted_requests_total += 1
+                self.counters.num_retracted_output_tokens_total += len(request.output_ids)
+                self.waiting.appendleft(request)
+            self.running.clear()
+            self.counters.gen_throughput = 0.0
+            self._throughput_window.clear()
+        if mode == "abort":
+            self._abort_all()
+        # A retract pause on top of an in_place one still retracts; any pause keeps the strongest hold.
+        self.paused = mode
+
+    def resume(self) -> None:
+        self.paused = None
+
+    def set_weight_version(self, version: str) -> None:
+        """Relabel the weights; every live request records a boundary at its current output length."""
+        if version == self.weight_version:
+            return
+        self.weight_version = version
+        for request in (*self.running, *self.waiting):
+            position = len(request.output_ids)
+            last_version, last_start = request.version_marks[-1]
+            if last_start == position:
+                request.version_marks[-1] = (version, position)
+            elif last_version != version:
+                request.version_marks.append((version, position))
+            # Merge back if a relabel returned to the previous span's version with no token in between.
+            if (
+                len(request.version_marks) >= 2
+                and request.version_marks[-2][0] == request.version_marks[-1][0]
+            ):
+                request.version_marks.pop()
+
+    def load_weights(self, tensors: Sequence[tuple[str, Tensor]], version: str | None) -> None:
+        """Load (a subset of) parameters by HuggingFace name, then relabel if `version` is given.
+
+        Raises `ModelLoadError` (nothing changed) when a name or shape does not fit.
+        """
+        self.model.load_named_tensors(tensors)
+        self.counters.num_weight_updates_total += 1
+        if self._graphs is not None:
+            self._graphs.weights_changed()
+        if version is not None:
+            self.set_weight_version(version)
+
+    def flush_cache(self) -> None:
+        """Drop the KV buffers (they are reallocated at the next prefill); refused unless fully idle.
+
+        The engine keeps no prefix cache, so no KV is ever reused across requests or weight versions.
+        """
+        if not self.is_idle():
+            raise EngineBusyError(
+                f"Cannot flush the cache: {self.num_running} running and {self.num_waiting} waiting requests "
+                "are held (finish, abort or continue them first)."
+            )
+        self._release_cache()
+
+    def release_memory(self, tags: Sequence[str]) -> None:
+        """Free the KV cache (`kv_cache`) and move the weights to host memory (`weights`, CUDA only)."""
+        if not self.is_idle():
+            raise EngineBusyError(
+                f"Cannot release memory: {self.num_running} running and {self.num_waiting} waiting requests."
+            )
+        if "kv_cache" in tags or "cuda_graph" in tags:
+            self._release_cache()
+        if "weights" in tags and not self.weights_released:
+            self._weights_device = self.model.device
+            if self.model.device.type == "cuda":
+                self.model.move_weights(torch.device("cpu"))
+                if self._graphs is not None:
+                    self._graphs.weights_changed()
+                torch.cuda.empty_cache()
+            self.weights_released = True
+
+    def resume_memory(self, tags: Sequence[str]) -> None:
+        if "weights" in tags and self.weights_released:
+            self.model.move_weights(self._weights_device)
+            if self._graphs is not None:
+                self._graphs.weights_changed()
+            self.weights_released = False
+
+    def _release_cache(self) -> None:
+        self._cache = None
+        if self._graphs is not None:
+            self._graphs.clear()
+        if self.model.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # ---------------------------------------------------------------------------------------------- the loop
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopping and not self._commands and not self._has_work():
+                    self._wake.wait()
+                if self._stopping:
+                    commands = list(self._commands)
+                    self._commands.clear()
+                    for _, future in commands:
+                        future.set_exception(RuntimeError("the engine has stopped"))
+                    return
+                commands = list(self._commands)
+                self._commands.clear()
+            for fn, future in commands:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn())
+                    except BaseException as error:
+                        future.set_exception(error)
+            if not self._has_work():
+                continue
+            try:
+                self._step()
+            except Exception as error:
+                # A failed step must not leave requests hanging: finish them with the error and go on.
+                logger.exception("engine step failed")
+                self._abort_all(f"Internal engine error: {error}")
+
+    def _has_work(self) -> bool:
+        return self.paused is None and not self.weights_released and bool(self.running or self.waiting)
+
+    def _step(self) -> None:
+        while self.waiting and len(self.running) < self.max_running_requests:
+            self._prefill(self.waiting.popleft())
+        if self.running:
+            self._decode()
+
+    def _ensure_cache(self, length: int) -> KVCache:
+        cache = self._cache
+        if cache is not None and cache.capacity >= length:
+            return cache
+        capacity = min(self.context_length, -(-max(length, 1) // KV_CAPACITY_STEP) * KV_CAPACITY_STEP)
+        if cache is not None:
+            capacity = max(capacity, min(self.context_length, 2 * cache.capacity))
+        model = self.model
+        grown = KVCache(model.config, self.max_running_requests, capacity, model.device, model.dtype)
+        if cache is not None:
+            used = max((r.num_tokens for r in self.running), default=0)
+            for old_k, new_k, old_v, new_v in zip(
+                cache.keys, grown.keys, cache.values, grown.values, strict=True
+            ):
+                new_k[:, :, :used].copy_(old_k[:, :, :used])
+                new_v[:, :, :used].copy_(old_v[:, :, :used])
+        self._cache = grown
+        if self._graphs is not None:
+            self._graphs.clear()
+        return grown
+
+    def _prefill(self, request: Request) -> None:
+        """Run prompt + output-so-far into a fresh slot and sample the next token (a re-prefill after retract
+        recomputes all KV under the current weights)."""
+        tokens = request.prompt_ids + request.output_ids
+        cache = self._ensure_cache(len(tokens) + 1)
+        slot = len(self.running)
+        hidden = self.model.prefill(torch.tensor(tokens, dtype=torch.long), cache, slot)
+        first_time = not request.was_running
+        request.was_running = True
+        self.running.append(request)
+        if first_time:
+            self.counters.prompt_tokens_total += len(request.prompt_ids)
+            if request.return_logprob and request.logprob_start_len >= 0:
+                self._input_logprobs(request, hidden)
+        logits = self.model.logits(hidden[-1:])
+        self._accept([request], logits)
+
+    def _input_logprobs(self, request: Request, hidden: Tensor) -> None:
+        """Logprobs of prompt tokens from `logprob_start_len` on (the first prompt token has none)."""
+        start = min(request.logprob_start_len, len(request.prompt_ids))
+        if start == 0:
+            request.input_logprobs.append(None)
+            request.input_top_logprobs.append(None)
+            start = 1
+        num_prompt = len(request.prompt_ids)
+        if start >= num_prompt:
+            return
+        logits = self.model.logits(hidden[start - 1 : num_prompt - 1])
+        logprobs = torch.log_softmax(logits / request.options.logprob_temperature, dim=-1)
+        targets = torch.tensor(request.prompt_ids[start:num_prompt], device=logprobs.device)
+        chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+        request.input_logprobs.extend(chosen)
+        if request.top_logprobs_num > 0:
+            values, ids = logprobs.topk(request.top_logprobs_num, dim=-1)
+            for row_values, row_ids in zip(values.tolist(), ids.tolist(), strict=True):
+                request.input_top_logprobs.append(list(zip(row_values, row_ids, strict=True)))
+        else:
+            request.input_top_logprobs.extend([None] * len(chosen))
+
+    def _decode(self) -> None:
+        running = self.running
+        batch = len(running)
+        cache = self._ensure_cache(max(r.num_tokens for r in running) + 1)
+        positions_list = [r.num_tokens - 1 for r in running]
+        started = time.monotonic()
+        if self._graphs is not None:
+            hidden = self._graphs.decode([r.output_ids[-1] for r in running], positions_list, cache)
+        else:
+            device = self.model.device
+            input_ids = torch.tensor([r.output_ids[-1] for r in running], dtype=torch.long, device=device)
+            positions = torch.tensor(positions_list, dtype=torch.long, device=device)
+            hidden = self.model.decode(input_ids, positions, cache, max(positions_list) + 1)
+        logits = self.model.logits(hidden)
+        self._accept(list(running), logits)
+        self._throughput_window.append((time.monotonic() - started, batch))
+        elapsed = sum(s for s, _ in self._throughput_window)
+        if elapsed > 0:
+            self.counters.gen_throughput = sum(n for _, n in self._throughput_window) / elapsed
+
+    def _accept(self, requests: list[Request], logits: Tensor) -> None:
+        """Sample one token per request from logits [B, vocab], record it, and finish who is done."""
+        sampled = sample_tokens(requests, logits, self.generator, self.eos_token_ids)
+        for request, (token, logprob, top) in zip(requests, sampled, strict=True):
+            request.output_ids.append(token)
+            if request.return_logprob:
+                request.output_logprobs.append(logprob)
+                if request.top_logprobs_num > 0:
+                    request.output_top_logprobs.append(top)
+            self.counters.generation_tokens_total += 1
+            reason = self._finish_reason(request, token)
+            if reason is not None:
+                self._finish(request, reason)
+            elif request.on_update is not None and request.stream:
+                request.on_update(request, False)
+
+    def _finish_reason(self, request: Request, token: int) -> dict[str, Any] | None:
+        options = request.options
+        num_output = len(request.output_ids)
+        if num_output >= options.min_new_tokens:
+            if token in options.stop_token_ids or (not options.ignore_eos and token in self.eos_token_ids):
+                return {"type": "stop", "matched": token}
+            if options.stop and self.decode_text is not None:
+                matched = self._match_stop_string(request)
+                if matched is not None:
+                    return {"type": "stop", "matched": matched}
+        if options.max_new_tokens is not None and num_output >= options.max_new_tokens:
+            return {"type": "length", "length": num_output}
+        if request.num_tokens >= self.context_length:
+            return {"type": "length", "length": num_output}
+        return None
+
+    def _match_stop_string(self, request: Request) -> str | None:
+        assert self.decode_text is not None
+        text = self.decode_text(request.output_ids)
+        longest = max(len(s) for s in request.options.stop)
+        # Only text that the latest token can have completed: from just before the previous scan's end.
+        scan_from = max(0, request.stop_text_scan - longest + 1)
+        request.stop_text_scan = len(text)
+        best: tuple[int, str] | None = None
+        for stop in request.options.stop:
+            index = text.find(stop, scan_from)
+            if index >= 0 and (best is None or index < best[0]):
+                best = (index, stop)
+        return None if best is None else best[1]
+
+    def _finish(self, request: Request, reason: dict[str, Any]) -> None:
+        request.finish_reason = reason
+        if request in self.running:
+            self._free_slot(self.running.index(request))
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        if request.on_update is not None:
+            request.on_update(request, True)
+
+    def _abort(self, request: Request, message: str) -> None:
+        self.counters.num_aborted_requests_total += 1
+        status = None
+        self._finish(request, {"type": "abort", "message": message, "status_code": status, "err_type": None})
+
+    def _free_slot(self, slot: int) -> None:
+        """Remove the running request in `slot`, moving the last running request's KV into its place."""
+        last = len(self.running) - 1
+        if slot != last and self._cache is not None:
+            moved = self.running[last]
+            # Up to num_tokens: covers the KV written by this step's decode even before its token is appended.
+            self._cache.move_slot(last, slot, min(moved.num_tokens, self._cache.capacity))
+        self.running[slot] = self.running[last]
+        self.running.pop()
+
+
+class _DecodeGraphs:
+    """CUDA graphs of the decode step, one per batch-size bucket, over the whole KV capacity.
+
+    Each graph reads its inputs from static tensors (ids, positions) and writes the hidden states to a static
+    output; rows beyond the live batch decode into free slots (harmless: a slot's KV is rewritten by its next
+    prefill). The weights are read in place, so a weight update needs no recapture unless they move.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor, Tensor, Tensor]] = {}
+        self.pool: Any = None
+
+    def clear(self) -> None:
+        self.graphs.clear()
+
+    def weights_changed(self) -> None:
+        # `load_named_tensors` copies into the same storage: graphs stay valid. Moving weights does not.
+        pass
+
+    def bucket(self, batch: int) -> int:
+        size = 1
+        while size < batch:
+            size *= 2
+        return min(size, self.engine.max_running_requests)
+
+    def decode(self, input_ids: list[int], positions: list[int], cache: KVCache) -> Tensor:
+        batch = len(input_ids)
+        size = self.bucket(batch)
+        entry = self.graphs.get(size)
+        if entry is None:
+            entry = self._capture(size, cache)
+            self.graphs[size] = entry
+        graph, static_ids, static_positions, output = entry
+        # Padding rows write into free slots at the last position, which no live request uses.
+        padded_ids = input_ids + [0] * (size - batch)
+        padded_positions = positions + [cache.capacity - 1] * (size - batch)
+        static_ids.copy_(torch.tensor(padded_ids, dtype=torch.long), non_blocking=True)
+        static_positions.copy_(torch.tensor(padded_positions, dtype=torch.long), non_blocking=True)
+        graph.replay()
+        return output[:batch]
+
+    def _capture(self, size: int, cache: KVCache) -> tuple[torch.cuda.CUDAGraph, Tensor, Tensor, Tensor]:
+        model = self.engine.model
+        device = model.device
+        # Warm-up and capture run on the live cache: write only at the last position, which the capacity rule
+        # (capacity >= longest request + 1) keeps free of live KV.
+        static_ids = torch.zeros(size, dtype=torch.long, device=device)
+        static_positions = torch.full((size,), cache.capacity - 1, dtype=torch.long, device=device)
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                model.decode(static_ids, static_positions, cache, cache.capacity)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            output = model.decode(static_ids, static_positions, cache, cache.capacity)
+        self.pool = graph.pool()
+        return graph, static_ids, static_positions, output
