@@ -150,8 +150,13 @@ def builtin_command(
 ) -> EngineCommand:
     """The command line of one built-in engine (same flag names as SGLang's where they exist).
 
-    `devices`: GPU ids for the engine (`CUDA_VISIBLE_DEVICES`); none runs it where it finds itself.
+    `devices`: the GPU for the engine (`CUDA_VISIBLE_DEVICES`, and the engine runs on `cuda`); none runs
+    it on the CPU.
     """
+    if len(devices) > 1:
+        raise EngineControlError(
+            f"the built-in engine runs on one device (tensor_parallel_size 1), got devices {list(devices)}"
+        )
     arguments: dict[str, ServerArgument] = {
         "model_path": model_path,
         "host": host,
@@ -159,6 +164,7 @@ def builtin_command(
         "max_running_requests": max_running_requests,
         "weight_version": "0",
         "enable_metrics": enable_metrics,
+        "device": "cuda" if devices else "cpu",
     }
     if context_length is not None:
         arguments["context_length"] = context_length
