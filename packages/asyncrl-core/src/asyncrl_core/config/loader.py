@@ -250,7 +250,7 @@ class _Interpolator:
 def render_yaml(config: AsyncRLConfig, *, mark_derived: bool = True) -> str:
     """The resolved configuration as YAML, every key written out, derived values marked `# derived`.
 
-    Loading the text again gives an equal configuration.
+    Loading the text again gives a configuration with the same values (with no key marked derived).
     """
     lines: list[str] = []
     _emit(config.model_dump(mode="json"), [], lines, config.derived_keys if mark_derived else frozenset())

@@ -133,6 +133,8 @@ def run_rules(config: AsyncRLConfig, errors: list[ConfigProblem], warnings: list
     _check_buffer(config, errors, warnings)
     _check_plugins(config, errors)
     _check_checkpoint(config, warnings)
+    if not errors:
+        _check_resolved(config, errors)
 
 
 def _check_placement(config: AsyncRLConfig, errors: list[ConfigProblem]) -> None:
@@ -423,6 +425,18 @@ def _check_buffer(config: AsyncRLConfig, errors: list[ConfigProblem], warnings: 
                 f"than rollout_buffer.max_inflight_groups {inflight}; raise it or remove it (it is derived)",
             )
         )
+
+
+def _check_resolved(config: AsyncRLConfig, errors: list[ConfigProblem]) -> None:
+    """Every derived key has a value once the rules pass (`cluster.num_devices` may stay unset: no GPU)."""
+    values = {
+        "rollout.num_instances": config.rollout.num_instances,
+        "rollout_buffer.max_inflight_groups": config.rollout_buffer.max_inflight_groups,
+        "agentloop.max_concurrent_groups": config.agentloop.max_concurrent_groups,
+    }
+    for key, value in values.items():
+        if value is None:
+            errors.append(ConfigProblem(key, "could not be derived from the other keys; set it explicitly"))
 
 
 def _check_checkpoint(config: AsyncRLConfig, warnings: list[ConfigProblem]) -> None:
