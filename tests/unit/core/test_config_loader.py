@@ -201,6 +201,16 @@ def test_schema_describes_every_field() -> None:
     assert undocumented == []
 
 
+def test_schema_lets_an_editor_accept_the_examples() -> None:
+    schema = AsyncRLConfig.model_json_schema()
+    placement = schema["$defs"]["ClusterConfig"]["properties"]["component_placement"]["additionalProperties"]
+    assert {"string", "integer", "array"} == {option["type"] for option in placement["anyOf"]}
+    # A torch or megatron actor section matches only its own member of the union (oneOf).
+    plugin_backend = schema["$defs"]["PluginActorConfig"]["properties"]["backend"]
+    assert plugin_backend["not"] == {"enum": ["torch", "megatron"]}
+    assert schema["$defs"]["TorchActorConfig"]["properties"]["backend"]["const"] == "torch"
+
+
 def test_importing_the_configuration_is_light() -> None:
     code = (
         "import sys, asyncrl_core.config, asyncrl_core.plugins, asyncrl_core.cli\n"

@@ -25,6 +25,7 @@ from pydantic import (
     PrivateAttr,
     Tag,
     ValidationError,
+    WithJsonSchema,
     model_validator,
 )
 
@@ -52,7 +53,17 @@ def _device_ids_as_text(value: object) -> object:
 ServerArgument = str | int | float | bool
 """The value of one extra server argument."""
 
-DeviceIds = Annotated[str, BeforeValidator(_device_ids_as_text)]
+_DEVICE_IDS_SCHEMA: dict[str, JsonValue] = {
+    "anyOf": [
+        {"type": "string", "pattern": r"^\s*\d+(\s*-\s*\d+)?(\s*,\s*\d+(\s*-\s*\d+)?)*\s*$"},
+        {"type": "integer", "minimum": 0},
+        {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+    ]
+}
+
+DeviceIds = Annotated[
+    str, BeforeValidator(_device_ids_as_text), WithJsonSchema(_DEVICE_IDS_SCHEMA, mode="validation")
+]
 """Device ids as text: `0-7` (a range, both ends included), `0,2,4`, `3`, or a mix such as `0-3,6`."""
 
 
@@ -254,7 +265,8 @@ class MegatronActorConfig(ActorCommon):
 class PluginActorConfig(ActorCommon):
     """An actor from the entry-point group `asyncrl.actors`, or `module:attr`."""
 
-    backend: Annotated[str, Field(min_length=1)]
+    # The schema excludes the built-in names, so an editor matches exactly one member of the union.
+    backend: Annotated[str, Field(min_length=1, json_schema_extra={"not": {"enum": ["torch", "megatron"]}})]
     """A name in the entry-point group `asyncrl.actors`, or `module:attr` of the actor factory."""
     backend_args: dict[str, JsonValue] = Field(default_factory=dict[str, JsonValue])
     """Arguments passed to the plugin actor's factory."""
