@@ -1,0 +1,165 @@
+"""Process groups for the Megatron actor: torch.distributed (NCCL on GPUs, gloo on CPUs) and Megatron's
+tensor / data parallel groups.
+
+A worker launched by a launcher (torchrun, Ray) finds `RANK`, `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT`
+in its environment; a single process with none of them becomes a world of one on a free loopback port.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import socket
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from asyncrl_megatron import _cpu
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def initialize(tensor_parallel_size: int = 1, *, seed: int = 0, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Start torch.distributed if needed, then Megatron's model-parallel groups and RNG tracker.
+
+    On a machine without a GPU the CPU adaptation (`asyncrl_megatron._cpu`) is applied first. Re-entering
+    with the same `tensor_parallel_size` is a no-op; a different one is an error.
+    """
+    with warnings.catch_warnings():
+        # Importing Megatron without Apex or TransformerEngine warns about the torch fallbacks we rely on.
+        warnings.simplefilter("ignore")
+        _cpu.enable()
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
+        rank = int(os.environ.get("RANK", "0"))
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(
+            backend="nccl" if torch.cuda.is_available() else "gloo",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    world_size = dist.get_world_size()
+    if world_size % tensor_parallel_size:
+        raise ValueError(
+            f"tensor_parallel_size {tensor_parallel_size} must divide the world size {world_size}"
+        )
+    if parallel_state.model_parallel_is_initialized():
+        current = parallel_state.get_tensor_model_parallel_world_size()
+        if current != tensor_parallel_size:
+            raise ValueError(
+                f"model parallelism is already initialised with tensor_parallel_size {current}, "
+                f"not {tensor_parallel_size}"
+            )
+        return
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_parallel_size, pipeline_model_parallel_size=1
+    )
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def destroy() -> None:
+    """Tear down Megatron's groups and torch.distributed (for tests that build several worlds in turn)."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _spawned_main(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    args: Sequence[Any],
+    results: Any,
+    collected: Any,
+) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )  # fmt: skip
+    try:
+        value = fn(*args)
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+        raise SystemExit(1) from None
+    results.put((rank, True, value))
+    # Tensors travel as shared-memory handles owned by this process: stay alive until the parent has them.
+    collected.wait(timeout=600)
+
+
+def spawn(
+    fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), *, timeout_s: float
+) -> list[Any]:
+    """Run `fn(*args)` in `world_size` fresh processes forming one torch.distributed world on loopback.
+
+    Each process gets `RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `MASTER_ADDR` and a free `MASTER_PORT`, so
+    `initialize()` inside `fn` joins the world. Returns the ranks' return values (which must be picklable),
+    in rank order. If a rank raises, or the whole run exceeds `timeout_s`, every process still alive is
+    killed and a `RuntimeError` carries the failing rank's traceback.
+    """
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    collected = context.Event()
+    port = free_port()
+    processes = [
+        context.Process(
+            target=_spawned_main, args=(fn, rank, world_size, port, args, results, collected), daemon=True
+        )
+        for rank in range(world_size)
+    ]
+    values: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        for process in processes:
+            process.start()
+        while len(values) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RuntimeError(f"spawned world of {world_size} did not finish within {timeout_s} s")
+            try:
+                rank, ok, value = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(
+                        f"a spawned rank exited with code {dead[0]} without a result"
+                    ) from None
+                continue
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            values[rank] = value
+        collected.set()
+        for process in processes:
+            process.join(timeout=max(deadline - time.monotonic(), 1.0))
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=10)
+        results.close()
+    return [values[rank] for rank in range(world_size)]
