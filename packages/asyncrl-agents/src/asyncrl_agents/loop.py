@@ -1,0 +1,415 @@
+"""The agent loop: multi-turn, tool-using trajectories of one prompt, run against the rollout engines.
+
+Token-level invariants (what the actor trains on is exactly what the engine sampled):
+
+- The prompt is the chat template applied to the task's messages with the generation prompt, tokenised once.
+- A model turn's `Generation.output_ids` are appended verbatim, with loss mask 1, the engine's logprobs and
+  the per-token weight versions of its spans. Model tokens are never decoded and encoded again: they are
+  decoded only to be parsed.
+- The task's stop strings (closing tags such as `</search>`) are requested with `no_stop_trim`, so the text
+  the parser reads ends with the tag, and the output ids are what the engine sampled in any case (SGLang
+  trims stop strings from the text only). A stop string may end inside a token (`</search>` + `\\n\\n` as one
+  token): the extra characters stay, because the ids must.
+- The observation is tokenised on its own and appended with mask 0, logprob 0.0 and `NO_VERSION`. The next
+  turn is generated from the whole id sequence, so the engine conditions on exactly these ids.
+- Like Search-R1, the episode continues inside one assistant message: observations are plain text after the
+  model's tag, not new chat messages. A turn that ends with an end-of-message token (EOS, `<|im_end|>`, a
+  `stop_token_ids` entry) ends the episode: nothing may follow the model's end of message. If that turn holds
+  a final answer it counts; otherwise the episode ends with finish reason `stop` and no answer.
+
+Budget: the response (model and observation tokens, all turns) stays within `max_response_len`, and prompt
+plus response within the engine's `context_len`. A turn's `max_new_tokens` is cut to what is left; an
+observation that does not fit is cut in its middle (its opening and closing survive) to leave
+`min_turn_tokens` for the model; when even that is impossible the episode ends with finish reason `context`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from asyncrl_core.errors import AsyncRLError, GenerationError, PromptTooLongError
+from asyncrl_core.protocols import GenerationClient, Task, Tool
+from asyncrl_core.types import (
+    NO_VERSION,
+    ChatMessage,
+    FinalAnswer,
+    Generation,
+    Group,
+    InvalidTurn,
+    SamplingParams,
+    TaskSample,
+    ToolCall,
+    ToolResult,
+    Trajectory,
+)
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+OBSERVATION_TAIL_TOKENS = 16
+"""Tokens kept from the end of a cut observation (its closing tag and separator)."""
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """The HuggingFace tokenizer of the model folder `path` (local files only)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+@dataclass(slots=True)
+class _Episode:
+    """The growing token sequence of one trajectory and its per-token lists (aligned with the response)."""
+
+    token_ids: list[int]
+    prompt_len: int
+    loss_mask: list[int] = field(default_factory=list[int])
+    logprobs: list[float] = field(default_factory=list[float])
+    versions: list[int] = field(default_factory=list[int])
+    num_turns: int = 0
+    answer: FinalAnswer | None = None
+    finish_reason: str = ""
+    generation_s: float = 0.0
+    tool_s: float = 0.0
+    parse_s: float = 0.0
+    bookkeeping_s: float = 0.0
+    num_tool_calls: int = 0
+    num_tool_errors: int = 0
+    num_invalid_turns: int = 0
+    num_observations_cut: int = 0
+    latest_version: int = NO_VERSION
+
+    @property
+    def response_len(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    def add_model_tokens(self, generation: Generation) -> None:
+        ids = generation.output_ids
+        if len(generation.logprobs) != len(ids):
+            raise AsyncRLError(
+                f"the engine returned {len(generation.logprobs)} logprobs for {len(ids)} output tokens"
+            )
+        versions = generation.token_versions()
+        if ids and NO_VERSION in versions:
+            raise AsyncRLError(
+                f"the engine's version spans {generation.version_spans} do not cover {len(ids)} tokens"
+            )
+        self.token_ids.extend(ids)
+        self.loss_mask.extend([1] * len(ids))
+        self.logprobs.extend(generation.logprobs)
+        self.versions.extend(versions)
+        if versions:
+            self.latest_version = max(self.latest_version, *versions)
+
+    def add_observation_tokens(self, ids: Sequence[int]) -> None:
+        self.token_ids.extend(ids)
+        self.loss_mask.extend([0] * len(ids))
+        self.logprobs.extend([0.0] * len(ids))
+        self.versions.extend([NO_VERSION] * len(ids))
+
+
+class AgentLoopWorker:
+    """Runs groups of multi-turn trajectories of a task against a `GenerationClient`, many groups at once.
+
+    A plain class with async methods: build it in a test, or wrap it in a Ray actor. Every group runs its
+    `group_size` trajectories concurrently; at most `max_concurrent_groups` groups run at a time (the others
+    wait in `run_group`). A tool's exception or timeout becomes an observation; an episode that outgrows
+    `max_turns` or the context budget ends cleanly with that finish reason. A `GenerationError` (the engine
+    refused a request) ends that trajectory with finish reason `error`; an unreachable engine raises.
+
+    Args:
+        task: the task (dataset, tools, parser, observations, reward).
+        client: the rollout engines.
+        tokenizer: the model's HuggingFace tokenizer, or the model folder to load it from.
+        group_size: trajectories per prompt.
+        sampling: sampling settings of every turn; `max_new_tokens` caps one turn (the budget may cut it
+            further), `stop` is extended with the task's stop strings and `no_stop_trim` is forced on.
+        max_prompt_len: longest prompt in tokens; a longer one raises `PromptTooLongError`.
+        max_response_len: most response tokens of one trajectory, model and observation tokens alike.
+        context_len: the engine's context length (prompt + response); unset means no limit beyond the two
+            above.
+        max_turns: most model turns; unset uses the task's.
+        max_concurrent_groups: groups this worker runs at once.
+        tool_timeout_s: longest a tool call may take before it counts as failed.
+        num_demonstrations: the task's demonstrations to show before the question, as earlier chat turns.
+        min_turn_tokens: the smallest model turn worth generating after an observation.
+    """
+
+    def __init__(
+        self,
+        task: Task,
+        client: GenerationClient,
+        tokenizer: PreTrainedTokenizerBase | str | Path,
+        *,
+        group_size: int,
+        sampling: SamplingParams,
+        max_prompt_len: int,
+        max_response_len: int,
+        context_len: int | None = None,
+        max_turns: int | None = None,
+        max_concurrent_groups: int = 8,
+        tool_timeout_s: float = 30.0,
+        num_demonstrations: int = 0,
+        min_turn_tokens: int = 8,
+    ) -> None:
+        for name, value in (
+            ("group_size", group_size),
+            ("max_prompt_len", max_prompt_len),
+            ("max_response_len", max_response_len),
+            ("max_concurrent_groups", max_concurrent_groups),
+            ("min_turn_tokens", min_turn_tokens),
+            ("sampling.max_new_tokens", sampling.max_new_tokens),
+        ):
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        if context_len is not None and context_len <= max_prompt_len:
+            raise ValueError(f"context_len ({context_len}) must exceed max_prompt_len ({max_prompt_len})")
+        if max_turns is not None and max_turns < 1:
+            raise ValueError(f"max_turns must be at least 1, got {max_turns}")
+        if tool_timeout_s <= 0:
+            raise ValueError(f"tool_timeout_s must be positive, got {tool_timeout_s}")
+        if num_demonstrations < 0:
+            raise ValueError(f"num_demonstrations must be non-negative, got {num_demonstrations}")
+        self.task = task
+        self.client = client
+        self.tokenizer = tokenizer if not isinstance(tokenizer, (str, Path)) else load_tokenizer(tokenizer)
+        self.group_size = group_size
+        self.max_prompt_len = max_prompt_len
+        self.max_response_len = max_response_len
+        self.context_len = context_len
+        self.max_turns = max_turns if max_turns is not None else task.max_turns
+        self.tool_timeout_s = tool_timeout_s
+        self.min_turn_tokens = min_turn_tokens
+        self.sampling = replace(
+            sampling, stop=tuple(dict.fromkeys((*sampling.stop, *task.stop))), no_stop_trim=True
+        )
+        self._tools: Mapping[str, Tool] = task.tools()
+        self._demonstrations = list(task.demonstrations())[:num_demonstrations]
+        self._end_of_message_ids = self._end_ids(sampling)
+        self._slots = asyncio.Semaphore(max_concurrent_groups)
+        self._rid_prefix = uuid.uuid4().hex[:12]
+        self._next_group_id = 0
+        self._dataset_cache: dict[str, Sequence[TaskSample]] = {}
+
+    def _end_ids(self, sampling: SamplingParams) -> frozenset[int]:
+        ids: set[int] = set(sampling.stop_token_ids)
+        eos = self.tokenizer.eos_token_id
+        if isinstance(eos, int):
+            ids.add(eos)
+        for token in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
+            token_id = self.tokenizer.convert_tokens_to_ids(token)
+            if isinstance(token_id, int) and token_id != self.tokenizer.unk_token_id:
+                ids.add(token_id)
+        return frozenset(ids)
+
+    def dataset(self, split: str = "train") -> Sequence[TaskSample]:
+        """The task's prompts of `split` (read once, then cached)."""
+        if split not in self._dataset_cache:
+            self._dataset_cache[split] = self.task.dataset(split)
+        return self._dataset_cache[split]
+
+    def messages(self, sample: TaskSample) -> list[ChatMessage]:
+        """The chat the model continues: system messages, demonstrations as earlier turns, the question."""
+        system = [message for message in sample.messages if message.role == "system"]
+        rest = [message for message in sample.messages if message.role != "system"]
+        shots: list[ChatMessage] = []
+        for demonstration in self._demonstrations:
+            shots.extend(message for message in demonstration.messages if message.role != "system")
+            shots.append(ChatMessage("assistant", demonstration.response))
+        return [*system, *shots, *rest]
+
+    def prompt_ids(self, sample: TaskSample) -> list[int]:
+        """The prompt's token ids: the chat template applied to `messages(sample)`, generation prompt added.
+
+        Raises `PromptTooLongError` when it exceeds `max_prompt_len`.
+        """
+        chat = [{"role": message.role, "content": message.content} for message in self.messages(sample)]
+        text = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        if not isinstance(text, str):
+            raise AsyncRLError(f"the tokenizer's chat template returned {type(text).__name__}, not text")
+        ids: list[int] = list(self.tokenizer.encode(text, add_special_tokens=False))
+        if len(ids) > self.max_prompt_len:
+            raise PromptTooLongError(
+                f"prompt {sample.sample_id!r} has {len(ids)} tokens, more than max_prompt_len "
+                f"({self.max_prompt_len}); raise data.max_prompt_len or skip it"
+            )
+        return ids
+
+    async def run_group(
+        self,
+        prompt_index: int,
+        sample: TaskSample | None = None,
+        *,
+        group_id: int | None = None,
+        split: str = "train",
+    ) -> Group:
+        """Run `group_size` trajectories of one prompt and score them.
+
+        `sample` defaults to `dataset(split)[prompt_index]`; `group_id` (the buffer's admission id) defaults
+        to a counter of this worker. `Group.finish_version` is the latest weight version that sampled any of
+        the group's tokens (`NO_VERSION` if none); the buffer replaces it with the actor's version.
+        """
+        if sample is None:
+            sample = self.dataset(split)[prompt_index]
+        if group_id is None:
+            group_id = self._next_group_id
+            self._next_group_id += 1
+        prompt = self.prompt_ids(sample)
+        async with self._slots, asyncio.TaskGroup() as tasks:
+            running = [
+                tasks.create_task(self._run_trajectory(sample, prompt, f"{self._rid_prefix}-{group_id}-{i}"))
+                for i in range(self.group_size)
+            ]
+        trajectories = [trajectory.result() for trajectory in running]
+        finish_version = max((t.metrics["latest_version"] for t in trajectories), default=NO_VERSION)
+        return Group(group_id, prompt_index, trajectories, int(finish_version))
+
+    async def _run_trajectory(self, sample: TaskSample, prompt: list[int], rid: str) -> Trajectory:
+        started = time.perf_counter()
+        episode = _Episode(list(prompt), len(prompt))
+        while episode.finish_reason == "":
+            await self._turn(episode, f"{rid}-{episode.num_turns}")
+        reward = self.task.reward(sample, episode.answer)
+        total_s = time.perf_counter() - started
+        metrics = {
+            "generation_s": episode.generation_s,
+            "tool_s": episode.tool_s,
+            "parse_s": episode.parse_s,
+            "bookkeeping_s": episode.bookkeeping_s,
+            "loop_overhead_s": max(0.0, total_s - episode.generation_s - episode.tool_s),
+            "total_s": total_s,
+            "num_model_tokens": float(sum(episode.loss_mask)),
+            "num_observation_tokens": float(episode.response_len - sum(episode.loss_mask)),
+            "num_tool_calls": float(episode.num_tool_calls),
+            "num_tool_errors": float(episode.num_tool_errors),
+            "num_invalid_turns": float(episode.num_invalid_turns),
+            "num_observations_cut": float(episode.num_observations_cut),
+            "latest_version": float(episode.latest_version),
+        }
+        return Trajectory(
+            token_ids=episode.token_ids,
+            prompt_len=episode.prompt_len,
+            loss_mask=episode.loss_mask,
+            rollout_logprobs=episode.logprobs,
+            versions=episode.versions,
+            reward=reward,
+            num_turns=episode.num_turns,
+            finish_reason=episode.finish_reason,
+            metrics=metrics,
+        )
+
+    def _budget(self, episode: _Episode) -> int:
+        """Tokens the episode may still add: response budget and engine context, whichever is tighter."""
+        left = self.max_response_len - episode.response_len
+        if self.context_len is not None:
+            left = min(left, self.context_len - len(episode.token_ids))
+        return left
+
+    async def _turn(self, episode: _Episode, rid: str) -> None:
+        """One model turn, then its observation unless the episode ends (then `finish_reason` is set)."""
+        if episode.num_turns >= self.max_turns:
+            episode.finish_reason = "max_turns"
+            return
+        budget = self._budget(episode)
+        if budget < 1:
+            episode.finish_reason = "context"
+            return
+        sampling = replace(self.sampling, max_new_tokens=min(self.sampling.max_new_tokens, budget))
+        started = time.perf_counter()
+        try:
+            generation = await self.client.generate(episode.token_ids, sampling, rid=rid)
+        except GenerationError as error:
+            logger.warning("request %s refused by the engine, trajectory ends: %s", rid, error)
+            episode.finish_reason = "error"
+            return
+        finally:
+            episode.generation_s += time.perf_counter() - started
+
+        after_generation = time.perf_counter()
+        episode.num_turns += 1
+        episode.add_model_tokens(generation)
+        ids = generation.output_ids
+        ended_message = bool(ids) and ids[-1] in self._end_of_message_ids
+        parse_started = time.perf_counter()
+        text = str(self.tokenizer.decode(ids, skip_special_tokens=False))
+        action = self.task.parse_turn(text)
+        episode.parse_s += time.perf_counter() - parse_started
+        episode.bookkeeping_s += parse_started - after_generation
+
+        if generation.finish_reason == "abort":
+            episode.finish_reason = "abort"
+        elif isinstance(action, FinalAnswer):
+            episode.answer = action
+            episode.finish_reason = "answer"
+        elif ended_message:
+            episode.finish_reason = "stop"
+        elif generation.finish_reason == "length" and len(ids) >= budget:
+            episode.finish_reason = "context"
+        elif episode.num_turns >= self.max_turns:
+            # No turn is left to read a tool's result: do not run it.
+            episode.finish_reason = "max_turns"
+        if episode.finish_reason:
+            return
+
+        if isinstance(action, ToolCall):
+            result = await self._call_tool(action)
+            episode.num_tool_calls += 1
+            episode.num_tool_errors += result.error is not None
+            episode.tool_s += result.latency_s
+            observation_action: ToolCall | InvalidTurn = action
+        else:
+            assert isinstance(action, InvalidTurn)  # a final answer ended the episode above
+            result = None
+            episode.num_invalid_turns += 1
+            observation_action = action
+
+        started = time.perf_counter()
+        observation = self.task.observation(observation_action, result)
+        observation_ids: list[int] = list(self.tokenizer.encode(observation, add_special_tokens=False))
+        room = self._budget(episode) - self.min_turn_tokens
+        if len(observation_ids) > room:
+            if room < 2 * OBSERVATION_TAIL_TOKENS:
+                episode.finish_reason = "context"
+                episode.bookkeeping_s += time.perf_counter() - started
+                return
+            # Cut the middle: the model still sees where the observation starts and that it closed.
+            observation_ids = (
+                observation_ids[: room - OBSERVATION_TAIL_TOKENS] + observation_ids[-OBSERVATION_TAIL_TOKENS:]
+            )
+            episode.num_observations_cut += 1
+        episode.add_observation_tokens(observation_ids)
+        episode.bookkeeping_s += time.perf_counter() - started
+
+    async def _call_tool(self, call: ToolCall) -> ToolResult:
+        """Call the tool with a timeout; any failure is returned as `ToolResult.error`, never raised."""
+        started = time.perf_counter()
+        tool = self._tools.get(call.tool)
+        if tool is None:
+            known = ", ".join(sorted(self._tools)) or "none"
+            return ToolResult(
+                "", f"unknown tool {call.tool!r} (tools: {known})", time.perf_counter() - started
+            )
+        try:
+            async with asyncio.timeout(self.tool_timeout_s):
+                text = await tool(call.arguments)
+        except TimeoutError:
+            error = f"{call.tool} timed out after {self.tool_timeout_s:g} s"
+        except Exception as failure:  # a tool may fail in any way; the model reads the error instead
+            error = f"{call.tool} failed: {type(failure).__name__}: {failure}"
+        else:
+            return ToolResult(text, None, time.perf_counter() - started)
+        logger.debug("tool call %s(%r): %s", call.tool, call.arguments, error)
+        return ToolResult("", error, time.perf_counter() - started)
+
+    async def aclose(self) -> None:
+        """Release the task's resources in this process (HTTP connections of its tools)."""
+        await self.task.aclose()

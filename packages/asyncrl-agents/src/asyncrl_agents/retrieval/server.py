@@ -1,0 +1,93 @@
+"""The retrieval HTTP server, compatible with the Search-R1 retrieval server.
+
+`POST /retrieve` with `{"queries": [str, ...], "topk": int (optional), "return_scores": bool (optional)}`
+answers `{"result": [...]}` with one list per query, best first: documents (the corpus rows,
+`{"id", "contents", ...}`) or, with `return_scores`, `{"document": row, "score": float}` objects. A request
+Search-R1's client sends works unchanged, and asyncrl's search tool works against Search-R1's own server.
+A malformed request gets 400 `{"error": message}` and the server keeps serving. `GET /health` answers 200
+`{"status": "ok", "num_documents": n, "index": kind}`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from asyncrl_agents.retrieval.corpus import Corpus
+from asyncrl_agents.retrieval.index import Index
+
+MAX_QUERIES = 4096
+"""Most queries in one request."""
+
+MAX_TOPK = 1000
+"""Largest `topk` a request may ask for."""
+
+
+class BadRequest(ValueError):
+    """The request is malformed; the message says what to send instead."""
+
+
+@dataclass(frozen=True, slots=True)
+class RetrieveRequest:
+    queries: list[str]
+    topk: int
+    return_scores: bool
+
+    @classmethod
+    def parse(cls, body: object, default_topk: int) -> RetrieveRequest:
+        if not isinstance(body, dict):
+            raise BadRequest("the body must be a JSON object with `queries`")
+        fields: Mapping[str, object] = body  # pyright: ignore[reportUnknownVariableType]
+        # Other fields are ignored, as Search-R1's server ignores them.
+        queries = fields.get("queries")
+        if not isinstance(queries, list) or not all(isinstance(query, str) for query in queries):  # pyright: ignore[reportUnknownVariableType]
+            raise BadRequest("`queries` must be a list of strings")
+        if len(queries) > MAX_QUERIES:  # pyright: ignore[reportUnknownArgumentType]
+            raise BadRequest(f"at most {MAX_QUERIES} queries per request, got {len(queries)}")  # pyright: ignore[reportUnknownArgumentType]
+        topk = fields.get("topk")
+        if topk is None:
+            topk = default_topk
+        elif isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= MAX_TOPK:
+            raise BadRequest(f"`topk` must be an integer from 1 to {MAX_TOPK}, got {json.dumps(topk)}")
+        return_scores = fields.get("return_scores", False)
+        if not isinstance(return_scores, bool):
+            raise BadRequest(f"`return_scores` must be true or false, got {json.dumps(return_scores)}")
+        return cls([str(query) for query in queries], topk, return_scores)  # pyright: ignore[reportUnknownVariableType]
+
+
+def make_app(corpus: Corpus, index: Index, *, index_name: str, default_topk: int = 3) -> web.Application:
+    """The aiohttp application serving `/retrieve` and `/health` over `corpus` searched with `index`."""
+
+    async def retrieve(request: web.Request) -> web.Response:
+        try:
+            body: object = await request.json(loads=json.loads)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            return _bad_request(f"the body is not valid JSON: {error}")
+        try:
+            parsed = RetrieveRequest.parse(body, default_topk)
+        except BadRequest as error:
+            return _bad_request(str(error))
+        hits = index.search(parsed.queries, parsed.topk)
+        if parsed.return_scores:
+            result: list[list[object]] = [
+                [{"document": corpus.documents[document], "score": score} for document, score in query_hits]
+                for query_hits in hits
+            ]
+        else:
+            result = [[corpus.documents[document] for document, _ in query_hits] for query_hits in hits]
+        return web.json_response({"result": result})
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "num_documents": len(corpus), "index": index_name})
+
+    app = web.Application()
+    app.router.add_post("/retrieve", retrieve)
+    app.router.add_get("/health", health)
+    return app
+
+
+def _bad_request(message: str) -> web.Response:
+    return web.json_response({"error": message}, status=400)

@@ -1,0 +1,350 @@
+"""Search-R1: answer a question by searching a corpus, `<search> q </search>` at a time.
+
+The model reasons in `<think>`, searches with `<search> query </search>` (the retriever's top-k passages come
+back as `<information> ... </information>`), and ends with `<answer> ... </answer>`. The prompt, the passage
+format (`Doc 1(Title: "...") text`), the observation wrapping and the correction after an invalid turn are
+Search-R1's, so models trained there behave the same here. The reward is the normalised exact match of the
+answer with any golden answer (lowercase, punctuation and articles removed, whitespace collapsed);
+`format_score` is paid for a wrong but well-formed answer (0 by default, as in Search-R1).
+
+Two tasks: `searchr1` reads FlashRAG/Search-R1 question files (`<data_path>/<split>.jsonl`, rows
+`{"id", "question", "golden_answers"}`) and searches a corpus JSONL or an existing Search-R1 retriever;
+`searchr1-mini` uses the generated offline world of `asyncrl_agents.tasks.mini_world`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import string
+from collections.abc import Generator, Mapping, Sequence
+from pathlib import Path
+from typing import cast
+
+import httpx
+
+from asyncrl_agents.parsing import TagParser
+from asyncrl_agents.retrieval import RetrievalServer, split_contents
+from asyncrl_agents.tasks import mini_world
+from asyncrl_core.errors import AsyncRLError
+from asyncrl_core.models import cache_dir
+from asyncrl_core.protocols import Tool
+from asyncrl_core.types import (
+    ChatMessage,
+    Demonstration,
+    FinalAnswer,
+    InvalidTurn,
+    TaskSample,
+    ToolCall,
+    ToolResult,
+    TurnAction,
+)
+
+PROMPT = (
+    "Answer the given question. You must conduct reasoning inside <think> and </think> first every time you "
+    "get new information. After reasoning, if you find you lack some knowledge, you can call a search engine "
+    "by <search> query </search> and it will return the top searched results between <information> and "
+    "</information>. You can search as many times as your want. If you find no further external knowledge "
+    "needed, you can directly provide the answer inside <answer> and </answer>, without detailed "
+    "illustrations. For example, <answer> Beijing </answer>. Question: {question}\n"
+)
+"""Search-R1's instruction (its `nq_search` data preparation), sent as the user message."""
+
+INVALID_TURN_OBSERVATION = (
+    "\nMy previous action is invalid. If I want to search, I should put the query between <search> and "
+    "</search>. If I want to give the final answer, I should put the answer between <answer> and </answer>. "
+    "Let me try again.\n"
+)
+"""Search-R1's correction after a turn with neither a complete search nor an answer."""
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = str.maketrans("", "", string.punctuation)
+
+
+def normalize_answer(text: str) -> str:
+    """Lowercase, drop punctuation and the articles a/an/the, collapse whitespace (SQuAD-style)."""
+    return " ".join(_ARTICLES.sub(" ", text.lower().translate(_PUNCTUATION)).split())
+
+
+def exact_match(prediction: str, answers: Sequence[str]) -> bool:
+    """Whether `prediction` equals one of `answers` after `normalize_answer`."""
+    normalized = normalize_answer(prediction)
+    return any(normalized == normalize_answer(answer) for answer in answers)
+
+
+def _json_object(value: object) -> dict[str, object] | None:
+    """`value` as a JSON object (string keys, as `json.loads` makes them), or None if it is not one."""
+    return cast("dict[str, object]", value) if isinstance(value, dict) else None
+
+
+def format_passages(result: Sequence[object]) -> str:
+    """One query's retrieval result as Search-R1 shows it: `Doc i(Title: "t") text`, one per line.
+
+    Accepts both shapes of the `/retrieve` answer: `{"document": row, "score": s}` items or bare rows.
+    """
+    lines: list[str] = []
+    for number, item in enumerate(result, start=1):
+        document = item.get("document", item) if isinstance(item, dict) else None  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]
+        contents = document.get("contents") if isinstance(document, dict) else None  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]
+        if not isinstance(contents, str):
+            raise AsyncRLError(
+                f"retrieval result {number} has no `contents` string: {json.dumps(item)[:200]}"
+            )
+        title, text = split_contents(contents)
+        lines.append(f"Doc {number}(Title: {title}) {text}")
+    return "\n".join(lines)
+
+
+class SearchTool:
+    """The `search` tool: one query to a `/retrieve` server (asyncrl's or Search-R1's), top-k passages back.
+
+    One HTTP connection pool per event loop, opened on first use.
+    """
+
+    name = "search"
+
+    def __init__(self, url: str, *, topk: int = 3, timeout_s: float = 30.0) -> None:
+        if topk < 1:
+            raise ValueError(f"topk must be at least 1, got {topk}")
+        self.url = url.rstrip("/")
+        if not self.url.endswith("/retrieve"):
+            self.url += "/retrieve"
+        self.topk = topk
+        self.timeout_s = timeout_s
+        self._client: httpx.AsyncClient | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _session(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._loop is not loop:
+            self._client = httpx.AsyncClient(timeout=self.timeout_s, trust_env=False)
+            self._loop = loop
+        return self._client
+
+    async def __call__(self, arguments: str) -> str:
+        payload = {"queries": [arguments], "topk": self.topk, "return_scores": True}
+        response = await self._session().post(self.url, json=payload)
+        if response.status_code != 200:
+            raise AsyncRLError(f"retrieval server answered {response.status_code}: {response.text[:200]}")
+        body = _json_object(response.json())
+        results = body.get("result") if body is not None else None
+        if not isinstance(results, list) or len(results) != 1 or not isinstance(results[0], list):
+            raise AsyncRLError(f"retrieval server answered an unexpected body: {response.text[:200]}")
+        return format_passages(cast("list[object]", results[0]))
+
+    async def aclose(self) -> None:
+        client, self._client, self._loop = self._client, None, None
+        if client is not None:
+            with contextlib.suppress(RuntimeError):  # its event loop may be closed already
+                await client.aclose()
+
+
+def _question_sample(row_id: str, question: str, answers: Sequence[str]) -> TaskSample:
+    text = question.strip()
+    if text and not text.endswith("?"):
+        text += "?"
+    return TaskSample(row_id, (ChatMessage("user", PROMPT.format(question=text)),), tuple(answers))
+
+
+def load_questions(path: Path) -> list[TaskSample]:
+    """FlashRAG/Search-R1 question rows (`id`, `question`, `golden_answers`) of a JSONL file."""
+    samples: list[TaskSample] = []
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                row: object = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise AsyncRLError(f"{path}:{number}: not JSON: {error}") from error
+            fields = _json_object(row) or {}
+            question, answers = fields.get("question"), fields.get("golden_answers")
+            if not isinstance(question, str) or not isinstance(answers, list) or not answers:
+                raise AsyncRLError(
+                    f"{path}:{number}: a row needs `question` (a string) and `golden_answers` "
+                    "(a non-empty list)"
+                )
+            row_id = str(fields.get("id", f"{path.stem}-{number}"))
+            golden = [str(answer) for answer in cast("list[object]", answers)]
+            samples.append(_question_sample(row_id, question, golden))
+    return samples
+
+
+class SearchR1Task:
+    """The Search-R1 task on your data: questions from `data_path`, passages from a retriever.
+
+    Args:
+        data_path: folder of `<split>.jsonl` question files (`train.jsonl`, `test.jsonl`, ...).
+        corpus_path: corpus JSONL (`{"id", "contents"}` rows) that `serve()` indexes and serves.
+        retriever_url: an already running `/retrieve` server (asyncrl's or Search-R1's); `serve()` then starts
+            nothing. One of `corpus_path` or `retriever_url` is needed to search.
+        index: `bm25` (default) or `lsa` (dense), for the server `serve()` starts.
+        topk: passages per search.
+        max_turns: most model turns (searches plus the answer).
+        format_score: reward of a well-formed but wrong answer.
+        search_timeout_s: HTTP timeout of one search.
+    """
+
+    name = "searchr1"
+
+    def __init__(
+        self,
+        data_path: str | None = None,
+        corpus_path: str | None = None,
+        retriever_url: str | None = None,
+        index: str = "bm25",
+        topk: int = 3,
+        max_turns: int = 4,
+        format_score: float = 0.0,
+        search_timeout_s: float = 30.0,
+    ) -> None:
+        if topk < 1:
+            raise AsyncRLError(f"task_args.topk must be at least 1, got {topk}")
+        if max_turns < 1:
+            raise AsyncRLError(f"task_args.max_turns must be at least 1, got {max_turns}")
+        self.data_path = Path(data_path) if data_path is not None else None
+        self.corpus_path = Path(corpus_path) if corpus_path is not None else None
+        self.retriever_url = retriever_url
+        self.index = index
+        self.topk = topk
+        self.max_turns = max_turns
+        self.format_score = format_score
+        self.search_timeout_s = search_timeout_s
+        self._parser = TagParser({"search": "search"}, answer_tag="answer")
+        self.stop: tuple[str, ...] = self._parser.stop
+        self._search: SearchTool | None = None
+
+    def dataset(self, split: str) -> Sequence[TaskSample]:
+        if self.data_path is None:
+            raise AsyncRLError("searchr1 needs task_args.data_path: a folder of <split>.jsonl question files")
+        path = self.data_path / f"{split}.jsonl"
+        if not path.is_file():
+            known = sorted(p.stem for p in self.data_path.glob("*.jsonl")) if self.data_path.is_dir() else []
+            raise KeyError(f"no split {split!r} in {self.data_path} (splits: {', '.join(known) or 'none'})")
+        return load_questions(path)
+
+    def tools(self) -> Mapping[str, Tool]:
+        if self.retriever_url is None:
+            raise AsyncRLError(
+                f"{self.name}: no retriever; set task_args.retriever_url, or start the task's retrieval "
+                "server with Task.serve() and pass the `retriever_url` it yields"
+            )
+        if self._search is None:
+            self._search = SearchTool(self.retriever_url, topk=self.topk, timeout_s=self.search_timeout_s)
+        return {"search": self._search}
+
+    def parse_turn(self, text: str) -> TurnAction:
+        return self._parser.parse(text)
+
+    def observation(self, action: ToolCall | InvalidTurn, result: ToolResult | None) -> str:
+        if isinstance(action, InvalidTurn) or result is None:
+            return INVALID_TURN_OBSERVATION
+        text = result.text.strip() if result.error is None else f"Search failed: {result.error}"
+        return f"\n\n<information>{text}</information>\n\n"
+
+    def reward(self, sample: TaskSample, answer: FinalAnswer | None) -> float:
+        if answer is None:
+            return 0.0
+        return 1.0 if exact_match(answer.text, sample.answers) else self.format_score
+
+    def demonstrations(self) -> Sequence[Demonstration]:
+        return ()
+
+    def _corpus(self) -> Path:
+        if self.corpus_path is None:
+            raise AsyncRLError(
+                f"{self.name}: set task_args.corpus_path (a corpus JSONL) or task_args.retriever_url"
+            )
+        return self.corpus_path
+
+    @contextlib.contextmanager
+    def serve(self) -> Generator[Mapping[str, str]]:
+        """Start a retrieval server on `corpus_path` unless `retriever_url` points to one already."""
+        if self.retriever_url is not None:
+            yield {"retriever_url": self.retriever_url}
+            return
+        with RetrievalServer(self._corpus(), index=self.index, topk=self.topk) as server:
+            yield {"retriever_url": server.url}
+
+    async def aclose(self) -> None:
+        if self._search is not None:
+            await self._search.aclose()
+
+
+class SearchR1MiniTask(SearchR1Task):
+    """Search-R1 on the generated world of `mini_world` (fictional entities, multi-hop questions), for a CPU.
+
+    The world of `seed` is generated in memory; its corpus is written once to the cache
+    (`$ASYNCRL_CACHE/searchr1-mini/...`) for the retrieval server. Args as `SearchR1Task`, without the data
+    paths, plus `seed`.
+    """
+
+    name = "searchr1-mini"
+
+    def __init__(
+        self,
+        seed: int = 0,
+        retriever_url: str | None = None,
+        index: str = "bm25",
+        topk: int = 3,
+        max_turns: int = 4,
+        format_score: float = 0.0,
+        search_timeout_s: float = 30.0,
+    ) -> None:
+        super().__init__(
+            retriever_url=retriever_url,
+            index=index,
+            topk=topk,
+            max_turns=max_turns,
+            format_score=format_score,
+            search_timeout_s=search_timeout_s,
+        )
+        self.seed = seed
+        self.world = mini_world.generate(seed)
+        self._passages = {passage["id"]: passage["contents"] for passage in self.world.passages}
+
+    def dataset(self, split: str) -> Sequence[TaskSample]:
+        questions = self.world.split(split)
+        if not questions:
+            raise KeyError(f"no split {split!r} in searchr1-mini (splits: train, test)")
+        return [_question_sample(q.question_id, q.question, q.answers) for q in questions]
+
+    def corpus_file(self) -> Path:
+        """The world's corpus as JSONL in the cache, written on first use."""
+        path = (
+            cache_dir()
+            / "searchr1-mini"
+            / f"v{mini_world.GENERATOR_VERSION}-seed{self.seed}"
+            / "corpus.jsonl"
+        )
+        if not path.is_file():
+            mini_world.write_jsonl(path, self.world.passages)
+        return path
+
+    def _corpus(self) -> Path:
+        return self.corpus_file()
+
+    def demonstrations(self) -> Sequence[Demonstration]:
+        """Two worked train questions (one and two hops), searching for the passages that answer them."""
+        examples = [
+            next(q for q in self.world.split("train") if q.num_hops == hops and q.question.startswith(prefix))
+            for hops, prefix in ((1, "Who founded"), (2, "In which city was the founder"))
+        ]
+        demonstrations: list[Demonstration] = []
+        for question in examples:
+            steps: list[str] = []
+            for number, passage_id in enumerate(question.support):
+                title, text = split_contents(self._passages[passage_id])
+                query = title.strip('"')
+                thought = "I need to find" if number == 0 else f"The passage mentions {query}. Now I need"
+                steps.append(
+                    f"<think> {thought} information about {query}. </think>\n<search> {query} </search>"
+                    f"\n\n<information>Doc 1(Title: {title}) {text}</information>\n\n"
+                )
+            answer = question.answers[0]
+            steps.append(f"<think> The answer is {answer}. </think>\n<answer> {answer} </answer>")
+            sample = _question_sample(question.question_id, question.question, question.answers)
+            demonstrations.append(Demonstration(sample.messages, "".join(steps)))
+        return demonstrations
