@@ -1,0 +1,22 @@
+"""The PyTorch actor (the embedded default training backend) and its data-parallel helpers.
+
+Importing this package imports torch; only actor workers do.
+"""
+
+from asyncrl_core.actor.distributed import (
+    ProcessGroupSettings,
+    destroy_process_group,
+    free_port,
+    init_process_group,
+)
+from asyncrl_core.actor.torch_actor import ActorError, TorchActor, resolve_model_path
+
+__all__ = [
+    "ActorError",
+    "ProcessGroupSettings",
+    "TorchActor",
+    "destroy_process_group",
+    "free_port",
+    "init_process_group",
+    "resolve_model_path",
+]

@@ -1,0 +1,89 @@
+"""Data parallelism for the torch actor: one process per device, joined by `torch.distributed`.
+
+Every rank builds the same `TorchActor` and is given the same groups at every step; each trains on its share
+of the rows, and DDP averages the gradients (gloo on CPU, NCCL on GPU). Whoever starts the ranks (the actor
+group, or a test) calls `init_process_group` in each of them first and `destroy_process_group` at the end.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from asyncrl_core.errors import AsyncRLError
+
+DeviceType = Literal["cpu", "cuda"]
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessGroupSettings:
+    """Where the ranks of one actor meet: a TCP store on `address:port`, served by rank 0."""
+
+    rank: int
+    world_size: int
+    port: int
+    address: str = "127.0.0.1"
+    timeout_s: float = 300.0
+    """Longest wait for all ranks to join, and for any collective operation afterwards."""
+
+
+def free_port(address: str = "127.0.0.1") -> int:
+    """A TCP port that is free on `address` right now (for a store that is started right after)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((address, 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def backend_for(device_type: DeviceType) -> str:
+    """The collective backend for a device type: `nccl` for CUDA, `gloo` for CPU."""
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def init_process_group(settings: ProcessGroupSettings, device_type: DeviceType) -> None:
+    """Join this process to the actor's process group (blocks until all ranks joined or the timeout).
+
+    On CUDA, call it after `torch.cuda.set_device` so NCCL binds this rank's device.
+    """
+    if dist.is_initialized():
+        raise AsyncRLError("torch.distributed is already initialised in this process")
+    if not 0 <= settings.rank < settings.world_size:
+        raise AsyncRLError(f"rank {settings.rank} is outside a world of {settings.world_size}")
+    dist.init_process_group(
+        backend=backend_for(device_type),
+        init_method=f"tcp://{settings.address}:{settings.port}",
+        rank=settings.rank,
+        world_size=settings.world_size,
+        timeout=datetime.timedelta(seconds=settings.timeout_s),
+    )
+
+
+def destroy_process_group() -> None:
+    """Leave the process group, if this process is in one."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def world() -> tuple[int, int]:
+    """`(rank, world_size)` of this process: `(0, 1)` outside a process group."""
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
+def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
+    """The element-wise sum of `values` over all ranks (in place; a no-op with one rank)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    return values
+
+
+def barrier() -> None:
+    """Wait until every rank got here (a no-op with one rank)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

@@ -1,0 +1,493 @@
+"""The PyTorch actor: trains a HuggingFace causal LM on buffered groups, data parallel over its devices.
+
+One optimiser step per `train_step`: the groups are packed (`asyncrl_core.algorithms.pack_groups`), the rows
+are sorted by length and dealt to the data-parallel ranks, and each rank runs its rows in micro-batches of
+`actor.micro_batch_size`, accumulating gradients. The per-token loss weights are fixed for the whole batch, so
+the accumulated gradient equals the full-batch gradient whatever the split. DDP averages gradients over the
+ranks, so each rank scales its loss by the world size.
+
+Precision. Parameters and optimiser state are float32 (the master weights). `actor.dtype: bfloat16` runs the
+forward and backward passes under bfloat16 autocast where the device supports it (CUDA with bf16, a CPU
+with native bf16); elsewhere it falls back to float32 and logs a warning. Dropout is switched off: the
+policy being trained must be the distribution the engines sample from.
+
+Off-policy correction. With `off_policy_correction: decoupled` the proximal logprobs are the policy's own
+logprobs before the update. All micro-batches of a step run before its single optimiser step, so the
+forward pass of the step computes exactly them; they are taken from it, detached, instead of from a second
+forward pass. (The trust-region ratio is then 1 at every token; what remains is the truncated importance
+weight between the proximal and the behaviour policy.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import shutil
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from asyncrl_core.actor.distributed import all_reduce_sum, barrier, world
+from asyncrl_core.algorithms import (
+    LossSettings,
+    PackedBatch,
+    pack_groups,
+    policy_loss,
+    token_entropy,
+    token_logprobs,
+)
+from asyncrl_core.errors import AsyncRLError
+from asyncrl_core.models import smollm2_135m
+from asyncrl_core.protocols import NamedTensors
+from asyncrl_core.types import Group
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from asyncrl_core.config import AlgorithmConfig, TorchActorConfig
+
+logger = logging.getLogger(__name__)
+
+SMOLLM2_MODEL_PATH = "smollm2-135m"
+"""The `actor.model_path` that names the offline SmolLM2-135M-Instruct."""
+
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+STATE_FILE = "actor_state.json"
+CHECKPOINT_FORMAT = "asyncrl-torch-actor-1"
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+    "chat_template.jinja",
+)
+
+
+class ActorError(AsyncRLError):
+    """The actor cannot load its model, train on a batch, or read a checkpoint; nothing was changed."""
+
+
+def resolve_model_path(model_path: str) -> Path:
+    """The HuggingFace folder that `actor.model_path` names (`smollm2-135m` converts the offline model)."""
+    if model_path == SMOLLM2_MODEL_PATH:
+        return smollm2_135m()
+    path = Path(model_path).expanduser()
+    if not (path / "config.json").is_file():
+        raise ActorError(
+            f"actor.model_path {model_path!r} is not a HuggingFace model folder (no config.json there); "
+            f"give a folder or `{SMOLLM2_MODEL_PATH}`"
+        )
+    return path
+
+
+def bfloat16_supported(device: torch.device) -> bool:
+    """Whether `device` computes in bfloat16 natively (a CPU without it would emulate, slowly)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        try:
+            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())  # pyright: ignore[reportPrivateUsage]
+        except (AttributeError, RuntimeError):
+            return False
+    return False
+
+
+def default_device() -> torch.device:
+    """The current CUDA device when there is one, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _load_causal_lm(path: Path, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    config = AutoConfig.from_pretrained(str(path))
+    for key, value in config.to_dict().items():
+        if "dropout" in key and isinstance(value, float):
+            setattr(config, key, 0.0)
+    config.use_cache = False
+    model = AutoModelForCausalLM.from_pretrained(str(path), config=config, dtype=dtype)
+    return model.to(device)  # pyright: ignore[reportArgumentType] (transformers annotates `to` oddly)
+
+
+def _unique_named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Parameters and persistent buffers under their HuggingFace names, each storage once.
+
+    A tied output layer shares the embedding's tensor, so `lm_head.weight` is left out: the embedding comes
+    first in the state dict, and loaders of tied models (HuggingFace, the built-in engine) fill both.
+    """
+    seen: set[int] = set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        yield name, tensor
+
+
+class TorchActor:
+    """The `asyncrl_core.protocols.Actor` on PyTorch and HuggingFace `transformers`.
+
+    Build one per data-parallel rank, after `asyncrl_core.actor.distributed.init_process_group` when there
+    is more than one; every rank must then get the same groups in `train_step`. `temperature` is the
+    sampling temperature of the engines: logprobs are taken under `softmax(logits / temperature)` so they
+    describe the distribution the rollout logprobs came from.
+    """
+
+    def __init__(
+        self,
+        actor: TorchActorConfig,
+        algorithm: AlgorithmConfig,
+        *,
+        device: torch.device | str | None = None,
+        temperature: float = 1.0,
+    ) -> None:
+        if actor.tensor_parallel_size != 1 or actor.pipeline_parallel_size != 1:
+            raise ActorError(
+                "the torch actor is data parallel only: set actor.tensor_parallel_size and "
+                "actor.pipeline_parallel_size to 1, or use actor.backend: megatron"
+            )
+        if temperature <= 0.0:
+            raise ActorError(f"temperature must be > 0, got {temperature}")
+        self.config = actor
+        self.settings = LossSettings.from_config(algorithm)
+        self.temperature = temperature
+        self.device = torch.device(device) if device is not None else default_device()
+        self.rank, self.world_size = world()
+        self.model_path = resolve_model_path(actor.model_path)
+        self.compute_dtype = torch.float32
+        if actor.dtype == "bfloat16":
+            if bfloat16_supported(self.device):
+                self.compute_dtype = torch.bfloat16
+            else:
+                logger.warning("%s has no native bfloat16: the torch actor computes in float32", self.device)
+
+        self.module = _load_causal_lm(self.model_path, self.device, torch.float32)
+        if actor.gradient_checkpointing:
+            # transformers 5 renamed the method; the old name remains as a deprecated alias.
+            enable = getattr(self.module, "activation_checkpointing_enable", None)
+            if enable is None:
+                enable = self.module.gradient_checkpointing_enable
+            enable({"use_reentrant": False})
+        self.module.train()
+        self._model: torch.nn.Module = self.module
+        if self.world_size > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            self._model = DistributedDataParallel(
+                self.module,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                broadcast_buffers=False,
+                gradient_as_bucket_view=True,
+            )
+        self.reference: PreTrainedModel | None = None
+        if self.settings.needs_reference:
+            self.reference = _load_causal_lm(self.model_path, self.device, self.compute_dtype).eval()
+            self.reference.requires_grad_(False)
+
+        parameters = [p for p in self.module.parameters() if p.requires_grad]
+        if actor.optimizer == "adamw":
+            self.optimizer: torch.optim.Optimizer = torch.optim.AdamW(
+                parameters,
+                lr=actor.lr,
+                betas=(actor.adam_beta1, actor.adam_beta2),
+                eps=actor.adam_eps,
+                weight_decay=actor.weight_decay,
+            )
+        else:
+            self.optimizer = torch.optim.SGD(parameters, lr=actor.lr, weight_decay=actor.weight_decay)
+        pad_id = getattr(self.module.config, "pad_token_id", None)
+        self.pad_id: int = pad_id if isinstance(pad_id, int) else 0
+        self._version = 0
+
+    # --- the Actor protocol ---------------------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def train_step(self, groups: Sequence[Group]) -> dict[str, float]:
+        """One optimiser step on `groups`; returns the batch's `train/...` metrics, equal on every rank.
+
+        Besides `policy_loss`'s metrics: `train/grad_norm` (before clipping), `train/lr`,
+        `train/num_trajectories`, `train/num_tokens` (prompt and response, all ranks) and
+        `train/num_loss_tokens`. Raises `BatchError` for malformed groups and `ActorError` for a
+        non-finite gradient; in both cases the weights, the optimiser and the version are unchanged.
+        """
+        batch = pack_groups(
+            groups,
+            self.pad_id,
+            normalize_std=self.settings.normalize_advantage_std,
+            aggregation=self.settings.loss_aggregation,
+        )
+        plan = self._micro_batch_rows(batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        totals: dict[str, torch.Tensor] = {}
+        for index, rows in enumerate(plan):
+            last = index == len(plan) - 1
+            sync = contextlib.nullcontext() if last or self.world_size == 1 else self._no_sync()
+            with sync:
+                part = batch.select(rows) if rows else self._empty_part(batch)
+                loss, metrics = self._micro_batch_loss(part.to(self.device))
+                (loss * self.world_size).backward()
+            for name, value in metrics.items():
+                totals[name] = totals[name] + value if name in totals else value
+
+        parameters = [p for p in self.module.parameters() if p.grad is not None]
+        max_norm = self.config.grad_clip if self.config.grad_clip > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+        if not bool(torch.isfinite(grad_norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise ActorError(
+                f"non-finite gradient norm ({grad_norm.item()}) at version {self._version}: the step was "
+                "skipped and the weights are unchanged"
+            )
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._version += 1
+
+        names = sorted(totals)
+        reduced = all_reduce_sum(torch.stack([totals[name].float() for name in names]))
+        result = dict(zip(names, reduced.tolist(), strict=True))
+        result["train/grad_norm"] = float(grad_norm.item())
+        result["train/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        result["train/num_trajectories"] = float(batch.num_rows)
+        result["train/num_tokens"] = float(batch.num_tokens)
+        result["train/num_loss_tokens"] = float(batch.num_loss_tokens)
+        return result
+
+    def export_weights(
+        self, bucket_bytes: int, *, dtype: torch.dtype | None = None
+    ) -> Iterator[NamedTensors]:
+        """The weights under HuggingFace names, in buckets of at most `bucket_bytes` (or one tensor).
+
+        `dtype` defaults to the compute dtype (bfloat16 when training in bfloat16, else float32). Tensors
+        already in `dtype` are detached views of the live parameters, so consume each bucket before the next
+        `train_step`; a cast makes a copy of one bucket at a time, never of the whole model. A tied
+        `lm_head.weight` is not exported (see `_unique_named_tensors`).
+        """
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        target = dtype or self.compute_dtype
+        return self._buckets(bucket_bytes, target)
+
+    def save_checkpoint(self, path: str) -> None:
+        """Write a HuggingFace model folder plus optimiser state and version under `path` (rank 0 writes).
+
+        `model.safetensors` holds the float32 master weights (so the folder loads with `from_pretrained`
+        and in the engines), `optimizer.safetensors` the optimiser state, `actor_state.json` the version.
+        Each file is written under a temporary name and renamed into place.
+        """
+        folder = Path(path)
+        if self.rank == 0:
+            folder.mkdir(parents=True, exist_ok=True)
+            weights = {name: t.detach().cpu().contiguous() for name, t in _unique_named_tensors(self.module)}
+            _atomic_save(weights, folder / MODEL_FILE, {"format": "pt"})
+            del weights
+            tensors, metadata = _optimizer_to_safetensors(self.optimizer, self.config.optimizer)
+            _atomic_save(tensors, folder / OPTIMIZER_FILE, metadata)
+            self.module.config.save_pretrained(str(folder))
+            for name in _TOKENIZER_FILES:
+                if (self.model_path / name).is_file() and not (folder / name).exists():
+                    shutil.copyfile(self.model_path / name, folder / name)
+            state = {
+                "format": CHECKPOINT_FORMAT,
+                "version": self._version,
+                "optimizer": self.config.optimizer,
+                "model_path": str(self.config.model_path),
+            }
+            temporary = folder / (STATE_FILE + ".tmp")
+            temporary.write_text(json.dumps(state, indent=2) + "\n")
+            os.replace(temporary, folder / STATE_FILE)
+        barrier()
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore weights, optimiser state and version written by `save_checkpoint`.
+
+        Everything is read and checked before anything is changed: a missing file, a tensor of another
+        name or shape, or another optimiser raises `ActorError` and leaves the actor as it was.
+        """
+        folder = Path(path)
+        try:
+            state = json.loads((folder / STATE_FILE).read_text())
+        except (OSError, ValueError) as error:
+            raise ActorError(f"{folder} holds no readable torch actor checkpoint: {error}") from error
+        if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:  # pyright: ignore[reportUnknownMemberType]
+            raise ActorError(f"{folder / STATE_FILE} is not a {CHECKPOINT_FORMAT} checkpoint")
+        state = cast(dict[str, Any], state)
+        if state.get("optimizer") != self.config.optimizer:
+            raise ActorError(
+                f"the checkpoint in {folder} was trained with optimizer {state.get('optimizer')!r}, "
+                f"this actor uses {self.config.optimizer!r} (actor.optimizer)"
+            )
+        version = state.get("version")
+        if not isinstance(version, int) or version < 0:
+            raise ActorError(f"{folder / STATE_FILE} has no valid version")
+        try:
+            weights = load_file(str(folder / MODEL_FILE), device=str(self.device))
+            optimizer_tensors = load_file(str(folder / OPTIMIZER_FILE))
+        except (OSError, RuntimeError, ValueError) as error:
+            raise ActorError(f"cannot read the checkpoint in {folder}: {error}") from error
+        targets = dict(_unique_named_tensors(self.module))
+        problems = [f"missing {name}" for name in targets if name not in weights]
+        problems += [f"unexpected {name}" for name in weights if name not in targets]
+        problems += [
+            f"{name} has shape {tuple(weights[name].shape)}, the model {tuple(tensor.shape)}"
+            for name, tensor in targets.items()
+            if name in weights and weights[name].shape != tensor.shape
+        ]
+        if problems:
+            raise ActorError(f"the checkpoint in {folder} does not fit the model: " + "; ".join(problems))
+        optimizer_state = _optimizer_from_safetensors(optimizer_tensors, folder / OPTIMIZER_FILE)
+        try:
+            # Checks the parameter groups before it changes anything; the weights are copied after it.
+            self.optimizer.load_state_dict(optimizer_state)
+        except (KeyError, ValueError) as error:
+            raise ActorError(f"the optimiser state in {folder} does not fit this actor: {error}") from error
+        with torch.no_grad():
+            for name, tensor in targets.items():
+                tensor.copy_(weights[name])
+        self._version = version
+
+    # --- beyond the protocol --------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits `[T, V]` (float32) of one token sequence `[T]`, as the training forward computes them."""
+        with self._autocast():
+            output = self.module(input_ids=input_ids.to(self.device)[None], use_cache=False)
+        return output.logits[0].float()
+
+    # --- internals ------------------------------------------------------------------------------------------
+
+    def _no_sync(self) -> contextlib.AbstractContextManager[None]:
+        no_sync = getattr(self._model, "no_sync", None)
+        return no_sync() if no_sync is not None else contextlib.nullcontext()
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
+
+    def _micro_batch_rows(self, batch: PackedBatch) -> list[list[int]]:
+        """This rank's rows, in micro-batches; every rank gets the same number of micro-batches.
+
+        Rows are sorted by length (longest first) and dealt round-robin, so ranks get similar token counts
+        and a micro-batch holds rows of similar length (little padding). A rank with fewer rows than the
+        others gets empty micro-batches, which run on a zero-weight row so DDP's collectives still match.
+        """
+        lengths: list[int] = batch.lengths.tolist()
+        order = sorted(range(batch.num_rows), key=lambda row: -lengths[row])
+        mine = order[self.rank :: self.world_size]
+        size = self.config.micro_batch_size
+        num_micro_batches = math.ceil(math.ceil(batch.num_rows / self.world_size) / size)
+        return [mine[index * size : (index + 1) * size] for index in range(num_micro_batches)]
+
+    @staticmethod
+    def _empty_part(batch: PackedBatch) -> PackedBatch:
+        part = batch.select([0])
+        return replace(part, loss_weights=torch.zeros_like(part.loss_weights))
+
+    def _micro_batch_loss(self, part: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        # Right padding needs no attention mask: causal attention never lets a real token see a later pad.
+        with self._autocast():
+            logits = self._model(input_ids=part.input_ids, position_ids=part.position_ids).logits
+        logprobs = token_logprobs(logits, part.target_ids, self.temperature)
+        if self.settings.entropy_coef > 0.0:
+            entropy = token_entropy(logits, self.temperature)
+        else:
+            with torch.no_grad():
+                entropy = token_entropy(logits.detach(), self.temperature)
+        ref_logprobs = None
+        if self.reference is not None:
+            with torch.no_grad(), self._autocast():
+                ref_logits = self.reference(input_ids=part.input_ids, position_ids=part.position_ids).logits
+                ref_logprobs = token_logprobs(ref_logits, part.target_ids, self.temperature)
+            del ref_logits
+        proximal = logprobs.detach() if self.settings.needs_proximal else None
+        return policy_loss(
+            logprobs,
+            part.rollout_logprobs,
+            part.advantages,
+            part.loss_weights,
+            self.settings,
+            proximal_logprobs=proximal,
+            ref_logprobs=ref_logprobs,
+            entropy=entropy,
+        )
+
+    def _buckets(self, bucket_bytes: int, dtype: torch.dtype) -> Iterator[NamedTensors]:
+        bucket: NamedTensors = []
+        size = 0
+        for name, parameter in _unique_named_tensors(self.module):
+            tensor = parameter.detach()
+            if tensor.is_floating_point() and tensor.dtype != dtype:
+                tensor = tensor.to(dtype)
+            num_bytes = tensor.numel() * tensor.element_size()
+            if bucket and size + num_bytes > bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((name, tensor.contiguous()))
+            size += num_bytes
+        if bucket:
+            yield bucket
+
+
+def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    temporary = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(temporary), metadata=metadata)
+    os.replace(temporary, path)
+
+
+def _optimizer_to_safetensors(
+    optimizer: torch.optim.Optimizer, name: str
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The optimiser's state as safetensors: tensors `state.<param>.<key>`, the rest as JSON metadata."""
+    state_dict = optimizer.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, float | int | bool] = {}
+    for index, entry in state_dict["state"].items():
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"state.{index}.{key}"] = value.detach().cpu().contiguous()
+            elif isinstance(value, bool | int | float):
+                scalars[f"{index}.{key}"] = value
+            elif value is not None:
+                raise ActorError(f"cannot checkpoint optimiser state {key!r} of type {type(value).__name__}")
+    metadata = {
+        "optimizer": name,
+        "param_groups": json.dumps(state_dict["param_groups"]),
+        "scalars": json.dumps(scalars),
+    }
+    return tensors, metadata
+
+
+def _optimizer_from_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> dict[str, Any]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        metadata: dict[str, str] = handle.metadata() or {}
+    try:
+        param_groups = json.loads(metadata["param_groups"])
+        scalars: dict[str, Any] = json.loads(metadata["scalars"])
+    except (KeyError, ValueError) as error:
+        raise ActorError(f"{path} lacks the optimiser metadata: {error}") from error
+    state: dict[int, dict[str, Any]] = {}
+    for key, tensor in tensors.items():
+        _, index, name = key.split(".", 2)
+        state.setdefault(int(index), {})[name] = tensor
+    for key, value in scalars.items():
+        index, name = key.split(".", 1)
+        state.setdefault(int(index), {})[name] = value
+    return {"state": state, "param_groups": param_groups}

@@ -1,0 +1,307 @@
+"""The PyTorch actor on a tiny random Llama: the update it makes, micro-batching, KL and the off-policy
+correction, weight export, and checkpoints."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncrl_core.actor import ActorError, TorchActor
+from asyncrl_core.actor.torch_actor import bfloat16_supported
+from asyncrl_core.algorithms import BatchError
+from asyncrl_core.config import AlgorithmConfig, TorchActorConfig
+from asyncrl_core.models import tiny_llama
+from asyncrl_core.types import NO_VERSION, Group, Trajectory
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def make_actor(model_dir: Path, **overrides: object) -> TorchActor:
+    actor_fields: dict[str, object] = {"model_path": str(model_dir), "dtype": "float32", "lr": 1e-2}
+    algorithm_fields: dict[str, object] = {"group_size": 2}
+    for key, value in overrides.items():
+        (algorithm_fields if key in AlgorithmConfig.model_fields else actor_fields)[key] = value
+    return TorchActor(
+        TorchActorConfig.model_validate(actor_fields), AlgorithmConfig.model_validate(algorithm_fields)
+    )
+
+
+def sequence_logprobs(actor: TorchActor, token_ids: list[int], prompt_len: int) -> list[float]:
+    """The actor's own logprob of each response token (fresh data: the behaviour policy is the actor)."""
+    ids = torch.tensor(token_ids)
+    logits = actor.forward_logits(ids)
+    logprobs = torch.log_softmax(logits[:-1], dim=-1).gather(-1, ids[1:, None]).squeeze(-1)
+    return logprobs[prompt_len - 1 :].tolist()
+
+
+def make_groups(actor: TorchActor, *, num_groups: int = 2, group_size: int = 3, seed: int = 0) -> list[Group]:
+    """Groups of trajectories with a tool token in each response and different lengths and rewards."""
+    generator = torch.Generator().manual_seed(seed)
+    groups: list[Group] = []
+    for group_index in range(num_groups):
+        trajectories: list[Trajectory] = []
+        for index in range(group_size):
+            prompt_len = 3 + group_index
+            response_len = 4 + index
+            token_ids = torch.randint(10, 2000, (prompt_len + response_len,), generator=generator).tolist()
+            mask = [1] * response_len
+            mask[1] = 0  # a tool token
+            logprobs = sequence_logprobs(actor, token_ids, prompt_len)
+            trajectories.append(
+                Trajectory(
+                    token_ids=token_ids,
+                    prompt_len=prompt_len,
+                    loss_mask=mask,
+                    rollout_logprobs=[lp if m else 0.0 for lp, m in zip(logprobs, mask, strict=True)],
+                    versions=[0 if m else NO_VERSION for m in mask],
+                    reward=float((index + group_index) % 2),
+                )
+            )
+        groups.append(Group(group_id=group_index, prompt_index=group_index, trajectories=trajectories))
+    return groups
+
+
+def weights_of(actor: TorchActor) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach().clone() for name, tensor in actor.module.state_dict().items()}
+
+
+def assert_weights_close(
+    left: dict[str, torch.Tensor], right: dict[str, torch.Tensor], rtol: float = 1e-5, atol: float = 1e-6
+) -> None:
+    assert left.keys() == right.keys()
+    for name in left:
+        torch.testing.assert_close(left[name], right[name], rtol=rtol, atol=atol, msg=name)
+
+
+def test_sgd_step_equals_a_hand_written_policy_gradient_update(model_dir: Path) -> None:
+    """One SGD step moves every weight by `-lr * grad` of the GRPO loss written out independently."""
+    actor = make_actor(model_dir, optimizer="sgd", grad_clip=0.0, micro_batch_size=2)
+    groups = make_groups(actor)
+    lr = actor.config.lr
+
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    loss = torch.zeros(())
+    num_tokens = sum(sum(t.loss_mask) for g in groups for t in g.trajectories)
+    for group in groups:
+        rewards = torch.tensor([t.reward for t in group.trajectories], dtype=torch.float64)
+        advantages = ((rewards - rewards.mean()) / (rewards.std() + 1e-6)).float()
+        for trajectory, advantage in zip(group.trajectories, advantages, strict=True):
+            ids = torch.tensor(trajectory.token_ids)
+            logits = reference(input_ids=ids[None]).logits[0]
+            logprobs = torch.log_softmax(logits[:-1], dim=-1).gather(-1, ids[1:, None]).squeeze(-1)
+            response = logprobs[trajectory.prompt_len - 1 :]
+            ratio = torch.exp(response - torch.tensor(trajectory.rollout_logprobs))
+            clipped = ratio.clamp(0.8, 1.2)
+            per_token = torch.maximum(-advantage * ratio, -advantage * clipped)
+            loss = loss + (per_token * torch.tensor(trajectory.loss_mask)).sum() / num_tokens
+    loss.backward()
+    expected = {
+        name: (parameter - lr * parameter.grad).detach()
+        for name, parameter in reference.named_parameters()
+        if parameter.grad is not None
+    }
+
+    metrics = actor.train_step(groups)
+    assert actor.version == 1
+    assert metrics["train/loss"] == pytest.approx(loss.item(), abs=1e-5)
+    assert metrics["train/ppo_ratio/mean"] == pytest.approx(1.0, abs=1e-4)
+    assert metrics["train/clip_frac"] == 0.0
+    assert metrics["train/num_trajectories"] == 6
+    assert metrics["train/num_loss_tokens"] == num_tokens
+    assert math.isfinite(metrics["train/entropy"])
+    assert metrics["train/grad_norm"] > 0.0
+    updated = dict(actor.module.named_parameters())
+    for name, value in expected.items():
+        torch.testing.assert_close(updated[name].detach(), value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean"])
+def test_micro_batches_give_the_full_batch_update(model_dir: Path, aggregation: str) -> None:
+    whole = make_actor(model_dir, optimizer="sgd", micro_batch_size=6, loss_aggregation=aggregation)
+    split = make_actor(model_dir, optimizer="sgd", micro_batch_size=1, loss_aggregation=aggregation)
+    groups = make_groups(whole)
+    whole_metrics = whole.train_step(groups)
+    split_metrics = split.train_step(groups)
+    for name, value in whole_metrics.items():
+        assert split_metrics[name] == pytest.approx(value, rel=1e-4, abs=1e-6), name
+    assert_weights_close(weights_of(whole), weights_of(split))
+
+
+def test_grad_clip_bounds_the_update(model_dir: Path) -> None:
+    clipped = make_actor(model_dir, optimizer="sgd", grad_clip=1e-3, lr=1.0)
+    free = make_actor(model_dir, optimizer="sgd", grad_clip=0.0, lr=1.0)
+    before = weights_of(clipped)
+    groups = make_groups(clipped)
+    clipped_metrics = clipped.train_step(groups)
+    free_metrics = free.train_step(groups)
+    assert clipped_metrics["train/grad_norm"] == pytest.approx(free_metrics["train/grad_norm"], rel=1e-5)
+    assert clipped_metrics["train/grad_norm"] > 1e-3
+
+    def update(actor: TorchActor) -> torch.Tensor:
+        # Parameters, not the state dict: the tied embedding must count once.
+        return torch.cat(
+            [(p.detach() - before[name]).flatten().double() for name, p in actor.module.named_parameters()]
+        )
+
+    clipped_update, free_update = update(clipped), update(free)
+    assert clipped_update.norm().item() == pytest.approx(1e-3, rel=1e-2)  # lr 1 x the clipped norm
+    assert free_update.norm().item() == pytest.approx(free_metrics["train/grad_norm"], rel=1e-2)
+    cosine = torch.nn.functional.cosine_similarity(clipped_update, free_update, dim=0)
+    assert cosine.item() == pytest.approx(1.0, abs=1e-3)
+
+
+def test_adamw_steps_change_the_weights_and_count_versions(model_dir: Path) -> None:
+    actor = make_actor(model_dir, optimizer="adamw", lr=1e-3)
+    groups = make_groups(actor)
+    before = weights_of(actor)
+    for step in range(2):
+        metrics = actor.train_step(groups)
+        assert actor.version == step + 1
+        assert all(math.isfinite(value) for value in metrics.values())
+    after = weights_of(actor)
+    assert any(not torch.equal(before[name], after[name]) for name in before)
+
+
+def test_kl_to_the_reference_is_zero_until_the_policy_moves(model_dir: Path) -> None:
+    actor = make_actor(model_dir, kl_coef=0.1, lr=1e-2)
+    assert actor.reference is not None
+    groups = make_groups(actor)
+    first = actor.train_step(groups)
+    second = actor.train_step(groups)
+    assert first["train/kl"] == pytest.approx(0.0, abs=1e-6)
+    assert second["train/kl"] > 1e-6
+    assert make_actor(model_dir).reference is None
+
+
+def test_decoupled_correction_reports_the_behaviour_gap(model_dir: Path) -> None:
+    actor = make_actor(model_dir, off_policy_correction="decoupled", off_policy_max_weight=1.5)
+    groups = make_groups(actor)
+    fresh = actor.train_step(groups)
+    assert fresh["train/off_policy/weight_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert fresh["train/off_policy/truncated_frac"] == 0.0
+    # Make the behaviour policy much less likely than the actor on the first trained token of each row.
+    for group in groups:
+        for trajectory in group.trajectories:
+            trajectory.rollout_logprobs[0] -= 2.0
+    stale = actor.train_step(groups)
+    assert stale["train/off_policy/truncated_frac"] > 0.0
+    assert stale["train/off_policy/behaviour_kl"] > 0.0
+    assert stale["train/ppo_ratio/mean"] == pytest.approx(1.0, abs=1e-5)  # against the proximal policy
+    plain = make_actor(model_dir)
+    assert "train/off_policy/weight_mean" not in plain.train_step(groups)
+
+
+def test_malformed_groups_leave_the_actor_unchanged(model_dir: Path) -> None:
+    actor = make_actor(model_dir)
+    groups = make_groups(actor)
+    groups[1].trajectories[0].versions.append(0)
+    before = weights_of(actor)
+    with pytest.raises(BatchError, match=r"group 1 .*trajectory 0: versions"):
+        actor.train_step(groups)
+    assert actor.version == 0
+    assert_weights_close(before, weights_of(actor), rtol=0.0, atol=0.0)
+
+
+def test_export_streams_hugging_face_names_in_buckets(model_dir: Path) -> None:
+    actor = make_actor(model_dir)
+    state = actor.module.state_dict()
+    bucket_bytes = 300_000
+    buckets = list(actor.export_weights(bucket_bytes))
+    assert len(buckets) > 1
+    largest = max(t.numel() * t.element_size() for t in state.values())
+    for bucket in buckets:
+        size = sum(t.numel() * t.element_size() for _, t in bucket)
+        assert size <= max(bucket_bytes, largest)
+    exported = dict(name_tensor for bucket in buckets for name_tensor in bucket)
+    # The tied output layer is the embedding: exported once, under the embedding's name.
+    assert actor.module.config.tie_word_embeddings
+    assert set(exported) == set(state) - {"lm_head.weight"}
+    for name, tensor in exported.items():
+        assert torch.equal(tensor, state[name])
+    halves = dict(pair for bucket in actor.export_weights(1 << 30, dtype=torch.bfloat16) for pair in bucket)
+    assert all(tensor.dtype == torch.bfloat16 for tensor in halves.values())
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        next(iter(actor.export_weights(0)))
+
+
+def test_checkpoint_round_trip_resumes_the_same_training(model_dir: Path, tmp_path: Path) -> None:
+    actor = make_actor(model_dir, optimizer="adamw", lr=1e-3)
+    groups = make_groups(actor)
+    actor.train_step(groups)
+    actor.save_checkpoint(str(tmp_path / "checkpoint"))
+    continued = actor.train_step(groups)
+
+    resumed = make_actor(model_dir, optimizer="adamw", lr=1e-3)
+    resumed.load_checkpoint(str(tmp_path / "checkpoint"))
+    assert resumed.version == 1
+    resumed_metrics = resumed.train_step(groups)
+    assert resumed.version == 2
+    assert resumed_metrics["train/loss"] == pytest.approx(continued["train/loss"], abs=1e-6)
+    assert_weights_close(weights_of(actor), weights_of(resumed), rtol=0.0, atol=1e-7)
+
+    # The checkpoint is a HuggingFace folder too.
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "checkpoint"), dtype=torch.float32)
+    assert loaded.config.tie_word_embeddings
+
+
+def test_bad_checkpoints_are_refused_without_change(model_dir: Path, tmp_path: Path) -> None:
+    actor = make_actor(model_dir, optimizer="adamw")
+    with pytest.raises(ActorError, match="no readable torch actor checkpoint"):
+        actor.load_checkpoint(str(tmp_path / "missing"))
+    actor.save_checkpoint(str(tmp_path / "adamw"))
+    sgd = make_actor(model_dir, optimizer="sgd")
+    with pytest.raises(ActorError, match="optimizer 'adamw'"):
+        sgd.load_checkpoint(str(tmp_path / "adamw"))
+    other = tiny_llama(tmp_path / "wider", hidden_size=32, num_heads=2, num_kv_heads=1)
+    wide = TorchActor(TorchActorConfig(model_path=str(other), dtype="float32"), AlgorithmConfig(group_size=2))
+    before = weights_of(wide)
+    with pytest.raises(ActorError, match="does not fit the model"):
+        wide.load_checkpoint(str(tmp_path / "adamw"))
+    assert_weights_close(before, weights_of(wide), rtol=0.0, atol=0.0)
+
+
+def test_model_path_must_be_a_model_folder(tmp_path: Path) -> None:
+    with pytest.raises(ActorError, match=r"actor.model_path .* is not a HuggingFace model folder"):
+        TorchActor(TorchActorConfig(model_path=str(tmp_path)), AlgorithmConfig(group_size=2))
+    with pytest.raises(ActorError, match="tensor_parallel_size"):
+        TorchActor(
+            TorchActorConfig(model_path=str(tmp_path), tensor_parallel_size=2), AlgorithmConfig(group_size=2)
+        )
+
+
+def test_bfloat16_is_used_where_the_device_supports_it(
+    model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        actor = make_actor(model_dir, dtype="bfloat16")
+    if bfloat16_supported(torch.device("cpu")):
+        assert actor.compute_dtype == torch.bfloat16
+    else:
+        assert actor.compute_dtype == torch.float32
+        assert "no native bfloat16" in caplog.text
+    assert all(p.dtype == torch.float32 for p in actor.module.parameters())  # master weights
+    metrics = actor.train_step(make_groups(actor))
+    assert math.isfinite(metrics["train/loss"])
+
+
+def test_gradient_checkpointing_gives_the_same_update(model_dir: Path) -> None:
+    plain = make_actor(model_dir, optimizer="sgd")
+    checkpointed = make_actor(model_dir, optimizer="sgd", gradient_checkpointing=True)
+    groups = make_groups(plain)
+    plain.train_step(groups)
+    checkpointed.train_step(groups)
+    assert_weights_close(weights_of(plain), weights_of(checkpointed))
