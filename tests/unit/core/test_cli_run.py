@@ -21,12 +21,14 @@ HEAVY = ("torch", "transformers", "ray", "megatron", "sglang")
 
 
 def write_task_distribution(root: Path, module: str) -> None:
-    """A distribution on `root` offering the tasks `good` (importable) and `broken` (raises on import)."""
+    """A distribution on `root` offering the tasks `good` (importable), `broken` (raises on import) and
+    `missing` (its module does not exist)."""
     info = root / "cli_tasks-0.1.dist-info"
     info.mkdir(parents=True)
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: cli-tasks\nVersion: 0.1\n")
     (info / "entry_points.txt").write_text(
         f"[asyncrl.tasks]\ngood = {module}:Task\nbroken = {module}_broken:Task\n"
+        "missing = cli_task_absent_module:Task\n"
     )
     (root / f"{module}.py").write_text("class Task:\n    pass\n")
     (root / f"{module}_broken.py").write_text("raise ImportError('no corpus')\n")
@@ -152,11 +154,23 @@ def test_invalid_configuration_exits_2_and_starts_nothing(tmp_path: Path) -> Non
     assert imported_modules(done.stderr).isdisjoint(HEAVY)
 
 
-def test_broken_selected_task_is_an_error(task_site: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--dry-run", str(MINI), "agentloop.task_name=broken"]) == EXIT_INVALID
+def test_broken_selected_task_stops_the_launch(
+    tmp_path: Path, task_site: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    # The dry run finds the module without running it; the launch imports it and stops with status 2.
+    assert main(["--dry-run", str(MINI), "agentloop.task_name=broken"]) == 0
+    assert main([str(MINI), "agentloop.task_name=broken"]) == EXIT_INVALID
     error = capsys.readouterr().err
     assert "agentloop.task_name: `asyncrl.tasks`: plugin 'broken'" in error
     assert "ImportError: no corpus" in error
+    assert not (tmp_path / "runs").exists()
+
+
+def test_dry_run_finds_a_missing_task_module(task_site: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--dry-run", str(MINI), "agentloop.task_name=missing"]) == EXIT_INVALID
+    assert "module `cli_task_absent_module` is not installed" in capsys.readouterr().err
+    assert main(["--dry-run", str(MINI), "agentloop.task_name=json:no_such_attribute"]) == 0
 
 
 def test_list_tasks_warns_about_broken_ones(tmp_path: Path, task_site: Path) -> None:

@@ -3,8 +3,8 @@
 Nothing heavy is imported before the configuration is validated: `--help`, `--schema`, `--list-tasks`
 (apart from the tasks themselves) and an invalid configuration never load torch, Ray, Megatron or SGLang.
 
-Exit status: 0 done, 2 invalid configuration or arguments (nothing was started), 3 this installation has
-no runner, 130 interrupted.
+Exit status: 0 done, 1 the run stopped with an error, 2 invalid configuration or arguments (nothing was
+started), 3 this installation has no runner, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from asyncrl_core.errors import ConfigProblem
 
 EXIT_OK = 0
+EXIT_FAILED = 1
 EXIT_INVALID = 2
 EXIT_NO_RUNNER = 3
 EXIT_INTERRUPTED = 130
@@ -44,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
             "  asyncrl-run examples/searchr1-gpu.yaml rollout.pause_mode=drain runner.num_steps=50\n"
             "  asyncrl-run examples/searchr1-mini.yaml 'cluster.component_placement={actor: 0, rollout: 1}'\n"
             "\n"
-            "exit status: 0 done, 2 invalid configuration (nothing started), 3 no runner installed"
+            "exit status: 0 done, 1 the run failed, 2 invalid configuration (nothing started), 3 no runner"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -139,6 +140,7 @@ def _report_invalid(problems: Sequence[ConfigProblem]) -> int:
 def _run(config_path: str | None, overrides: list[str], *, dry_run: bool) -> int:
     from asyncrl_core import plugins
     from asyncrl_core.config import load_config, render_yaml
+    from asyncrl_core.config.validate import check_launch_devices
     from asyncrl_core.errors import ConfigError, ConfigProblem, PluginError
 
     try:
@@ -147,27 +149,30 @@ def _run(config_path: str | None, overrides: list[str], *, dry_run: bool) -> int
         return _report_invalid(error.problems)
     task_name = config.agentloop.task_name
     assert task_name is not None  # validation requires a task
-    try:
-        plugins.load("asyncrl.tasks", task_name)
-    except PluginError as error:
-        return _report_invalid([ConfigProblem("agentloop.task_name", str(error))])
+    # The dry run stays quick: it finds the task's module without running it (a task's imports can take
+    # seconds); a launch imports the task before anything starts.
+    problem = plugins.check_module_found("asyncrl.tasks", task_name)
+    if problem is not None:
+        return _report_invalid([ConfigProblem("agentloop.task_name", problem)])
     for warning in config.warnings:
         print(f"{_PROGRAM}: warning: {warning}", file=sys.stderr)
     if dry_run:
         print("# resolved configuration; `# derived` marks values computed from other keys")
         print(render_yaml(config), end="")
         return EXIT_OK
+    problems = check_launch_devices(config)
+    if problems:
+        return _report_invalid(problems)
+    try:
+        plugins.load("asyncrl.tasks", task_name)
+    except PluginError as error:
+        return _report_invalid([ConfigProblem("agentloop.task_name", str(error))])
     return _launch(config)
 
 
 def _launch(config: AsyncRLConfig) -> int:
     import importlib.util
 
-    from asyncrl_core.config.validate import check_launch_devices
-
-    problems = check_launch_devices(config)
-    if problems:
-        return _report_invalid(problems)
     if importlib.util.find_spec("asyncrl_core.runner") is None:
         print(
             f"{_PROGRAM}: this installation of asyncrl-core has no runner (`asyncrl_core.runner`), so the "
@@ -180,9 +185,14 @@ def _launch(config: AsyncRLConfig) -> int:
     except FileExistsError as error:
         return _report_invalid([_run_dir_problem(str(error))])
     print(f"{_PROGRAM}: run folder {run_dir}", file=sys.stderr)
+    from asyncrl_core.errors import AsyncRLError
     from asyncrl_core.runner import run  # pyright: ignore[reportMissingImports, reportUnknownVariableType]
 
-    run(config)
+    try:
+        run(config)
+    except AsyncRLError as error:  # a failure the run explains itself (e.g. the drop guard); no traceback
+        print(f"{_PROGRAM}: the run stopped: {error}", file=sys.stderr)
+        return EXIT_FAILED
     return EXIT_OK
 
 

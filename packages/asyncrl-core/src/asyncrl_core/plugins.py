@@ -159,6 +159,31 @@ def check_selectable(group: str, name: str) -> str | None:
     return _conflict(declarations)
 
 
+def check_module_found(group: str, name: str) -> str | None:
+    """Why the module of plugin `name` cannot be found, or `None` when it can; the module itself is not
+    imported (its parent packages are, which is what makes a dotted module findable).
+
+    Cheaper than `load` by as much as the plugin's own imports cost (seconds for a task that imports an HTTP
+    stack), so a dry run can afford it; an error raised inside the module shows only when it is loaded.
+    """
+    checked = _check_group(group)
+    if ":" in name:
+        target = name
+    else:
+        declarations = _declared(checked).get(name)
+        if declarations is None or len(declarations) != 1:
+            return check_selectable(checked, name)
+        target = declarations[0].target
+    module_name = target.split(":", 1)[0]
+    try:
+        found = importlib.util.find_spec(module_name) is not None
+    except Exception as error:  # a parent package failed to import
+        return f"`{checked}`: plugin {name!r} ({target}): {type(error).__name__}: {error}"
+    if not found:
+        return f"`{checked}`: plugin {name!r} ({target}): module `{module_name}` is not installed"
+    return None
+
+
 def _listing(found: list[str]) -> str:
     if not found:
         return "none is installed (or write `module:attr`)"
