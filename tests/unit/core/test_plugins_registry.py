@@ -130,3 +130,13 @@ def test_plugin_actor_backend(task_modules: str) -> None:
     assert getattr(config.actor, "backend_args", None) == {"seed": 3}
     with pytest.raises(ConfigError, match=r"actor.backend_args: unknown key"):
         load_config(MINI, ["actor.backend_args={seed: 3}"])  # only plugin actors take arguments
+
+
+def test_check_module_found_does_not_import(task_modules: str) -> None:
+    assert plugins.check_module_found("asyncrl.tasks", "good") is None
+    assert plugins.check_module_found("asyncrl.tasks", "broken") is None  # found; it fails only when run
+    assert f"broken_tasks_{task_modules}" not in sys.modules
+    assert f"good_tasks_{task_modules}" not in sys.modules
+    assert "no plugin named 'gud'" in (plugins.check_module_found("asyncrl.tasks", "gud") or "")
+    message = plugins.check_module_found("asyncrl.tasks", "absent_package.tasks:Task") or ""
+    assert "module `absent_package` is not installed" in message

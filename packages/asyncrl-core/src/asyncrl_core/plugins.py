@@ -177,6 +177,10 @@ def check_module_found(group: str, name: str) -> str | None:
     module_name = target.split(":", 1)[0]
     try:
         found = importlib.util.find_spec(module_name) is not None
+    except ModuleNotFoundError as error:
+        if not error.name or not f"{module_name}.".startswith(f"{error.name}."):
+            return f"`{checked}`: plugin {name!r} ({target}): {type(error).__name__}: {error}"
+        return f"`{checked}`: plugin {name!r} ({target}): module `{error.name}` is not installed"
     except Exception as error:  # a parent package failed to import
         return f"`{checked}`: plugin {name!r} ({target}): {type(error).__name__}: {error}"
     if not found:
