@@ -140,3 +140,10 @@ def test_check_module_found_does_not_import(task_modules: str) -> None:
     assert "no plugin named 'gud'" in (plugins.check_module_found("asyncrl.tasks", "gud") or "")
     message = plugins.check_module_found("asyncrl.tasks", "absent_package.tasks:Task") or ""
     assert "module `absent_package` is not installed" in message
+
+
+def test_builtin_targets_point_at_modules_that_exist() -> None:
+    # Found, not imported: the actors import torch and Megatron.
+    for group, table in plugins.BUILTINS.items():
+        for name in table:
+            assert plugins.check_module_found(group, name) is None, (group, name)

@@ -35,7 +35,7 @@ BUILTINS: dict[PluginGroup, dict[str, str]] = {
     "asyncrl.tasks": {},
     "asyncrl.actors": {
         "torch": "asyncrl_core.actor:TorchActor",
-        "megatron": "asyncrl_megatron:MegatronActor",
+        "megatron": "asyncrl_megatron.actor:MegatronActor",
     },
     "asyncrl.rollout_backends": {
         "sglang": "asyncrl_sglang.launcher:launch_engines",
