@@ -1,0 +1,152 @@
+//! loom models of the admission protocol: every interleaving of the threads below is explored.
+//!
+//! ```text
+//! RUSTFLAGS="--cfg loom" cargo test -p buffer_core --release --test loom
+//! ```
+//!
+//! loom's state space grows exponentially with threads and operations, so each model runs 2-3
+//! threads against limits of 1-2 groups; `tests/stress.rs` runs 12 OS threads against small limits.
+#![cfg(loom)]
+
+use std::time::Duration;
+
+use buffer_core::{Admission, BufferError, Clock, Counts, GroupBuffer, GroupVersions, Limits};
+use loom::sync::Arc;
+use loom::thread;
+
+/// Time stands still in the models: the wait accounting is not what they check.
+struct FrozenClock;
+
+impl Clock for FrozenClock {
+    fn now_ns(&self) -> u64 {
+        0
+    }
+}
+
+const VERSIONS: GroupVersions = GroupVersions {
+    earliest_version: 0,
+    latest_version: 0,
+    finish_version: 0,
+};
+
+fn within(counts: Counts, max_inflight: u32, max_buffered: u32) -> bool {
+    counts.inflight <= max_inflight && counts.total() <= u64::from(max_buffered)
+}
+
+#[test]
+fn packed_admission_never_exceeds_either_limit() {
+    loom::model(|| {
+        let admission = Arc::new(Admission::new(1, 2, Counts::default()));
+        let threads: Vec<_> = (0..3)
+            .map(|thread_index| {
+                let admission = Arc::clone(&admission);
+                thread::spawn(move || {
+                    let Ok(counts) = admission.try_acquire() else {
+                        return 0;
+                    };
+                    assert!(within(counts, 1, 2), "{counts:?}");
+                    let counts = if thread_index == 2 {
+                        admission.release_inflight()
+                    } else {
+                        admission.finish_one()
+                    };
+                    assert!(within(counts, 1, 2), "{counts:?}");
+                    u32::from(thread_index != 2)
+                })
+            })
+            .collect();
+        let finished: u32 = threads.into_iter().map(|t| t.join().unwrap()).sum();
+        assert_eq!(
+            admission.counts(),
+            Counts {
+                inflight: 0,
+                buffered: finished
+            }
+        );
+    });
+}
+
+#[test]
+fn admit_complete_and_take_keep_the_limits_and_every_group() {
+    loom::model(|| {
+        let limits = Limits::new(1, 2, 0, None).unwrap();
+        let buffer = Arc::new(GroupBuffer::with_clock(limits, FrozenClock));
+        let agents: Vec<_> = (0..2)
+            .map(|prompt_index| {
+                let buffer = Arc::clone(&buffer);
+                thread::spawn(move || {
+                    let group_id = buffer.try_admit(prompt_index)?;
+                    assert!(within(buffer.counts(), 1, 2));
+                    buffer.complete(group_id, VERSIONS).unwrap();
+                    assert!(within(buffer.counts(), 1, 2));
+                    Some(group_id)
+                })
+            })
+            .collect();
+        let trainer = {
+            let buffer = Arc::clone(&buffer);
+            thread::spawn(move || match buffer.take_batch(1, 0) {
+                Ok(batch) => batch.groups.iter().map(|group| group.group_id).collect(),
+                Err(BufferError::BatchTooLarge { .. }) => Vec::new(),
+                Err(error) => panic!("{error}"),
+            })
+        };
+        let admitted: Vec<u64> = agents
+            .into_iter()
+            .filter_map(|agent| agent.join().unwrap())
+            .collect();
+        let trained = trainer.join().unwrap();
+        let buffered: Vec<u64> = buffer
+            .buffered_groups()
+            .iter()
+            .map(|group| group.group_id)
+            .collect();
+        // Every admitted group is either trained or still buffered, exactly once.
+        let mut accounted: Vec<u64> = trained.iter().chain(&buffered).copied().collect();
+        accounted.sort_unstable();
+        let mut admitted = admitted;
+        admitted.sort_unstable();
+        assert_eq!(accounted, admitted);
+        assert!(!admitted.is_empty(), "the first admission always fits");
+        assert_eq!(
+            buffer.counts(),
+            Counts {
+                inflight: 0,
+                buffered: buffered.len() as u32
+            }
+        );
+    });
+}
+
+#[test]
+fn a_waiting_admission_is_woken_by_every_kind_of_release() {
+    // Limits of one: the waiter can only get in once the first group has left the buffer entirely,
+    // after a completion and a hand-out (or an abandon), each of which must wake it.
+    for abandon in [false, true] {
+        loom::model(move || {
+            let limits = Limits::new(1, 1, 0, None).unwrap();
+            let buffer = Arc::new(GroupBuffer::with_clock(limits, FrozenClock));
+            let first = buffer.try_admit(0).unwrap();
+            let waiter = {
+                let buffer = Arc::clone(&buffer);
+                // loom's condition variable never times out, so a lost wake-up is a deadlock, which
+                // loom reports.
+                thread::spawn(move || buffer.wait_admit(1, Duration::from_secs(3600)))
+            };
+            if abandon {
+                assert_eq!(buffer.abandon(first), Ok(0));
+            } else {
+                buffer.complete(first, VERSIONS).unwrap();
+                buffer.take_batch(1, 0).unwrap();
+            }
+            assert_eq!(waiter.join().unwrap(), Some(1));
+            assert_eq!(
+                buffer.counts(),
+                Counts {
+                    inflight: 1,
+                    buffered: 0
+                }
+            );
+        });
+    }
+}

@@ -1,0 +1,104 @@
+"""The Rust buffer core (`crates/buffer_core`), compiled with pyo3.
+
+Use the facade `asyncrl_core.buffer` instead: it keeps the group payloads and returns typed results.
+Every error is an `asyncrl_core.errors.GroupBufferError` subclass raised before anything changes.
+"""
+
+from typing import final
+
+__all__ = ["GroupBuffer", "StepTotals"]
+
+@final
+class StepTotals:
+    """The totals of one step, between two `GroupBuffer.end_step` calls."""
+
+    @property
+    def num_groups(self) -> int:
+        """Groups handed to the actor."""
+    @property
+    def staleness_sum(self) -> int:
+        """Sum of `actor_version - earliest_version` over the groups handed out."""
+    @property
+    def staleness_max(self) -> int:
+        """Largest staleness of the step; 0 when no group was handed out."""
+    @property
+    def staleness_counts(self) -> dict[int, int]:
+        """Groups handed out per staleness value."""
+    @property
+    def version_span_sum(self) -> int:
+        """Sum of `latest_version - earliest_version`."""
+    @property
+    def queue_steps_sum(self) -> int:
+        """Sum of `actor_version - latest_version`."""
+    @property
+    def dropped_groups(self) -> int:
+        """Groups dropped by the staleness cap."""
+    @property
+    def admission_wait_inflight_limit_s(self) -> float:
+        """Seconds during which admission was refused by the in-flight limit."""
+    @property
+    def admission_wait_buffer_full_s(self) -> float:
+        """Seconds during which admission was refused because the buffer was full."""
+    @property
+    def wall_s(self) -> float:
+        """Seconds from the start of the step to its end."""
+
+@final
+class GroupBuffer:
+    """Admission counters (lock-free), the oldest-first heap of finished groups and the staleness
+    ledger. Safe to call from any number of threads at once."""
+
+    def __new__(
+        cls,
+        *,
+        max_inflight_groups: int,
+        max_buffered_groups: int,
+        max_dropped_groups_per_step: int,
+        max_actor_accept_staleness: int | None = None,
+    ) -> GroupBuffer:
+        """An empty buffer. Count limits are in `1..=2**32-1`, the other two 0 or more (the cap may be
+        None for no cap); `InvalidArgumentError` names the offending key otherwise."""
+    @staticmethod
+    def from_state_bytes(data: bytes) -> GroupBuffer:
+        """Restore a buffer from `state_bytes` output; `CorruptStateError` for any other bytes."""
+    def state_bytes(self) -> bytes:
+        """The whole state (limits, counters, records, heap, version watermarks, the running step's
+        totals and wall time) as versioned, checksummed bytes."""
+    @property
+    def max_inflight_groups(self) -> int: ...
+    @property
+    def max_buffered_groups(self) -> int: ...
+    @property
+    def max_dropped_groups_per_step(self) -> int: ...
+    @property
+    def max_actor_accept_staleness(self) -> int | None: ...
+    @property
+    def num_inflight(self) -> int:
+        """Groups admitted and still generating."""
+    @property
+    def num_buffered(self) -> int:
+        """Finished groups waiting for the actor."""
+    def try_admit(self, prompt_index: int) -> int | None:
+        """The new group id if both limits allow admission, else None. Never blocks."""
+    def wait_admit(self, prompt_index: int, timeout_s: float) -> int | None:
+        """The new group id once both limits allow admission, or None after `timeout_s` seconds.
+        Releases the GIL while waiting and checks for signals every 0.1 s."""
+    def complete(
+        self, group_id: int, earliest_version: int, latest_version: int, finish_version: int
+    ) -> None:
+        """Move an in-flight group to the finished heap with its weight versions."""
+    def abandon(self, group_id: int) -> int:
+        """Release an in-flight group that failed; returns its prompt index."""
+    def take_batch(self, num_groups: int, actor_version: int) -> tuple[list[int], list[tuple[int, int]]]:
+        """Drop the groups past the staleness cap, then hand out the `num_groups` oldest.
+
+        Returns the handed-out group ids (oldest first) and `(group_id, prompt_index)` of each dropped
+        group (oldest first).
+        """
+    def end_step(self) -> StepTotals:
+        """Return the running step's totals and start the next step now."""
+    def inflight_groups(self) -> list[tuple[int, int]]:
+        """`(group_id, prompt_index)` of every group in flight, by group id."""
+    def buffered_groups(self) -> list[tuple[int, int, int, int, int]]:
+        """`(group_id, prompt_index, earliest_version, latest_version, finish_version)` of every
+        finished group waiting for the actor, oldest first."""

@@ -1,0 +1,289 @@
+"""The buffer facade `asyncrl_core.buffer`: payloads, typed errors that change nothing, metric names,
+snapshots, and many Python threads against small limits."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import pytest
+
+from asyncrl_core.buffer import Batch, BufferSnapshot, GroupBuffer, StepStats
+from asyncrl_core.errors import (
+    AsyncRLError,
+    BatchTooLargeError,
+    CorruptStateError,
+    DropLimitExceededError,
+    GroupBufferError,
+    InvalidArgumentError,
+    InvalidGroupError,
+    VersionError,
+)
+from asyncrl_core.types import NO_VERSION, Group, Trajectory
+
+
+def make_group(group_id: int, prompt_index: int, versions: list[int], finish_version: int) -> Group:
+    """A group of one trajectory whose model tokens were sampled at `versions` (plus one tool token)."""
+    trajectory = Trajectory(
+        token_ids=[1, 2, *range(10, 10 + len(versions)), 99],
+        prompt_len=2,
+        loss_mask=[1] * len(versions) + [0],
+        rollout_logprobs=[-0.5] * len(versions) + [0.0],
+        versions=[*versions, NO_VERSION],
+    )
+    return Group(group_id, prompt_index, [trajectory], finish_version=finish_version)
+
+
+def make_buffer(
+    inflight: int = 2, buffered: int = 4, max_dropped: int = 8, cap: int | None = None
+) -> GroupBuffer:
+    return GroupBuffer(
+        max_inflight_groups=inflight,
+        max_buffered_groups=buffered,
+        max_dropped_groups_per_step=max_dropped,
+        max_actor_accept_staleness=cap,
+    )
+
+
+def observed(buffer: GroupBuffer) -> tuple[object, ...]:
+    return (
+        buffer.num_inflight,
+        buffer.num_buffered,
+        buffer.inflight_groups(),
+        [(group.group_id, id(group)) for group in buffer.buffered_groups()],
+    )
+
+
+def admit_and_complete(buffer: GroupBuffer, prompt_index: int, versions: list[int], finish: int) -> Group:
+    group_id = buffer.try_admit(prompt_index)
+    assert group_id is not None
+    group = make_group(group_id, prompt_index, versions, finish)
+    buffer.complete(group)
+    return group
+
+
+def test_groups_leave_oldest_first_with_their_payloads() -> None:
+    buffer = make_buffer(inflight=4, buffered=4)
+    newer = admit_and_complete(buffer, 10, [2, 3], 3)
+    older = admit_and_complete(buffer, 11, [1, 3], 3)
+    same_age_later = admit_and_complete(buffer, 12, [1], 3)
+    batch = buffer.take_batch(3, actor_version=4)
+    assert batch == Batch(groups=[older, same_age_later, newer], dropped_prompt_indices=[], actor_version=4)
+    assert batch.groups[0] is older
+    assert buffer.num_buffered == 0
+
+
+def test_stale_groups_are_dropped_and_their_prompts_returned() -> None:
+    buffer = make_buffer(inflight=3, buffered=3, cap=1)
+    admit_and_complete(buffer, 20, [0], 2)
+    admit_and_complete(buffer, 21, [1, 2], 2)
+    fresh = admit_and_complete(buffer, 22, [2], 2)
+    assert buffer.try_admit(23) is None
+    batch = buffer.take_batch(1, actor_version=3)
+    assert batch.dropped_prompt_indices == [20, 21]
+    assert batch.groups == [fresh]
+    assert buffer.try_admit(23) is not None, "the drops freed capacity"
+    stats = buffer.end_step()
+    assert stats.dropped_groups == 2
+    assert stats.metrics()["rollout/dropped_groups"] == 2.0
+
+
+def test_step_metrics_have_exactly_the_documented_names() -> None:
+    buffer = make_buffer(inflight=4, buffered=4)
+    admit_and_complete(buffer, 0, [1, 2], 3)  # staleness 3, span 1, queue 2
+    admit_and_complete(buffer, 1, [3], 3)  # staleness 1, span 0, queue 1
+    admit_and_complete(buffer, 2, [2, 3], 3)  # staleness 2, span 1, queue 1
+    admit_and_complete(buffer, 3, [3, 3], 4)  # staleness 1, span 0, queue 1
+    buffer.take_batch(4, actor_version=4)
+    metrics = buffer.end_step().metrics()
+    assert metrics == {
+        "rollout/dropped_groups": 0.0,
+        "rollout/buffer/admission_wait_inflight_limit": 0.0,
+        "rollout/buffer/admission_wait_buffer_full": 0.0,
+        "rollout/data_staleness/mean": pytest.approx(7 / 4),
+        "rollout/data_staleness/max": 3.0,
+        "rollout/data_staleness/ratio_1": 0.5,
+        "rollout/data_staleness/ratio_2": 0.25,
+        "rollout/data_staleness/ratio_3": 0.25,
+        "rollout/version_span/mean": 0.5,
+        "rollout/queue_steps/mean": 1.25,
+    }
+    # The next step starts from zero and, without training data, reports no staleness.
+    assert set(buffer.end_step().metrics()) == {
+        "rollout/dropped_groups",
+        "rollout/buffer/admission_wait_inflight_limit",
+        "rollout/buffer/admission_wait_buffer_full",
+    }
+
+
+def test_wait_shares_divide_by_the_step_wall_time() -> None:
+    stats = StepStats(
+        num_groups=0,
+        staleness_sum=0,
+        staleness_max=0,
+        staleness_counts={},
+        version_span_sum=0,
+        queue_steps_sum=0,
+        dropped_groups=0,
+        admission_wait_inflight_limit_s=1.5,
+        admission_wait_buffer_full_s=0.5,
+        wall_s=4.0,
+    )
+    metrics = stats.metrics()
+    assert metrics["rollout/buffer/admission_wait_inflight_limit"] == 0.375
+    assert metrics["rollout/buffer/admission_wait_buffer_full"] == 0.125
+
+
+def test_a_blocked_admission_is_woken_and_its_wait_charged_to_the_blocking_limit() -> None:
+    buffer = make_buffer(inflight=1, buffered=2)
+    first = buffer.try_admit(0)
+    assert first is not None
+    assert buffer.wait_admit(1, timeout_s=0.01) is None
+    result: list[int | None] = []
+    waiter = threading.Thread(target=lambda: result.append(buffer.wait_admit(1, timeout_s=30.0)))
+    waiter.start()
+    time.sleep(0.05)
+    buffer.complete(make_group(first, 0, [0], 0))
+    waiter.join(timeout=30.0)
+    assert result == [1]
+    stats = buffer.end_step()
+    assert stats.admission_wait_inflight_limit_s > 0
+    assert stats.admission_wait_buffer_full_s == 0
+    assert 0 < stats.metrics()["rollout/buffer/admission_wait_inflight_limit"] <= 1
+
+
+@pytest.mark.parametrize(
+    ("limits", "key"),
+    [
+        ({"inflight": 0}, "rollout_buffer.max_inflight_groups"),
+        ({"buffered": -1}, "rollout_buffer.max_buffered_groups"),
+        ({"max_dropped": -1}, "rollout_buffer.max_dropped_groups_per_step"),
+        ({"cap": -2}, "agentloop.max_actor_accept_staleness"),
+    ],
+)
+def test_invalid_limits_name_their_key(limits: dict[str, int], key: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=key):
+        make_buffer(**limits)
+
+
+def test_every_buffer_error_is_an_asyncrl_error() -> None:
+    for error in (
+        InvalidArgumentError,
+        InvalidGroupError,
+        VersionError,
+        BatchTooLargeError,
+        DropLimitExceededError,
+        CorruptStateError,
+    ):
+        assert issubclass(error, GroupBufferError)
+        assert issubclass(error, AsyncRLError)
+    assert issubclass(InvalidArgumentError, ValueError)
+
+
+def test_each_typed_error_leaves_the_buffer_unchanged() -> None:
+    buffer = make_buffer(inflight=2, buffered=3, max_dropped=0, cap=1)
+    buffered = admit_and_complete(buffer, 0, [1], 1)
+    inflight_id = buffer.try_admit(1)
+    assert inflight_id is not None
+    before = observed(buffer)
+    failing_calls = [
+        (InvalidArgumentError, lambda: buffer.try_admit(-1)),
+        (InvalidArgumentError, lambda: buffer.wait_admit(2, timeout_s=-1.0)),
+        (InvalidArgumentError, lambda: buffer.wait_admit(2, timeout_s=math.nan)),
+        (InvalidArgumentError, lambda: buffer.take_batch(0, 1)),
+        (InvalidGroupError, lambda: buffer.complete(make_group(buffered.group_id, 0, [1], 1))),
+        (InvalidGroupError, lambda: buffer.complete(make_group(99, 0, [1], 1))),
+        (InvalidGroupError, lambda: buffer.abandon(buffered.group_id)),
+        (InvalidGroupError, lambda: buffer.abandon(99)),
+        (VersionError, lambda: buffer.complete(make_group(inflight_id, 1, [2, 1], 1))),
+        (VersionError, lambda: buffer.complete(make_group(inflight_id, 1, [], NO_VERSION))),
+        (VersionError, lambda: buffer.take_batch(1, 0)),
+        (BatchTooLargeError, lambda: buffer.take_batch(2, 1)),
+        # At actor version 3 the buffered group is stale, and no drop is allowed per step.
+        (DropLimitExceededError, lambda: buffer.take_batch(1, 3)),
+    ]
+    for error, call in failing_calls:
+        with pytest.raises(error):
+            call()
+        assert observed(buffer) == before, error
+    with pytest.raises(DropLimitExceededError, match=r"rollout_buffer\.max_dropped_groups_per_step"):
+        buffer.take_batch(1, 3)
+    assert buffer.buffered_groups()[0] is buffered
+
+
+def test_snapshot_restores_state_and_payloads() -> None:
+    buffer = make_buffer(inflight=2, buffered=4, cap=2)
+    first = admit_and_complete(buffer, 5, [0, 1], 1)
+    second = admit_and_complete(buffer, 6, [1], 1)
+    inflight_id = buffer.try_admit(7)
+    snapshot = buffer.snapshot()
+    restored = GroupBuffer.restore(snapshot)
+    assert observed(restored)[:3] == observed(buffer)[:3]
+    assert restored.buffered_groups() == [first, second]
+    assert restored.inflight_groups() == [(inflight_id, 7)]
+    batch = restored.take_batch(2, actor_version=1)
+    assert batch.groups == [first, second]
+
+
+def test_corrupt_snapshots_are_typed_errors() -> None:
+    buffer = make_buffer()
+    group = admit_and_complete(buffer, 5, [0], 0)
+    snapshot = buffer.snapshot()
+    damaged = bytearray(snapshot.core_state)
+    damaged[len(damaged) // 2] ^= 0x01
+    for bad in (
+        BufferSnapshot(core_state=bytes(damaged), groups=snapshot.groups),
+        BufferSnapshot(core_state=snapshot.core_state[:-3], groups=snapshot.groups),
+        BufferSnapshot(core_state=b"", groups=snapshot.groups),
+        BufferSnapshot(core_state=snapshot.core_state, groups={}),
+        BufferSnapshot(core_state=snapshot.core_state, groups={group.group_id: make_group(7, 5, [0], 0)}),
+    ):
+        with pytest.raises(CorruptStateError):
+            GroupBuffer.restore(bad)
+
+
+def test_eight_threads_admit_and_complete_against_small_limits() -> None:
+    max_inflight, max_buffered, per_thread = 3, 5, 150
+    buffer = make_buffer(inflight=max_inflight, buffered=max_buffered)
+    trained: list[Group] = []
+    failures: list[BaseException] = []
+    agents_done = threading.Event()
+
+    def agent(thread_index: int) -> None:
+        try:
+            for iteration in range(per_thread):
+                prompt_index = thread_index * 1000 + iteration
+                group_id = buffer.wait_admit(prompt_index, timeout_s=30.0)
+                assert group_id is not None, "no capacity within 30 s"
+                counts = (buffer.num_inflight, buffer.num_buffered)
+                assert counts[0] <= max_inflight
+                assert counts[0] + counts[1] <= max_buffered
+                buffer.complete(make_group(group_id, prompt_index, [0], 0))
+        except BaseException as error:
+            failures.append(error)
+
+    def trainer() -> None:
+        try:
+            while not (agents_done.is_set() and buffer.num_buffered == 0):
+                try:
+                    trained.extend(buffer.take_batch(1, actor_version=0).groups)
+                except BatchTooLargeError:
+                    time.sleep(0.0005)
+        except BaseException as error:
+            failures.append(error)
+
+    agents = [threading.Thread(target=agent, args=(index,)) for index in range(8)]
+    trainer_thread = threading.Thread(target=trainer)
+    for thread in [*agents, trainer_thread]:
+        thread.start()
+    for thread in agents:
+        thread.join(timeout=120.0)
+    agents_done.set()
+    trainer_thread.join(timeout=120.0)
+    assert not any(thread.is_alive() for thread in [*agents, trainer_thread])
+    assert failures == []
+    prompts = sorted(group.prompt_index for group in trained)
+    assert prompts == sorted(t * 1000 + i for t in range(8) for i in range(per_thread))
+    assert len({group.group_id for group in trained}) == len(trained)
+    assert (buffer.num_inflight, buffer.num_buffered) == (0, 0)
