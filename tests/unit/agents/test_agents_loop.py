@@ -1,0 +1,319 @@
+"""The agent loop against a scripted engine (the model's words fixed) and the real searchr1-mini retriever."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+
+import pytest
+from agents_testing import ScriptedEngine, mini_reader, smollm2_tokenizer
+
+from asyncrl_agents.loop import AgentLoopWorker
+from asyncrl_agents.tasks.searchr1 import INVALID_TURN_OBSERVATION, SearchR1MiniTask
+from asyncrl_core.errors import GenerationError, PromptTooLongError
+from asyncrl_core.types import NO_VERSION, Generation, SamplingParams, TaskSample, Trajectory
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def retriever_url() -> Iterator[str]:
+    with SearchR1MiniTask().serve() as args:
+        yield args["retriever_url"]
+
+
+@pytest.fixture
+async def task(retriever_url: str) -> AsyncIterator[SearchR1MiniTask]:
+    task = SearchR1MiniTask(retriever_url=retriever_url)
+    yield task
+    await task.aclose()
+
+
+def find(task: SearchR1MiniTask, prefix: str) -> tuple[int, TaskSample]:
+    samples = task.dataset("train")
+    index = next(
+        i for i, s in enumerate(samples) if s.messages[-1].content.split("Question: ")[1].startswith(prefix)
+    )
+    return index, samples[index]
+
+
+def worker(task: SearchR1MiniTask, engine: ScriptedEngine, **kwargs: object) -> AgentLoopWorker:
+    options: dict[str, object] = {
+        "group_size": 2,
+        "sampling": SamplingParams(max_new_tokens=64, temperature=1.0),
+        "max_prompt_len": 512,
+        "max_response_len": 1024,
+    }
+    options.update(kwargs)
+    return AgentLoopWorker(task, engine, smollm2_tokenizer(), **options)  # type: ignore[arg-type]
+
+
+def check_alignment(trajectory: Trajectory, engine: ScriptedEngine, prompt: Sequence[int]) -> None:
+    """The trajectory is the prompt, then each generation's ids verbatim, then each observation's ids."""
+    assert trajectory.token_ids[: trajectory.prompt_len] == list(prompt)
+    n = trajectory.response_len
+    assert len(trajectory.loss_mask) == len(trajectory.rollout_logprobs) == len(trajectory.versions) == n
+    # The calls that produced this trajectory: each one's input is a prefix of it (the scripted model is
+    # deterministic, so equal trajectories of a group made equal calls: keep one of each).
+    calls = {
+        len(c.input_ids): c
+        for c in engine.calls
+        if c.input_ids == trajectory.token_ids[: len(c.input_ids)] and len(c.input_ids) >= len(prompt)
+    }
+    assert calls
+    position = trajectory.prompt_len
+    model_tokens = 0
+    for length, call in sorted(calls.items()):
+        assert length >= position, "a turn must be generated from the whole sequence so far"
+        position = length
+        ids = call.generation.output_ids
+        offset = position - trajectory.prompt_len
+        assert trajectory.token_ids[position : position + len(ids)] == ids
+        assert trajectory.loss_mask[offset : offset + len(ids)] == [1] * len(ids)
+        assert trajectory.rollout_logprobs[offset : offset + len(ids)] == call.generation.logprobs
+        assert trajectory.versions[offset : offset + len(ids)] == call.generation.token_versions()
+        model_tokens += len(ids)
+        position += len(ids)
+    assert sum(trajectory.loss_mask) == model_tokens
+    for mask, logprob, version in zip(
+        trajectory.loss_mask, trajectory.rollout_logprobs, trajectory.versions, strict=True
+    ):
+        if mask == 0:
+            assert logprob == 0.0
+            assert version == NO_VERSION
+        else:
+            assert version != NO_VERSION
+
+
+async def test_single_hop_search_then_answer(task: SearchR1MiniTask) -> None:
+    tokenizer = smollm2_tokenizer()
+    engine = ScriptedEngine(tokenizer, mini_reader)
+    loop = worker(task, engine)
+    index, sample = find(task, "Who founded")
+    group = await loop.run_group(index, sample, group_id=7)
+    assert group.group_id == 7
+    assert group.prompt_index == index
+    assert len(group.trajectories) == 2
+    prompt = loop.prompt_ids(sample)
+    for trajectory in group.trajectories:
+        assert trajectory.finish_reason == "answer"
+        assert trajectory.num_turns == 2
+        assert trajectory.reward == 1.0, tokenizer.decode(trajectory.token_ids[trajectory.prompt_len :])
+        check_alignment(trajectory, engine, prompt)
+        response = tokenizer.decode(trajectory.token_ids[trajectory.prompt_len :])
+        # The search stopped at its closing tag (kept), then Search-R1's observation followed.
+        assert re.search(r"</search>\n\n<information>Doc 1\(Title: \"", response)
+        assert response.rstrip().endswith("</answer>")
+        assert trajectory.metrics["num_tool_calls"] == 1
+        assert trajectory.metrics["num_tool_errors"] == 0
+        assert trajectory.metrics["tool_s"] > 0
+    # The first turn was generated from the prompt, the second from prompt + turn + observation.
+    assert [len(call.input_ids) == len(prompt) for call in engine.calls].count(True) == 2
+
+
+async def test_multi_hop_answer_needs_the_retrieved_passages(task: SearchR1MiniTask) -> None:
+    engine = ScriptedEngine(smollm2_tokenizer(), mini_reader)
+    loop = worker(task, engine, group_size=3)
+    index, sample = find(task, "In which city was the founder of")
+    group = await loop.run_group(index, sample)
+    prompt = loop.prompt_ids(sample)
+    for trajectory in group.trajectories:
+        assert trajectory.finish_reason == "answer"
+        assert trajectory.num_turns == 3
+        assert trajectory.reward == 1.0
+        assert trajectory.metrics["num_tool_calls"] == 2
+        check_alignment(trajectory, engine, prompt)
+
+
+async def test_wrong_answer_scores_zero_and_answer_with_inner_tags_is_parsed(task: SearchR1MiniTask) -> None:
+    index, sample = find(task, "Who founded")
+    engine = ScriptedEngine(smollm2_tokenizer(), lambda _: "<answer> The <b>Nobody</b> </answer>")
+    group = await worker(task, engine, group_size=1).run_group(index, sample)
+    (trajectory,) = group.trajectories
+    assert trajectory.finish_reason == "answer"
+    assert trajectory.reward == 0.0
+    assert trajectory.num_turns == 1
+
+    engine = ScriptedEngine(smollm2_tokenizer(), lambda _: f"<answer> {sample.answers[0]}. </answer>")
+    group = await worker(task, engine, group_size=1).run_group(index, sample)
+    assert group.trajectories[0].reward == 1.0  # normalised: case, punctuation and articles do not matter
+
+
+async def test_version_spans_become_per_token_versions(task: SearchR1MiniTask) -> None:
+    engine = ScriptedEngine(smollm2_tokenizer(), mini_reader, version=4, switch_version_at=3)
+    index, sample = find(task, "Who founded")
+    group = await worker(task, engine, group_size=1).run_group(index, sample)
+    (trajectory,) = group.trajectories
+    check_alignment(trajectory, engine, worker(task, engine).prompt_ids(sample))
+    assert trajectory.version_range() == (4, 5)
+    assert group.finish_version == 5
+    model_versions = [v for v, m in zip(trajectory.versions, trajectory.loss_mask, strict=True) if m]
+    assert model_versions[:4] == [4, 4, 4, 5]
+
+
+async def test_invalid_turn_gets_search_r1_correction(task: SearchR1MiniTask) -> None:
+    tokenizer = smollm2_tokenizer()
+    # The first turn has no closing tag and no end of message: `max_new_tokens` ends it.
+    turns = iter(["I think <search> is never closed, and I keep talking on and on", "<answer> x </answer>"])
+    engine = ScriptedEngine(tokenizer, lambda _: next(turns))
+    index, sample = find(task, "Who founded")
+    loop = worker(task, engine, group_size=1, sampling=SamplingParams(max_new_tokens=12))
+    (trajectory,) = (await loop.run_group(index, sample)).trajectories
+    response = tokenizer.decode(trajectory.token_ids[trajectory.prompt_len :])
+    assert INVALID_TURN_OBSERVATION in response
+    assert trajectory.metrics["num_invalid_turns"] == 1
+    assert trajectory.num_turns == 2
+    assert trajectory.finish_reason == "answer"
+
+
+async def test_end_of_message_without_answer_ends_the_episode(task: SearchR1MiniTask) -> None:
+    engine = ScriptedEngine(smollm2_tokenizer(), lambda _: "I do not know.<|im_end|>")
+    index, sample = find(task, "Who founded")
+    (trajectory,) = (await worker(task, engine, group_size=1).run_group(index, sample)).trajectories
+    assert trajectory.finish_reason == "stop"
+    assert trajectory.reward == 0.0
+    assert trajectory.num_turns == 1
+    assert trajectory.token_ids[-1] == smollm2_tokenizer().convert_tokens_to_ids("<|im_end|>")
+    assert all(trajectory.loss_mask)
+
+
+async def test_max_turns_ends_cleanly_without_running_the_last_tool(task: SearchR1MiniTask) -> None:
+    engine = ScriptedEngine(smollm2_tokenizer(), lambda _: "<search> Who </search>")
+    index, sample = find(task, "Who founded")
+    (trajectory,) = (
+        await worker(task, engine, group_size=1, max_turns=3).run_group(index, sample)
+    ).trajectories
+    assert trajectory.finish_reason == "max_turns"
+    assert trajectory.num_turns == 3
+    assert trajectory.metrics["num_tool_calls"] == 2
+    assert trajectory.reward == 0.0
+    assert trajectory.loss_mask[-1] == 1  # the trajectory ends with the model's last turn
+
+
+async def test_context_budget_cuts_observations_and_ends_the_episode(task: SearchR1MiniTask) -> None:
+    tokenizer = smollm2_tokenizer()
+    engine = ScriptedEngine(tokenizer, lambda _: "<search> company founded by </search>")
+    index, sample = find(task, "Who founded")
+    budget = 100
+    loop = worker(task, engine, group_size=1, max_response_len=budget, max_turns=10)
+    (trajectory,) = (await loop.run_group(index, sample)).trajectories
+    assert trajectory.finish_reason == "context"
+    assert trajectory.response_len <= budget
+    assert trajectory.metrics["num_observations_cut"] >= 1
+    # A cut observation keeps its end, so the model still sees the tag close.
+    assert "</information>" in tokenizer.decode(trajectory.token_ids[trajectory.prompt_len :])
+    for call in engine.calls:
+        assert len(call.input_ids) - trajectory.prompt_len + call.sampling.max_new_tokens <= budget
+
+    context_len = trajectory.prompt_len + 40
+    engine = ScriptedEngine(tokenizer, lambda _: "<search> company founded by </search>")
+    loop = worker(
+        task,
+        engine,
+        group_size=1,
+        context_len=context_len,
+        max_prompt_len=trajectory.prompt_len,
+        max_turns=10,
+    )
+    (trajectory,) = (await loop.run_group(index, sample)).trajectories
+    assert trajectory.finish_reason == "context"
+    assert len(trajectory.token_ids) <= context_len
+
+
+async def test_tool_failure_becomes_an_observation() -> None:
+    # A retriever that is not there: every search fails, the episode goes on.
+    task = SearchR1MiniTask(retriever_url="http://127.0.0.1:9/retrieve", search_timeout_s=2.0)
+    try:
+        tokenizer = smollm2_tokenizer()
+        turns = iter(["<search> anything </search>", "<answer> x </answer>"])
+        engine = ScriptedEngine(tokenizer, lambda _: next(turns))
+        index, sample = find(task, "Who founded")
+        (trajectory,) = (await worker(task, engine, group_size=1).run_group(index, sample)).trajectories
+        assert trajectory.finish_reason == "answer"
+        assert trajectory.metrics["num_tool_errors"] == 1
+        response = tokenizer.decode(trajectory.token_ids[trajectory.prompt_len :])
+        assert "<information>Search failed: search failed: ConnectError" in response
+    finally:
+        await task.aclose()
+
+
+class SlowTool:
+    name = "search"
+
+    async def __call__(self, arguments: str) -> str:
+        await asyncio.sleep(30)
+        return "too late"
+
+
+async def test_tool_timeout_becomes_an_observation(task: SearchR1MiniTask) -> None:
+    tokenizer = smollm2_tokenizer()
+    turns = iter(["<search> anything </search>", "<answer> x </answer>"])
+    engine = ScriptedEngine(tokenizer, lambda _: next(turns))
+    loop = worker(task, engine, group_size=1, tool_timeout_s=0.2)
+    loop._tools = {"search": SlowTool()}  # the task's own tools are real; this one hangs on purpose
+    index, sample = find(task, "Who founded")
+    (trajectory,) = (await loop.run_group(index, sample)).trajectories
+    assert trajectory.finish_reason == "answer"
+    assert "timed out after 0.2 s" in tokenizer.decode(trajectory.token_ids[trajectory.prompt_len :])
+
+
+class RefusingEngine:
+    async def generate(
+        self, input_ids: Sequence[int], sampling: SamplingParams, *, rid: str | None = None
+    ) -> Generation:
+        raise GenerationError("prompt too long for the context")
+
+
+async def test_engine_refusal_ends_the_trajectory_not_the_group(task: SearchR1MiniTask) -> None:
+    loop = AgentLoopWorker(
+        task,
+        RefusingEngine(),
+        smollm2_tokenizer(),
+        group_size=2,
+        sampling=SamplingParams(max_new_tokens=8),
+        max_prompt_len=512,
+        max_response_len=64,
+    )
+    group = await loop.run_group(0)
+    assert [t.finish_reason for t in group.trajectories] == ["error", "error"]
+    assert all(t.response_len == 0 for t in group.trajectories)
+    assert group.finish_version == NO_VERSION
+
+
+async def test_prompt_too_long_is_refused(task: SearchR1MiniTask) -> None:
+    engine = ScriptedEngine(smollm2_tokenizer(), mini_reader)
+    with pytest.raises(PromptTooLongError, match="max_prompt_len"):
+        await worker(task, engine, max_prompt_len=20).run_group(0)
+
+
+async def test_many_groups_run_at_once_within_the_limit(task: SearchR1MiniTask) -> None:
+    engine = ScriptedEngine(smollm2_tokenizer(), mini_reader, delay_s=0.02)
+    loop = worker(task, engine, group_size=2, max_concurrent_groups=3)
+    samples = task.dataset("train")
+    indices = [i for i, s in enumerate(samples) if "Who founded" in s.messages[-1].content][:8]
+    groups = await asyncio.gather(*(loop.run_group(i) for i in indices))
+    assert [g.prompt_index for g in groups] == indices
+    assert len({g.group_id for g in groups}) == 8
+    assert all(t.reward == 1.0 for g in groups for t in g.trajectories)
+    assert 2 < engine.max_in_flight <= 3 * 2
+
+
+async def test_demonstrations_are_shown_as_earlier_turns(task: SearchR1MiniTask) -> None:
+    engine = ScriptedEngine(smollm2_tokenizer(), mini_reader)
+    loop = worker(task, engine, num_demonstrations=2, max_prompt_len=2048)
+    index, sample = find(task, "In which city was the founder of")
+    messages = loop.messages(sample)
+    assert [m.role for m in messages] == ["user", "assistant", "user", "assistant", "user"]
+    assert messages[-1] == sample.messages[-1]
+    group = await loop.run_group(index, sample)
+    assert all(t.reward == 1.0 for t in group.trajectories)
+
+
+def test_worker_rejects_bad_settings(task: SearchR1MiniTask) -> None:
+    engine = ScriptedEngine(smollm2_tokenizer(), mini_reader)
+    bad: Mapping[str, object] = {"group_size": 0}
+    with pytest.raises(ValueError, match="group_size"):
+        worker(task, engine, **bad)
+    with pytest.raises(ValueError, match="context_len"):
+        worker(task, engine, context_len=100, max_prompt_len=512)
