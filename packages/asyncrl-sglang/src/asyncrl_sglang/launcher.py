@@ -188,6 +188,8 @@ def port_is_free(host: str, port: int) -> bool:
     """Whether nothing listens on (`host`, `port`) and it can be bound now."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
+        # Servers bind with SO_REUSEADDR, so a port whose old connections linger in TIME_WAIT is free to them.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
         except OSError:

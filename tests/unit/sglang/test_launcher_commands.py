@@ -1,0 +1,283 @@
+"""The launcher: command lines for SGLang and the built-in engine, ports, and the lifecycle of the processes
+it starts (health wait, early death, process-group stop, stop on exit)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncrl_core.config.models import RolloutConfig
+from asyncrl_core.errors import EngineControlError, EngineUnavailableError
+from asyncrl_sglang.launcher import (
+    EngineCommand,
+    builtin_command,
+    free_port,
+    launch_engines,
+    pick_ports,
+    sglang_command,
+    start_engines,
+)
+
+
+def flags(argv: tuple[str, ...]) -> dict[str, str | None]:
+    """`--a 1 --b --c x` -> {"--a": "1", "--b": None, "--c": "x"}."""
+    parsed: dict[str, str | None] = {}
+    index = 0
+    while index < len(argv):
+        if argv[index].startswith("--"):
+            value = (
+                argv[index + 1] if index + 1 < len(argv) and not argv[index + 1].startswith("--") else None
+            )
+            parsed[argv[index]] = value
+            index += 2 if value is not None else 1
+        else:
+            index += 1
+    return parsed
+
+
+def test_sglang_command_has_the_flags_an_rl_run_needs() -> None:
+    command = sglang_command(
+        model_path="/models/qwen",
+        host="127.0.0.1",
+        port=31000,
+        tensor_parallel_size=2,
+        max_running_requests=64,
+        devices=(4, 5),
+        context_length=8192,
+        api_key="secret",
+        extra_args={
+            "mem_fraction_static": 0.8,
+            "disable_cuda_graph": True,
+            "enable_metrics": True,
+            "x": False,
+        },
+        python="/usr/bin/python3",
+    )
+    assert command.argv[:3] == ("/usr/bin/python3", "-m", "sglang.launch_server")
+    assert flags(command.argv) == {
+        "--model-path": "/models/qwen",
+        "--host": "127.0.0.1",
+        "--port": "31000",
+        "--tp-size": "2",
+        "--max-running-requests": "64",
+        "--weight-version": "0",
+        "--enable-metrics": None,
+        "--context-length": "8192",
+        "--api-key": "secret",
+        "--mem-fraction-static": "0.8",
+        "--disable-cuda-graph": None,
+    }
+    assert command.env == {"CUDA_VISIBLE_DEVICES": "4,5"}
+    assert command.url == "http://127.0.0.1:31000"
+
+
+def test_sglang_command_refuses_a_device_count_that_does_not_match_tp() -> None:
+    with pytest.raises(EngineControlError, match="tensor_parallel_size 2"):
+        sglang_command(
+            model_path="m",
+            host="127.0.0.1",
+            port=1,
+            tensor_parallel_size=2,
+            max_running_requests=1,
+            devices=(0,),
+        )
+
+
+def test_builtin_command_runs_on_cuda_only_when_given_a_device() -> None:
+    cpu = builtin_command(model_path="m", host="127.0.0.1", port=5, max_running_requests=3)
+    assert cpu.argv[1:3] == ("-m", "asyncrl_sglang.builtin")
+    assert flags(cpu.argv)["--device"] == "cpu"
+    assert flags(cpu.argv)["--max-running-requests"] == "3"
+    assert "--enable-metrics" in cpu.argv
+    assert cpu.env == {}
+    gpu = builtin_command(model_path="m", host="0.0.0.0", port=5, max_running_requests=3, devices=(2,))
+    assert flags(gpu.argv)["--device"] == "cuda"
+    assert gpu.env == {"CUDA_VISIBLE_DEVICES": "2"}
+    assert gpu.url == "http://127.0.0.1:5"  # a server on every interface is reached on loopback
+    with pytest.raises(EngineControlError, match="one device"):
+        builtin_command(model_path="m", host="h", port=5, max_running_requests=3, devices=(0, 1))
+
+
+def test_ports_skip_busy_ones_and_never_repeat() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        ports = pick_ports("127.0.0.1", 3, taken)
+        assert taken not in ports
+        assert ports == sorted(set(ports))
+        assert all(port > taken for port in ports)
+    chosen = pick_ports("127.0.0.1", 4, None)
+    assert len(set(chosen)) == 4
+
+
+# ------------------------------------------------------------------------------------------------------
+# Processes: a small stand-in server script (a real HTTP server on loopback, not an engine).
+
+SERVER = textwrap.dedent(
+    """
+    import http.server, os, subprocess, sys, time
+    delay, child_pid_file = float(sys.argv[2]), sys.argv[3]
+    if child_pid_file != "-":
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        open(child_pid_file, "w").write(str(child.pid))
+    started = time.monotonic()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            ready = time.monotonic() - started >= delay
+            self.send_response(200 if ready and self.path == "/health" else 503)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    print("serving", flush=True)
+    http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+    """
+)
+
+
+def server_command(
+    tmp_path: Path, *, delay_s: float = 0.5, child_pid_file: Path | None = None
+) -> EngineCommand:
+    script = tmp_path / "server.py"
+    script.write_text(SERVER)
+    port = free_port()
+    argv = (sys.executable, str(script), str(port), str(delay_s), str(child_pid_file or "-"))
+    return EngineCommand(argv=argv, host="127.0.0.1", port=port)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie has exited: only its parent has not reaped it yet.
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_engines_are_waited_for_then_stopped_with_their_children(tmp_path: Path) -> None:
+    child_pid_file = tmp_path / "child.pid"
+    command = server_command(tmp_path, delay_s=0.5, child_pid_file=child_pid_file)
+    with start_engines([command], log_dir=tmp_path / "logs", health_timeout_s=60) as launched:
+        assert launched.urls == (command.url,)
+        process = launched.processes[0]
+        assert process.returncode() is None
+        child_pid = int(child_pid_file.read_text())
+        assert alive(child_pid)
+        assert "serving" in process.log_tail()
+    assert process.returncode() is not None
+    deadline = time.monotonic() + 10
+    while alive(child_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(child_pid), "the engine's child process outlived the engine"
+
+
+def test_an_engine_that_dies_early_fails_the_launch_with_its_log(tmp_path: Path) -> None:
+    command = EngineCommand(
+        argv=(sys.executable, "-c", "import sys; print('cannot load model: no config.json'); sys.exit(3)"),
+        host="127.0.0.1",
+        port=free_port(),
+    )
+    with pytest.raises(EngineUnavailableError, match=r"status 3[\s\S]*cannot load model"):
+        start_engines([command], log_dir=tmp_path, health_timeout_s=60)
+
+
+def test_an_engine_that_never_gets_healthy_times_out_and_is_stopped(tmp_path: Path) -> None:
+    command = server_command(tmp_path, delay_s=3600)
+    with pytest.raises(EngineUnavailableError, match="not healthy within 1 s"):
+        start_engines([command], log_dir=tmp_path, health_timeout_s=1)
+    from asyncrl_sglang.launcher import port_is_free
+
+    assert port_is_free("127.0.0.1", command.port)  # the server was stopped
+
+
+def test_engines_stop_when_the_parent_is_terminated(tmp_path: Path) -> None:
+    """A parent stopped by SIGTERM (no handler of its own) still stops the engines it launched."""
+    command = server_command(tmp_path, delay_s=0.0)
+    parent = tmp_path / "parent.py"
+    parent.write_text(
+        textwrap.dedent(
+            f"""
+            import sys, time
+            from pathlib import Path
+            from asyncrl_sglang.launcher import EngineCommand, start_engines
+            command = EngineCommand(argv={command.argv!r}, host="127.0.0.1", port={command.port})
+            with start_engines([command], log_dir=Path({str(tmp_path)!r}), health_timeout_s=60) as launched:
+                print(launched.processes[0].pid, flush=True)
+                time.sleep(600)
+            """
+        )
+    )
+    runner = subprocess.Popen([sys.executable, str(parent)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert runner.stdout is not None
+        engine_pid = int(runner.stdout.readline())
+        assert alive(engine_pid)
+        runner.send_signal(signal.SIGTERM)
+        runner.wait(timeout=60)
+        assert runner.returncode == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 10
+        while alive(engine_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(engine_pid)
+    finally:
+        runner.kill()
+        runner.wait(timeout=10)
+        if runner.stdout is not None:
+            runner.stdout.close()
+
+
+def test_external_launch_waits_for_the_given_urls(tmp_path: Path) -> None:
+    command = server_command(tmp_path, delay_s=0.0)
+    with start_engines([command], log_dir=tmp_path, health_timeout_s=60):
+        config = RolloutConfig.model_validate(
+            {"max_running_requests": 4, "sglang": {"launch": "external", "urls": [command.url + "/"]}}
+        )
+        with launch_engines(config, run_dir=tmp_path) as external:
+            assert external.urls == (command.url,)
+            assert external.processes == ()
+    empty = RolloutConfig.model_validate({"max_running_requests": 4, "sglang": {"launch": "external"}})
+    with pytest.raises(EngineControlError, match=r"rollout\.sglang\.urls"):
+        launch_engines(empty, run_dir=tmp_path)
+
+
+@pytest.mark.integration
+async def test_builtin_launch_from_the_rollout_config(tiny_llama_path: Path, tmp_path: Path) -> None:
+    from asyncrl_core.types import SamplingParams
+
+    config = RolloutConfig.model_validate(
+        {
+            "model_path": str(tiny_llama_path),
+            "max_running_requests": 2,
+            "num_instances": 2,
+            "context_length": 256,
+            "sglang": {"launch": "builtin", "base_port": free_port()},
+        }
+    )
+    with launch_engines(config, run_dir=tmp_path, health_timeout_s=240) as launched:
+        assert len(launched.urls) == 2
+        assert all((tmp_path / "engines" / f"engine-{index}.log").exists() for index in range(2))
+        async with launched.pool() as pool:
+            generations = [
+                await pool.generate(
+                    [1, 2, 3], SamplingParams(max_new_tokens=4, ignore_eos=True), routing_key="t"
+                )
+                for _ in range(2)
+            ]
+            assert all(len(generation.output_ids) == 4 for generation in generations)
+            infos = [await client.server_info() for client in pool.clients]
+            assert {info["context_length"] for info in infos} == {256}
+            assert await pool.weight_versions() == [0, 0]
+        processes = launched.processes
+    assert all(process.returncode() is not None for process in processes)
