@@ -7,6 +7,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from asyncrl_core.algorithms import (
     BatchError,
@@ -417,3 +419,65 @@ def test_settings_from_config() -> None:
     assert settings.needs_proximal
     with pytest.raises(ValueError, match="off_policy_max_weight"):
         LossSettings(off_policy_max_weight=0.5)
+
+
+# --- properties ---------------------------------------------------------------------------------------------
+
+trajectory_shapes = st.tuples(
+    st.integers(1, 4),  # prompt length
+    st.lists(st.integers(0, 1), min_size=0, max_size=6),  # loss mask of the response
+    st.sampled_from([0.0, 0.5, 1.0]),  # reward
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    groups_spec=st.lists(st.lists(trajectory_shapes, min_size=1, max_size=4), min_size=1, max_size=3),
+    aggregation=st.sampled_from(["token_mean", "sequence_mean"]),
+    correction=st.sampled_from(["none", "decoupled"]),
+    seed=st.integers(0, 2**16),
+)
+def test_any_split_of_the_rows_adds_up_to_the_batch(
+    groups_spec: list[list[tuple[int, list[int], float]]], aggregation: str, correction: str, seed: int
+) -> None:
+    groups = [
+        Group(
+            group_id=index,
+            prompt_index=index,
+            trajectories=[
+                trajectory(list(range(1, prompt_len + 1)), [3] * len(mask), mask, reward, logprob=-1.5)
+                for prompt_len, mask, reward in spec
+            ],
+        )
+        for index, spec in enumerate(groups_spec)
+    ]
+    loss_settings = LossSettings(
+        loss_aggregation=aggregation,  # pyright: ignore[reportArgumentType]
+        off_policy_correction=correction,  # pyright: ignore[reportArgumentType]
+        off_policy_max_weight=1.3,
+    )
+    batch = pack_groups(groups, PAD, normalize_std=True, aggregation=loss_settings.loss_aggregation)
+    generator = torch.Generator().manual_seed(seed)
+    current = -1.5 + 0.4 * torch.randn(batch.loss_mask.shape, generator=generator)
+    proximal = -1.5 + 0.4 * torch.randn(batch.loss_mask.shape, generator=generator)
+
+    def evaluate(rows: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        part = batch.select(rows)
+        width = part.input_ids.shape[1]
+        return policy_loss(
+            current[rows, :width],
+            part.rollout_logprobs,
+            part.advantages,
+            part.loss_weights,
+            loss_settings,
+            proximal_logprobs=proximal[rows, :width],
+        )
+
+    full_loss, full_metrics = evaluate(list(range(batch.num_rows)))
+    order = torch.randperm(batch.num_rows, generator=generator).tolist()
+    cut = int(torch.randint(0, batch.num_rows + 1, (1,), generator=generator))
+    parts = [evaluate(rows) for rows in (order[:cut], order[cut:]) if rows]
+    assert sum(loss.item() for loss, _ in parts) == pytest.approx(full_loss.item(), abs=1e-5)
+    for name, value in full_metrics.items():
+        assert sum(m[name].item() for _, m in parts) == pytest.approx(value.item(), abs=1e-5), name
+    assert batch.loss_weights.sum().item() == pytest.approx(1.0 if batch.num_loss_tokens else 0.0, abs=1e-5)
