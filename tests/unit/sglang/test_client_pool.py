@@ -1,0 +1,127 @@
+"""The engine pool: least-outstanding routing, sticky routing keys, pool-wide calls naming failed engines."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+
+import httpx
+import pytest
+
+from asyncrl_core.errors import EngineControlError
+from asyncrl_core.protocols import GenerationClient
+from asyncrl_core.types import SamplingParams
+from asyncrl_sglang.client import RetryPolicy, SGLangClient
+from asyncrl_sglang.pool import EnginePool
+
+
+class Engines:
+    """Recording engines whose `/generate` answers only when released."""
+
+    def __init__(self, count: int) -> None:
+        self.release = asyncio.Event()
+        self.served: list[tuple[int, str]] = []
+        self.pool = EnginePool(
+            [
+                SGLangClient(f"http://engine{index}", transport=httpx.MockTransport(self._handler(index)))
+                for index in range(count)
+            ]
+        )
+
+    def _handler(self, index: int) -> Callable[[httpx.Request], Awaitable[httpx.Response]]:
+        async def handler(request: httpx.Request) -> httpx.Response:
+            body = json.loads(request.content)
+            self.served.append((index, body["rid"]))
+            await self.release.wait()
+            return httpx.Response(
+                200,
+                json={
+                    "output_ids": [1],
+                    "meta_info": {
+                        "finish_reason": {"type": "length", "length": 1},
+                        "weight_version": "0",
+                        "output_token_logprobs": [[-1.0, 1, None]],
+                    },
+                },
+            )
+
+        return handler
+
+    def engine_of(self, rid: str) -> int:
+        return next(index for index, served in self.served if served == rid)
+
+
+async def settle() -> None:
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+async def test_the_pool_is_a_generation_client() -> None:
+    engines = Engines(1)
+    assert isinstance(engines.pool, GenerationClient)
+    await engines.pool.aclose()
+
+
+async def test_requests_go_to_the_least_loaded_engine() -> None:
+    engines = Engines(3)
+    async with engines.pool as pool:
+        tasks = [asyncio.create_task(pool.generate([1], SamplingParams(), rid=f"r{i}")) for i in range(7)]
+        await settle()
+        assert sorted(pool.outstanding()) == [2, 2, 3]
+        assert pool.num_inflight == 7
+        engines.release.set()
+        await asyncio.gather(*tasks)
+        assert pool.outstanding() == (0, 0, 0)
+        assert pool.num_inflight == 0
+
+
+async def test_a_routing_key_sticks_to_its_engine() -> None:
+    engines = Engines(2)
+    async with engines.pool as pool:
+        first = asyncio.create_task(
+            pool.generate([1], SamplingParams(), rid="t-1", routing_key="trajectory-7")
+        )
+        await settle()
+        # The sticky engine is now the busier one; the key still goes there, other requests do not.
+        second = asyncio.create_task(
+            pool.generate([1], SamplingParams(), rid="t-2", routing_key="trajectory-7")
+        )
+        other = asyncio.create_task(pool.generate([1], SamplingParams(), rid="o"))
+        await settle()
+        assert engines.engine_of("t-1") == engines.engine_of("t-2")
+        assert engines.engine_of("o") != engines.engine_of("t-1")
+        engines.release.set()
+        await asyncio.gather(first, second, other)
+
+
+async def test_sticky_keys_are_forgotten_least_recently_used() -> None:
+    engines = Engines(2)
+    engines.release.set()
+    async with EnginePool(engines.pool.clients, max_sticky_keys=2) as pool:
+        for key in ("a", "b", "c"):
+            await pool.generate([1], SamplingParams(), routing_key=key)
+        assert list(pool._sticky) == ["b", "c"]  # pyright: ignore[reportPrivateUsage]
+
+
+async def test_pool_wide_calls_name_every_failed_engine() -> None:
+    def handler_for(index: int) -> Callable[[httpx.Request], httpx.Response]:
+        def handler(request: httpx.Request) -> httpx.Response:
+            if index == 1:
+                return httpx.Response(400, json={"object": "error", "message": "bad mode"})
+            return httpx.Response(200, json={"status": "ok"})
+
+        return handler
+
+    clients = [
+        SGLangClient(f"http://e{i}", transport=httpx.MockTransport(handler_for(i)), retry=RetryPolicy(1))
+        for i in range(3)
+    ]
+    async with EnginePool(clients) as pool:
+        with pytest.raises(EngineControlError, match=r"on 1 engine\(s\): engine 1 \(http://e1\).*bad mode"):
+            await pool.pause("retract")
+
+
+def test_an_empty_pool_is_refused() -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        EnginePool([])
