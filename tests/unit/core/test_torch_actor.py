@@ -16,6 +16,7 @@ from asyncrl_core.actor.torch_actor import bfloat16_supported
 from asyncrl_core.algorithms import BatchError
 from asyncrl_core.config import AlgorithmConfig, TorchActorConfig
 from asyncrl_core.models import tiny_llama
+from asyncrl_core.protocols import Actor
 from asyncrl_core.types import NO_VERSION, Group, Trajectory
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -305,3 +306,23 @@ def test_gradient_checkpointing_gives_the_same_update(model_dir: Path) -> None:
     plain.train_step(groups)
     checkpointed.train_step(groups)
     assert_weights_close(weights_of(plain), weights_of(checkpointed))
+
+
+def test_a_non_finite_gradient_skips_the_step(model_dir: Path) -> None:
+    actor = make_actor(model_dir, optimizer="sgd")
+    groups = make_groups(actor)
+    # A behaviour logprob of -1e4 under a negative advantage makes the unclipped term overflow.
+    losing = next(t for t in groups[0].trajectories if t.reward == 0.0)
+    losing.rollout_logprobs[0] = -1e4
+    before = weights_of(actor)
+    with pytest.raises(ActorError, match="non-finite gradient norm"):
+        actor.train_step(groups)
+    assert actor.version == 0
+    assert_weights_close(before, weights_of(actor), rtol=0.0, atol=0.0)
+    assert all(p.grad is None for p in actor.module.parameters())
+
+
+def test_the_torch_actor_meets_the_actor_protocol(model_dir: Path) -> None:
+    actor: Actor = make_actor(model_dir)
+    assert isinstance(actor, Actor)
+    assert actor.version == 0
