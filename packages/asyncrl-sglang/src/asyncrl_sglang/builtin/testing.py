@@ -18,7 +18,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +48,7 @@ def serve_builtin(
     num_threads: int | None = 1,
     start_timeout_s: float = 300.0,
     stop_timeout_s: float = 15.0,
-) -> Iterator[BuiltinServerProcess]:
+) -> Generator[BuiltinServerProcess]:
     """Run `python -m asyncrl_sglang.builtin` on 127.0.0.1 with a free port until the block exits.
 
     `extra_args` are passed through (e.g. `"--enable-metrics"`, `"--api-key", "k"`). Raises
