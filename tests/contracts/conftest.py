@@ -1,11 +1,12 @@
-"""Built-in engines for the contract tests: started once a session with the launcher, stopped at the end.
+"""Built-in engines for the contract tests: started together once a session with the launcher, stopped at
+the end.
 
-- `engine_url`: metrics on, `--max-running-requests 2`, launch version `"default"` (SGLang's default label).
-- `plain_engine_url`: metrics off, launch version `"7"`, and `/get_weight_version` answering 200 like older
-  SGLang servers do.
+- `engine_url`: metrics on, `--max-running-requests 2`, launch version `"0"` (what the launcher passes).
+- `plain_engine_url`: metrics off, SGLang's launch label `"default"`, and `/get_weight_version` answering
+  200 like older SGLang servers do. No test changes its weights or version.
 
-Both serve the tiny random Llama of the root conftest. Tests that change an engine's weights push every
-parameter, so each starts from weights it knows.
+Both serve the tiny random Llama of the root conftest. Tests that change `engine_url`'s weights push every
+tensor they depend on, so each starts from weights it knows.
 """
 
 from __future__ import annotations
@@ -17,43 +18,34 @@ import httpx
 import pytest
 
 from asyncrl_sglang.client import SGLangClient
-from asyncrl_sglang.launcher import LaunchedEngines, builtin_command, free_port, start_engines
+from asyncrl_sglang.launcher import builtin_command, free_port, start_engines
 
 
-def _start(
-    model_path: Path, log_dir: Path, *, enable_metrics: bool, **extra: str | int | bool
-) -> LaunchedEngines:
-    command = builtin_command(
-        model_path=str(model_path),
-        host="127.0.0.1",
+@pytest.fixture(scope="session")
+def engine_urls(
+    tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Generator[tuple[str, str]]:
+    common = {"model_path": str(tiny_llama_path), "host": "127.0.0.1", "max_running_requests": 2}
+    engine = builtin_command(port=free_port(), enable_metrics=True, extra_args={"num_threads": 1}, **common)
+    plain = builtin_command(
         port=free_port(),
-        max_running_requests=2,
-        enable_metrics=enable_metrics,
-        extra_args={"num_threads": 1, **extra},
-    )
-    return start_engines([command], log_dir=log_dir, health_timeout_s=240.0)
-
-
-@pytest.fixture(scope="session")
-def engine_url(tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Generator[str]:
-    launched = _start(
-        tiny_llama_path, tmp_path_factory.mktemp("engine-logs"), enable_metrics=True, weight_version="default"
-    )
-    with launched:
-        yield launched.urls[0]
-
-
-@pytest.fixture(scope="session")
-def plain_engine_url(tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Generator[str]:
-    launched = _start(
-        tiny_llama_path,
-        tmp_path_factory.mktemp("plain-engine-logs"),
         enable_metrics=False,
-        weight_version="7",
-        weight_version_route="old",
+        extra_args={"num_threads": 1, "weight_version": "default", "weight_version_route": "old"},
+        **common,
     )
-    with launched:
-        yield launched.urls[0]
+    log_dir = tmp_path_factory.mktemp("engine-logs")
+    with start_engines([engine, plain], log_dir=log_dir, health_timeout_s=240.0) as launched:
+        yield launched.urls[0], launched.urls[1]
+
+
+@pytest.fixture(scope="session")
+def engine_url(engine_urls: tuple[str, str]) -> str:
+    return engine_urls[0]
+
+
+@pytest.fixture(scope="session")
+def plain_engine_url(engine_urls: tuple[str, str]) -> str:
+    return engine_urls[1]
 
 
 @pytest.fixture

@@ -66,27 +66,11 @@ async def test_1_readiness_and_model_info(engine_url: str, plain_engine_url: str
         assert alias.status_code == 200
         assert alias.json()["is_generation"] is True
     async with SGLangClient(plain_engine_url) as plain:
-        assert (await plain.model_info())["weight_version"] == "7"
-        assert await plain.weight_version() == 7
+        # SGLang's launch label reads as asyncrl's initial version.
+        assert (await plain.model_info())["weight_version"] == "default"
+        assert await plain.weight_version() == 0
         assert await plain.health()
         assert await plain.health_generate()
-
-
-async def test_1_launch_label_default_reads_as_version_zero(tiny_llama_path: Path, tmp_path: Path) -> None:
-    from asyncrl_sglang.launcher import builtin_command, free_port, start_engines
-
-    command = builtin_command(
-        model_path=str(tiny_llama_path),
-        host="127.0.0.1",
-        port=free_port(),
-        max_running_requests=1,
-        enable_metrics=False,
-        extra_args={"weight_version": "default", "skip_server_warmup": True, "num_threads": 1},
-    )
-    with start_engines([command], log_dir=tmp_path, health_timeout_s=240.0) as launched:
-        async with SGLangClient(launched.urls[0]) as client:
-            assert (await client.model_info())["weight_version"] == "default"
-            assert await client.weight_version() == 0
 
 
 # ---------------------------------------------------------------------------------------------- 2-3. generate
@@ -363,7 +347,7 @@ async def test_19_tensor_update_while_paused(
         assert (await client.model_info())["weight_version"] == "5"
         assert await client.weight_version() == 5
         # /server_info keeps the launch value.
-        assert (await client.server_info())["weight_version"] == "default"
+        assert (await client.server_info())["weight_version"] == "0"
         forced = await http.post(
             "/update_weights_from_tensor",
             json={
@@ -433,7 +417,7 @@ async def test_21_deprecated_version_route(engine_url: str, plain_engine_url: st
         assert "/model_info" in new.json()["message"]
         old = await http.get(f"{plain_engine_url}/get_weight_version")
         assert old.status_code == 200
-        assert old.json() == {"weight_version": "7"}
+        assert old.json() == {"weight_version": "default"}
     for url in (engine_url, plain_engine_url):
         async with SGLangClient(url) as client:
             assert isinstance(await client.weight_version(), int)
