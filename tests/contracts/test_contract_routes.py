@@ -334,6 +334,9 @@ async def test_pause_abort_returns_partials_and_holds_new_requests(client: SGLan
 async def test_19_tensor_update_while_paused(
     engine_url: str, tiny_llama_path: Path, http: httpx.AsyncClient, client: SGLangClient
 ) -> None:
+    """A whole model in one bucket (about 13 MB of safetensors for the tiny Llama, 17 MB as base64): SGLang
+    takes request bodies of any size on this route; a server that caps them (aiohttp's default 1 MiB cap
+    answers 413) cannot take a real model's weights."""
     weights = model_weights(tiny_llama_path)
     await client.pause("abort")
     try:
@@ -387,6 +390,10 @@ async def test_20_distributed_group_lifecycle(
     from asyncrl_sglang.pool import EnginePool
     from asyncrl_sglang.weight_sync import DistributedTransport
 
+    """The trainer joins as rank 0 the way SGLang's engines and every SGLang trainer do: a `tcp://`
+    rendezvous store namespaced by the group name (`PrefixStore(group_name)`), a separate communicator. An
+    engine that joins through `init_process_group`'s default-group store layout (`default_pg/...`) never
+    meets such a trainer: both sides wait for keys the other never writes."""
     missing = await http.post(
         "/update_weights_from_distributed", json={"dtypes": ["float32"], "shapes": [[2]]}
     )
