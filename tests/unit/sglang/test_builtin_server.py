@@ -1,8 +1,9 @@
-"""The built-in engine's HTTP routes, served in process (aiohttp test server on loopback) over a tiny Llama."""
+"""The built-in engine's HTTP routes, served in process (aiohttp test server, loopback) over a tiny Llama."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -79,8 +80,9 @@ async def _generate(client: TestClient[Any, Any], **body: Any) -> tuple[int, Any
 
 
 async def _until(predicate: Callable[[], bool]) -> None:
+    # The engine state lives on its own thread: poll it (no event to await).
     async with asyncio.timeout(WAIT_S):
-        while not predicate():
+        while not predicate():  # noqa: ASYNC110
             await asyncio.sleep(0.005)
 
 
@@ -202,7 +204,7 @@ async def test_streaming_events_are_cumulative(make_client: Factory) -> None:
     assert all(c.startswith("data: ") for c in chunks)
     assert chunks[-1] == "data: [DONE]"
     events = [json.loads(c.removeprefix("data: ")) for c in chunks[:-1]]
-    for before, after in zip(events, events[1:], strict=False):
+    for before, after in itertools.pairwise(events):
         assert after["output_ids"][: len(before["output_ids"])] == before["output_ids"]
     for event in events[:-1]:
         assert event["meta_info"]["finish_reason"] is None
@@ -346,7 +348,7 @@ async def test_retract_pause_update_and_continue_over_http(
     assert body["success"] is True
     assert body["message"].endswith("Weight version updated to v1.")
     await client.post("/continue_generation", json={})
-    status, body = await asyncio.wait_for(task, WAIT_S)
+    _status, body = await asyncio.wait_for(task, WAIT_S)
     meta = body["meta_info"]
     assert meta["finish_reason"] == {"type": "length", "length": 300}
     assert meta["num_retractions"] == 1
@@ -448,7 +450,7 @@ async def test_distributed_update_over_gloo(
         "dist.barrier()\n"
         "dist.destroy_process_group()\n"
     )
-    process = subprocess.Popen([sys.executable, "-c", trainer])
+    process = subprocess.Popen([sys.executable, "-c", trainer])  # noqa: ASYNC220
     try:
         response = await client.post(
             "/init_weights_update_group",
@@ -492,7 +494,7 @@ async def test_distributed_update_over_gloo(
         tiny_model.load_named_tensors([("model.norm.weight", norm.clone().fill_(1.0))])
 
 
-# ---------------------------------------------------------------------------------------------- info, memory, metrics
+# ------------------------------------------------------------------------------------ info, memory, metrics
 async def test_info_health_and_version_routes(make_client: Factory) -> None:
     client, server = await make_client(weight_version="w0")
     assert (await client.get("/health")).status == 200
