@@ -383,12 +383,13 @@ class LaunchedEngines:
         processes: Sequence[EngineProcess] = (),
         *,
         api_key: str | None = None,
+        signals: contextlib.AbstractContextManager[None] | None = None,
     ) -> None:
+        """`signals`: the entered `_signals_exit()` context of the launch, left when the engines stop."""
         self.urls: tuple[str, ...] = tuple(urls)
         self.processes: tuple[EngineProcess, ...] = tuple(processes)
         self.api_key = api_key
-        self._signals = _signals_exit()
-        self._signals.__enter__()
+        self._signals = signals
 
     def __enter__(self) -> LaunchedEngines:
         return self
@@ -403,7 +404,9 @@ class LaunchedEngines:
             thread.start()
         for thread in threads:
             thread.join()
-        self._signals.__exit__(None, None, None)
+        if self._signals is not None:
+            signals, self._signals = self._signals, None
+            signals.__exit__(None, None, None)
 
     def clients(self, timeouts: ClientTimeouts | None = None) -> list[SGLangClient]:
         """A new client per engine (create them inside the event loop that uses them)."""
@@ -423,6 +426,8 @@ def start_engines(
 ) -> LaunchedEngines:
     """Start one process per command and wait until all are healthy; on any failure stop them all."""
     processes: list[EngineProcess] = []
+    signals = _signals_exit()
+    signals.__enter__()
     try:
         for index, command in enumerate(commands):
             processes.append(EngineProcess(command, log_dir / f"engine-{index}.log"))
@@ -430,8 +435,9 @@ def start_engines(
     except BaseException:
         for process in processes:
             process.stop()
+        signals.__exit__(None, None, None)
         raise
-    return LaunchedEngines([command.url for command in commands], processes, api_key=api_key)
+    return LaunchedEngines([command.url for command in commands], processes, api_key=api_key, signals=signals)
 
 
 def launch_engines(
