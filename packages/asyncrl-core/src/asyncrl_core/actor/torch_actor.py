@@ -21,6 +21,7 @@ weight between the proximal and the behaviour policy.)
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import logging
 import math
@@ -207,6 +208,8 @@ class TorchActor:
             )
         else:
             self.optimizer = torch.optim.SGD(parameters, lr=actor.lr, weight_decay=actor.weight_decay)
+        forward_parameters = inspect.signature(self.module.forward).parameters
+        self._accepts_logits_to_keep = "logits_to_keep" in forward_parameters
         pad_id = getattr(self.module.config, "pad_token_id", None)
         self.pad_id: int = pad_id if isinstance(pad_id, int) else 0
         self._version = 0
@@ -400,10 +403,14 @@ class TorchActor:
         return replace(part, loss_weights=torch.zeros_like(part.loss_weights))
 
     def _micro_batch_loss(self, part: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        # Right padding needs no attention mask: causal attention never lets a real token see a later pad.
-        with self._autocast():
-            logits = self._model(input_ids=part.input_ids, position_ids=part.position_ids).logits
-        logprobs = token_logprobs(logits, part.target_ids, self.temperature)
+        # Logits are needed only from the first trained position on: the shared prompt columns before it
+        # (often most of a row) skip the output layer, its [n, t, V] logits and their softmax.
+        width = part.input_ids.shape[1]
+        trained_columns = part.loss_mask.any(dim=0).nonzero()
+        first = int(trained_columns[0].item()) if trained_columns.numel() else width - 1
+        targets = part.target_ids[:, first:]
+        logits = self._logits(self._model, part, width - first)
+        logprobs = token_logprobs(logits, targets, self.temperature)
         if self.settings.entropy_coef > 0.0:
             entropy = token_entropy(logits, self.temperature)
         else:
@@ -411,21 +418,35 @@ class TorchActor:
                 entropy = token_entropy(logits.detach(), self.temperature)
         ref_logprobs = None
         if self.reference is not None:
-            with torch.no_grad(), self._autocast():
-                ref_logits = self.reference(input_ids=part.input_ids, position_ids=part.position_ids).logits
-                ref_logprobs = token_logprobs(ref_logits, part.target_ids, self.temperature)
+            with torch.no_grad():
+                ref_logits = self._logits(self.reference, part, width - first)
+                ref_logprobs = token_logprobs(ref_logits, targets, self.temperature)
             del ref_logits
         proximal = logprobs.detach() if self.settings.needs_proximal else None
         return policy_loss(
             logprobs,
-            part.rollout_logprobs,
-            part.advantages,
-            part.loss_weights,
+            part.rollout_logprobs[:, first:],
+            part.advantages[:, first:],
+            part.loss_weights[:, first:],
             self.settings,
             proximal_logprobs=proximal,
             ref_logprobs=ref_logprobs,
             entropy=entropy,
         )
+
+    def _logits(self, model: torch.nn.Module, part: PackedBatch, num_last: int) -> torch.Tensor:
+        """Logits `[n, num_last, V]` of the last `num_last` positions of every row.
+
+        Right padding needs no attention mask: causal attention never lets a real token see a later pad.
+        """
+        with self._autocast():
+            if self._accepts_logits_to_keep:
+                output = model(
+                    input_ids=part.input_ids, position_ids=part.position_ids, logits_to_keep=num_last
+                )
+                return output.logits
+            output = model(input_ids=part.input_ids, position_ids=part.position_ids)
+            return output.logits[:, -num_last:]
 
     def _buckets(self, bucket_bytes: int, dtype: torch.dtype) -> Iterator[NamedTensors]:
         bucket: NamedTensors = []
