@@ -17,7 +17,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from asyncrl_core.types import Generation, SamplingParams, VersionSpan
+from asyncrl_core.protocols import GenerationClient
+from asyncrl_core.types import NO_VERSION, Generation, SamplingParams, Trajectory, VersionSpan
 
 
 @cache
@@ -164,3 +165,60 @@ def mini_reader(context: str) -> str:
         )
         return answer(founder.group(1) if founder else "unknown")
     return answer("unknown")
+
+
+@dataclass
+class RecordingClient:
+    """Passes every call to `client` and records it with its answer."""
+
+    client: GenerationClient
+    calls: list[Call] = field(default_factory=list[Call])
+
+    async def generate(
+        self, input_ids: Sequence[int], sampling: SamplingParams, *, rid: str | None = None
+    ) -> Generation:
+        generation = await self.client.generate(input_ids, sampling, rid=rid)
+        self.calls.append(Call(list(input_ids), sampling, rid, generation))
+        return generation
+
+
+def check_alignment(trajectory: Trajectory, recorded: Sequence[Call], prompt: Sequence[int]) -> None:
+    """The trajectory is the prompt, then each generation's ids verbatim, then each observation's ids."""
+    assert trajectory.token_ids[: trajectory.prompt_len] == list(prompt)
+    n = trajectory.response_len
+    assert len(trajectory.loss_mask) == len(trajectory.rollout_logprobs) == len(trajectory.versions) == n
+    # The calls that produced this trajectory: each one's input is a prefix of it. Trajectories of a group
+    # share their prompt, so among calls with the same input, the one whose output continues this one is it.
+    calls: dict[int, Call] = {}
+    for call in recorded:
+        length = len(call.input_ids)
+        ids = call.generation.output_ids
+        if (
+            length >= len(prompt)
+            and call.input_ids == trajectory.token_ids[:length]
+            and trajectory.token_ids[length : length + len(ids)] == ids
+        ):
+            calls[length] = call
+    assert len(calls) == trajectory.num_turns
+    position = trajectory.prompt_len
+    model_tokens = 0
+    for length, call in sorted(calls.items()):
+        assert length >= position, "a turn must be generated from the whole sequence so far"
+        position = length
+        ids = call.generation.output_ids
+        offset = position - trajectory.prompt_len
+        assert trajectory.token_ids[position : position + len(ids)] == ids
+        assert trajectory.loss_mask[offset : offset + len(ids)] == [1] * len(ids)
+        assert trajectory.rollout_logprobs[offset : offset + len(ids)] == call.generation.logprobs
+        assert trajectory.versions[offset : offset + len(ids)] == call.generation.token_versions()
+        model_tokens += len(ids)
+        position += len(ids)
+    assert sum(trajectory.loss_mask) == model_tokens
+    for mask, logprob, version in zip(
+        trajectory.loss_mask, trajectory.rollout_logprobs, trajectory.versions, strict=True
+    ):
+        if mask == 0:
+            assert logprob == 0.0
+            assert version == NO_VERSION
+        else:
+            assert version != NO_VERSION

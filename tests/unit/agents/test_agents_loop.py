@@ -7,12 +7,12 @@ import re
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 
 import pytest
-from agents_testing import ScriptedEngine, mini_reader, smollm2_tokenizer
+from agents_testing import ScriptedEngine, check_alignment, mini_reader, smollm2_tokenizer
 
 from asyncrl_agents.loop import AgentLoopWorker
 from asyncrl_agents.tasks.searchr1 import INVALID_TURN_OBSERVATION, SearchR1MiniTask
 from asyncrl_core.errors import GenerationError, PromptTooLongError
-from asyncrl_core.types import NO_VERSION, Generation, SamplingParams, TaskSample, Trajectory
+from asyncrl_core.types import NO_VERSION, Generation, SamplingParams, TaskSample
 
 pytestmark = pytest.mark.integration
 
@@ -49,43 +49,6 @@ def worker(task: SearchR1MiniTask, engine: ScriptedEngine, **kwargs: object) -> 
     return AgentLoopWorker(task, engine, smollm2_tokenizer(), **options)  # type: ignore[arg-type]
 
 
-def check_alignment(trajectory: Trajectory, engine: ScriptedEngine, prompt: Sequence[int]) -> None:
-    """The trajectory is the prompt, then each generation's ids verbatim, then each observation's ids."""
-    assert trajectory.token_ids[: trajectory.prompt_len] == list(prompt)
-    n = trajectory.response_len
-    assert len(trajectory.loss_mask) == len(trajectory.rollout_logprobs) == len(trajectory.versions) == n
-    # The calls that produced this trajectory: each one's input is a prefix of it (the scripted model is
-    # deterministic, so equal trajectories of a group made equal calls: keep one of each).
-    calls = {
-        len(c.input_ids): c
-        for c in engine.calls
-        if c.input_ids == trajectory.token_ids[: len(c.input_ids)] and len(c.input_ids) >= len(prompt)
-    }
-    assert calls
-    position = trajectory.prompt_len
-    model_tokens = 0
-    for length, call in sorted(calls.items()):
-        assert length >= position, "a turn must be generated from the whole sequence so far"
-        position = length
-        ids = call.generation.output_ids
-        offset = position - trajectory.prompt_len
-        assert trajectory.token_ids[position : position + len(ids)] == ids
-        assert trajectory.loss_mask[offset : offset + len(ids)] == [1] * len(ids)
-        assert trajectory.rollout_logprobs[offset : offset + len(ids)] == call.generation.logprobs
-        assert trajectory.versions[offset : offset + len(ids)] == call.generation.token_versions()
-        model_tokens += len(ids)
-        position += len(ids)
-    assert sum(trajectory.loss_mask) == model_tokens
-    for mask, logprob, version in zip(
-        trajectory.loss_mask, trajectory.rollout_logprobs, trajectory.versions, strict=True
-    ):
-        if mask == 0:
-            assert logprob == 0.0
-            assert version == NO_VERSION
-        else:
-            assert version != NO_VERSION
-
-
 async def test_single_hop_search_then_answer(task: SearchR1MiniTask) -> None:
     tokenizer = smollm2_tokenizer()
     engine = ScriptedEngine(tokenizer, mini_reader)
@@ -100,7 +63,7 @@ async def test_single_hop_search_then_answer(task: SearchR1MiniTask) -> None:
         assert trajectory.finish_reason == "answer"
         assert trajectory.num_turns == 2
         assert trajectory.reward == 1.0, tokenizer.decode(trajectory.token_ids[trajectory.prompt_len :])
-        check_alignment(trajectory, engine, prompt)
+        check_alignment(trajectory, engine.calls, prompt)
         response = tokenizer.decode(trajectory.token_ids[trajectory.prompt_len :])
         # The search stopped at its closing tag (kept), then Search-R1's observation followed.
         assert re.search(r"</search>\n\n<information>Doc 1\(Title: \"", response)
@@ -123,7 +86,7 @@ async def test_multi_hop_answer_needs_the_retrieved_passages(task: SearchR1MiniT
         assert trajectory.num_turns == 3
         assert trajectory.reward == 1.0
         assert trajectory.metrics["num_tool_calls"] == 2
-        check_alignment(trajectory, engine, prompt)
+        check_alignment(trajectory, engine.calls, prompt)
 
 
 async def test_wrong_answer_scores_zero_and_answer_with_inner_tags_is_parsed(task: SearchR1MiniTask) -> None:
@@ -145,7 +108,7 @@ async def test_version_spans_become_per_token_versions(task: SearchR1MiniTask) -
     index, sample = find(task, "Who founded")
     group = await worker(task, engine, group_size=1).run_group(index, sample)
     (trajectory,) = group.trajectories
-    check_alignment(trajectory, engine, worker(task, engine).prompt_ids(sample))
+    check_alignment(trajectory, engine.calls, worker(task, engine).prompt_ids(sample))
     assert trajectory.version_range() == (4, 5)
     assert group.finish_version == 5
     model_versions = [v for v, m in zip(trajectory.versions, trajectory.loss_mask, strict=True) if m]

@@ -1,0 +1,172 @@
+"""The agent loop's overhead per turn against the generation time of the same turn.
+
+Runs searchr1-mini groups through `AgentLoopWorker` against the built-in engine (SmolLM2-135M-Instruct on
+the CPU, shown two demonstrations so that it writes `<search>` calls) and the real retrieval server (BM25,
+loopback HTTP), then reports per model turn: generation (the `/generate` round trip), parsing (decoding
+the turn and parsing its tags), the tool round trip (per search call), and bookkeeping (appending ids, masks,
+logprobs and versions, formatting and tokenising the observation, budget checks). A second run with a
+scripted engine (the model's words fixed, no model) shows the loop's own cost when generation is free.
+
+    uv run python benchmarks/system/agent_loop.py [--groups 2 --group-size 4 --max-new-tokens 48]
+
+Prints a table and writes the figures as JSON (`--out`, default `benchmarks/results/agent_loop.json`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from asyncrl_agents.loop import AgentLoopWorker
+from asyncrl_agents.tasks.searchr1 import SearchR1MiniTask
+from asyncrl_core.types import Generation, Group, SamplingParams, VersionSpan
+
+PHASES = ("generation_s", "parse_s", "tool_s", "bookkeeping_s")
+
+
+def per_turn(groups: Sequence[Group], wall_s: float) -> dict[str, float]:
+    """Totals over all trajectories, as means per model turn (tool time per tool call)."""
+    trajectories = [t for g in groups for t in g.trajectories]
+    turns = sum(t.num_turns for t in trajectories)
+    calls = sum(t.metrics["num_tool_calls"] for t in trajectories)
+    totals = {phase: sum(t.metrics[phase] for t in trajectories) for phase in PHASES}
+    overhead = totals["parse_s"] + totals["tool_s"] + totals["bookkeeping_s"]
+    return {
+        "num_trajectories": len(trajectories),
+        "num_turns": turns,
+        "num_tool_calls": calls,
+        "num_model_tokens": sum(t.metrics["num_model_tokens"] for t in trajectories),
+        "mean_reward": sum(t.reward for t in trajectories) / max(1, len(trajectories)),
+        "generation_ms_per_turn": 1e3 * totals["generation_s"] / max(1, turns),
+        "parse_ms_per_turn": 1e3 * totals["parse_s"] / max(1, turns),
+        "bookkeeping_ms_per_turn": 1e3 * totals["bookkeeping_s"] / max(1, turns),
+        "tool_ms_per_call": 1e3 * totals["tool_s"] / max(1, calls),
+        "tool_ms_per_turn": 1e3 * totals["tool_s"] / max(1, turns),
+        "overhead_ms_per_turn": 1e3 * overhead / max(1, turns),
+        "overhead_over_generation": overhead / totals["generation_s"]
+        if totals["generation_s"]
+        else float("nan"),
+        "wall_s": wall_s,
+    }
+
+
+class FixedWordsEngine:
+    """A `GenerationClient` whose "model" searches once, then answers: the loop's cost without a model."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._search = tokenizer.encode("<think> Search. </think>\n<search> founded company </search>")
+        self._answer = [*tokenizer.encode("<answer> nobody </answer>"), tokenizer.eos_token_id]
+
+    async def generate(
+        self, input_ids: Sequence[int], sampling: SamplingParams, *, rid: str | None = None
+    ) -> Generation:
+        await asyncio.sleep(0)
+        searched = "</information>" in self._tokenizer.decode(input_ids[-24:])
+        ids = self._answer if searched else self._search
+        ids = ids[: sampling.max_new_tokens]
+        return Generation(ids, [-0.5] * len(ids), "", "stop", (VersionSpan(0, 0, len(ids)),))
+
+
+async def run_groups(worker: AgentLoopWorker, num_groups: int) -> tuple[list[Group], float]:
+    started = time.perf_counter()
+    groups = await asyncio.gather(*(worker.run_group(index) for index in range(num_groups)))
+    return list(groups), time.perf_counter() - started
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from asyncrl_core.models import smollm2_135m
+    from asyncrl_sglang.builtin.testing import serve_builtin
+    from asyncrl_sglang.client import SGLangClient
+
+    model = smollm2_135m()
+    sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.7)
+    settings = {
+        "group_size": args.group_size,
+        "sampling": sampling,
+        "max_prompt_len": 1024,
+        "max_response_len": 512,
+        "context_len": 2048,
+        "max_turns": args.max_turns,
+        "num_demonstrations": 2,
+    }
+    results: dict[str, Any] = {}
+    with SearchR1MiniTask().serve() as task_args:
+        with serve_builtin(model, context_length=2048, num_threads=args.threads) as server:
+            task = SearchR1MiniTask(**task_args)
+            async with SGLangClient(server.url) as client:
+                worker = AgentLoopWorker(task, client, model, **settings)  # type: ignore[arg-type]
+                await run_groups(worker, 1)  # warm up the engine, the tokenizer and the HTTP connections
+                groups, wall_s = await run_groups(worker, args.groups)
+                results["builtin_engine"] = per_turn(groups, wall_s)
+                await worker.aclose()
+        task = SearchR1MiniTask(**task_args)
+        worker = AgentLoopWorker(task, FixedWordsEngine(worker.tokenizer), worker.tokenizer, **settings)  # type: ignore[arg-type]
+        await run_groups(worker, 1)
+        groups, wall_s = await run_groups(worker, args.groups)
+        results["fixed_words"] = per_turn(groups, wall_s)
+        await worker.aclose()
+    return results
+
+
+def print_table(results: dict[str, Any]) -> None:
+    rows = [
+        ("generation (ms/turn)", "generation_ms_per_turn"),
+        ("parse (ms/turn)", "parse_ms_per_turn"),
+        ("bookkeeping (ms/turn)", "bookkeeping_ms_per_turn"),
+        ("tool round trip (ms/call)", "tool_ms_per_call"),
+        ("loop overhead (ms/turn)", "overhead_ms_per_turn"),
+        ("overhead / generation", "overhead_over_generation"),
+        ("turns", "num_turns"),
+        ("tool calls", "num_tool_calls"),
+        ("model tokens", "num_model_tokens"),
+        ("mean reward", "mean_reward"),
+    ]
+    names = list(results)
+    print(f"{'per model turn':<28}" + "".join(f"{name:>18}" for name in names))
+    for label, key in rows:
+        cells = "".join(f"{results[name][key]:>18.3f}" for name in names)
+        print(f"{label:<28}{cells}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--groups", type=int, default=2, help="groups measured at once")
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--max-turns", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=48, help="most tokens of one model turn")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads of the built-in engine")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/agent_loop.json"))
+    args = parser.parse_args(argv)
+    results = asyncio.run(main_async(args))
+    print_table(results)
+    report = {
+        "benchmark": "agent_loop",
+        "command": " ".join(["python", *sys.argv]),
+        "machine": {
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+        },
+        "settings": {key: value for key, value in vars(args).items() if key != "out"},
+        "results": results,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

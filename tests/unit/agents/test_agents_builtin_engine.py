@@ -1,0 +1,67 @@
+"""The agent loop against the real built-in engine through the real SGLang-protocol client."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import pytest
+from agents_testing import RecordingClient, check_alignment, smollm2_tokenizer
+
+from asyncrl_agents.loop import AgentLoopWorker
+from asyncrl_agents.tasks.searchr1 import INVALID_TURN_OBSERVATION, SearchR1MiniTask
+from asyncrl_core.types import NO_VERSION, SamplingParams
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+async def test_multi_turn_group_on_the_builtin_engine(tmp_path: Path) -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from asyncrl_core.models import tiny_llama
+    from asyncrl_sglang.builtin.testing import serve_builtin
+    from asyncrl_sglang.client import SGLangClient
+
+    model = tiny_llama(tmp_path / "tiny-llama")
+    context_len = 1024
+    mini = SearchR1MiniTask()
+    with mini.serve() as task_args, serve_builtin(model, context_length=context_len) as server:
+        task = SearchR1MiniTask(**task_args)
+        async with SGLangClient(server.url) as client:
+            recorder = RecordingClient(client)
+            worker = AgentLoopWorker(
+                task,
+                recorder,
+                model,
+                group_size=3,
+                sampling=SamplingParams(max_new_tokens=24, temperature=1.0),
+                max_prompt_len=512,
+                max_response_len=200,
+                context_len=context_len,
+                max_turns=3,
+            )
+            group = await worker.run_group(5)
+            await worker.aclose()
+
+    tokenizer = smollm2_tokenizer()
+    prompt = worker.prompt_ids(task.dataset("train")[5])
+    assert len(group.trajectories) == 3
+    for trajectory in group.trajectories:
+        # A random model writes no tags: turns are invalid (corrected, then continued) until a limit or EOS.
+        assert trajectory.finish_reason in {"max_turns", "context", "stop"}
+        assert 1 <= trajectory.num_turns <= 3
+        assert trajectory.response_len <= 200
+        check_alignment(trajectory, recorder.calls, prompt)
+        model_logprobs = [
+            lp for lp, m in zip(trajectory.rollout_logprobs, trajectory.loss_mask, strict=True) if m
+        ]
+        assert all(math.isfinite(lp) and lp <= 0.0 for lp in model_logprobs)
+        assert NO_VERSION not in [
+            v for v, m in zip(trajectory.versions, trajectory.loss_mask, strict=True) if m
+        ]
+        if trajectory.num_turns > 1:
+            response = tokenizer.decode(trajectory.token_ids[trajectory.prompt_len :])
+            assert INVALID_TURN_OBSERVATION in response or "<information>" in response
+    # Every request continued the sequence exactly: no re-tokenisation between turns.
+    assert len(recorder.calls) == sum(t.num_turns for t in group.trajectories)
+    assert all(call.sampling.no_stop_trim for call in recorder.calls)
