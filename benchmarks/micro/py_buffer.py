@@ -13,6 +13,7 @@ import struct
 import threading
 import time
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -151,6 +152,18 @@ class PyGroupBuffer:
         with self._condition:
             return self._admit_locked(prompt_index)
 
+    def try_admit_many(self, prompt_indices: Sequence[int]) -> list[int]:
+        for prompt_index in prompt_indices:
+            _non_negative("prompt_index", prompt_index)
+        group_ids: list[int] = []
+        with self._condition:
+            for prompt_index in prompt_indices:
+                group_id = self._admit_locked(prompt_index)
+                if group_id is None:
+                    break
+                group_ids.append(group_id)
+        return group_ids
+
     def wait_admit(self, prompt_index: int, timeout_s: float) -> int | None:
         _non_negative("prompt_index", prompt_index)
         if not timeout_s >= 0 or timeout_s == float("inf"):
@@ -179,8 +192,9 @@ class PyGroupBuffer:
             "or handed out"
         )
 
-    def complete(
-        self, group_id: int, earliest_version: int, latest_version: int, finish_version: int
+    @staticmethod
+    def _check_versions(
+        group_id: int, earliest_version: int, latest_version: int, finish_version: int
     ) -> None:
         _non_negative("group_id", group_id)
         if earliest_version < 0:
@@ -195,21 +209,47 @@ class PyGroupBuffer:
                 f"group {group_id}: finish_version {finish_version} is older than "
                 f"latest_version {latest_version}"
             )
-        with self._condition:
-            prompt_index = self._inflight.get(group_id)
-            if prompt_index is None:
-                raise self._missing(group_id)
-            if self._last_actor_version is not None and finish_version < self._last_actor_version:
-                raise VersionError(
-                    f"group {group_id}: finish_version {finish_version} is older than actor version "
-                    f"{self._last_actor_version}, which a batch was already handed out at"
-                )
-            del self._inflight[group_id]
-            heapq.heappush(
-                self._finished, (earliest_version, group_id, prompt_index, latest_version, finish_version)
+
+    def _check_completable_locked(self, group_id: int, finish_version: int) -> None:
+        if group_id not in self._inflight:
+            raise self._missing(group_id)
+        if self._last_actor_version is not None and finish_version < self._last_actor_version:
+            raise VersionError(
+                f"group {group_id}: finish_version {finish_version} is older than actor version "
+                f"{self._last_actor_version}, which a batch was already handed out at"
             )
-            if self._max_finish_version is None or finish_version > self._max_finish_version:
-                self._max_finish_version = finish_version
+
+    def _finish_locked(
+        self, group_id: int, earliest_version: int, latest_version: int, finish_version: int
+    ) -> None:
+        prompt_index = self._inflight.pop(group_id)
+        heapq.heappush(
+            self._finished, (earliest_version, group_id, prompt_index, latest_version, finish_version)
+        )
+        if self._max_finish_version is None or finish_version > self._max_finish_version:
+            self._max_finish_version = finish_version
+
+    def complete(
+        self, group_id: int, earliest_version: int, latest_version: int, finish_version: int
+    ) -> None:
+        self._check_versions(group_id, earliest_version, latest_version, finish_version)
+        with self._condition:
+            self._check_completable_locked(group_id, finish_version)
+            self._finish_locked(group_id, earliest_version, latest_version, finish_version)
+            self._released_locked()
+
+    def complete_many(self, groups: Sequence[tuple[int, int, int, int]]) -> None:
+        for group in groups:
+            self._check_versions(*group)
+        with self._condition:
+            seen: set[int] = set()
+            for group_id, _, _, finish_version in groups:
+                self._check_completable_locked(group_id, finish_version)
+                if group_id in seen:
+                    raise InvalidGroupError(f"group {group_id} appears twice in one complete_many call")
+                seen.add(group_id)
+            for group in groups:
+                self._finish_locked(*group)
             self._released_locked()
 
     def abandon(self, group_id: int) -> int:

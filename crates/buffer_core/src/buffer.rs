@@ -13,7 +13,8 @@
 //! version span and queue steps of a handed-out group are never negative. Anything else is a
 //! `BufferError::Version` that changes nothing.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::PoisonError;
 use std::time::{Duration, Instant};
 
@@ -36,15 +37,46 @@ pub struct TakenBatch {
     pub dropped: Vec<FinishedGroup>,
 }
 
+/// Hashes a group id to itself (plus a copy of its low bits on top). Ids are sequential integers
+/// chosen by the buffer, not by an adversary, so SipHash's flooding resistance buys nothing; and since
+/// hashbrown takes the bucket from the low bits, ids admitted together land in neighbouring buckets,
+/// which keeps a table of a million groups in flight cache-friendly. The top seven bits are the
+/// table's tag, so they repeat the id's low bits to tell neighbours apart.
+#[derive(Default)]
+struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        // Only u64 keys are hashed (below); this is the generic fallback.
+        for &byte in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(byte)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+
+    fn write_u64(&mut self, id: u64) {
+        self.0 = id ^ (id << 57);
+    }
+}
+
+type IdMap = HashMap<u64, u64, BuildHasherDefault<IdHasher>>;
+type IdSet = HashSet<u64, BuildHasherDefault<IdHasher>>;
+
 /// The state behind the mutex.
 struct Records {
     next_group_id: u64,
     /// prompt index of each group in flight, by group id.
-    inflight: HashMap<u64, u64>,
+    inflight: IdMap,
     finished: FinishedHeap,
     ledger: Ledger,
     last_actor_version: Option<i64>,
     max_finish_version: Option<i64>,
+    /// Threads asleep in `wait_admit`. A notification is a system call, so releases skip it when
+    /// nobody waits.
+    num_waiters: usize,
 }
 
 impl Records {
@@ -96,11 +128,12 @@ impl<C: Clock> GroupBuffer<C> {
             ),
             records: Mutex::new(Records {
                 next_group_id: 0,
-                inflight: HashMap::new(),
+                inflight: IdMap::default(),
                 finished: FinishedHeap::default(),
                 ledger: Ledger::new(now_ns, StepStats::default()),
                 last_actor_version: None,
                 max_finish_version: None,
+                num_waiters: 0,
             }),
             capacity_changed: Condvar::new(),
             clock,
@@ -135,6 +168,7 @@ impl<C: Clock> GroupBuffer<C> {
                 ledger: Ledger::new(now_ns, state.step),
                 last_actor_version: state.last_actor_version,
                 max_finish_version: state.max_finish_version,
+                num_waiters: 0,
             }),
             capacity_changed: Condvar::new(),
             clock,
@@ -170,6 +204,26 @@ impl<C: Clock> GroupBuffer<C> {
         }
     }
 
+    /// Admit as many of `prompt_indices` as both limits allow, in order: the group ids of the admitted
+    /// prefix (shorter than `prompt_indices` when a limit blocks, which starts the wait accounting).
+    /// One lock for the whole batch: the way to fill freed capacity at once.
+    pub fn try_admit_many(&self, prompt_indices: &[u64]) -> Vec<u64> {
+        let mut group_ids = Vec::with_capacity(prompt_indices.len());
+        let mut records = self.lock();
+        for &prompt_index in prompt_indices {
+            // The CAS runs under the lock here, which costs nothing extra: the lock only orders the
+            // records, and admitters outside it still race correctly on the word.
+            match self.admission.try_acquire() {
+                Ok(_) => group_ids.push(self.record_admission(&mut records, prompt_index)),
+                Err(blocked) => {
+                    records.ledger.refused(blocked, self.clock.now_ns());
+                    break;
+                }
+            }
+        }
+        group_ids
+    }
+
     /// Admit a prompt, waiting up to `timeout` for capacity: `Some(group_id)`, or `None` on timeout.
     /// Wakes on every capacity change and re-checks both limits.
     pub fn wait_admit(&self, prompt_index: u64, timeout: Duration) -> Option<u64> {
@@ -187,22 +241,32 @@ impl<C: Clock> GroupBuffer<C> {
                 Ok(_) => return Some(self.record_admission(&mut records, prompt_index)),
                 Err(blocked) => records.ledger.refused(blocked, self.clock.now_ns()),
             }
-            records = match deadline {
-                None => self
-                    .capacity_changed
-                    .wait(records)
-                    .unwrap_or_else(PoisonError::into_inner),
+            let remaining = match deadline {
                 Some(deadline) => {
                     let remaining = deadline.saturating_duration_since(Instant::now());
                     if remaining.is_zero() {
                         return None;
                     }
+                    Some(remaining)
+                }
+                None => None,
+            };
+            // Counted under the lock, so a release (also under the lock) that happens after the check
+            // above sees this waiter and notifies it.
+            records.num_waiters += 1;
+            records = match remaining {
+                Some(remaining) => {
                     self.capacity_changed
                         .wait_timeout(records, remaining)
                         .unwrap_or_else(PoisonError::into_inner)
                         .0
                 }
+                None => self
+                    .capacity_changed
+                    .wait(records)
+                    .unwrap_or_else(PoisonError::into_inner),
             };
+            records.num_waiters -= 1;
         }
     }
 
@@ -210,33 +274,36 @@ impl<C: Clock> GroupBuffer<C> {
     pub fn complete(&self, group_id: u64, versions: GroupVersions) -> Result<()> {
         check_group_versions(group_id, versions)?;
         let mut records = self.lock();
-        let Some(&prompt_index) = records.inflight.get(&group_id) else {
+        if !records.inflight.contains_key(&group_id) {
             return Err(records.not_inflight(group_id));
-        };
-        if let Some(last_actor_version) = records.last_actor_version {
-            if versions.finish_version < last_actor_version {
-                return Err(BufferError::Version(format!(
-                    "group {group_id}: finish_version {} is older than actor version {last_actor_version}, \
-                     which a batch was already handed out at",
-                    versions.finish_version
-                )));
+        }
+        check_finish_after_last_batch(&records, group_id, versions)?;
+        self.finish_validated(&mut records, group_id, versions);
+        self.release_done(records);
+        Ok(())
+    }
+
+    /// `complete` for several groups under one lock, all or nothing: if any group is not in flight,
+    /// appears twice, or has versions that go backwards, the error names it and nothing changes.
+    pub fn complete_many(&self, groups: &[(u64, GroupVersions)]) -> Result<()> {
+        for &(group_id, versions) in groups {
+            check_group_versions(group_id, versions)?;
+        }
+        let mut seen = IdSet::with_capacity_and_hasher(groups.len(), Default::default());
+        let mut records = self.lock();
+        for &(group_id, versions) in groups {
+            if !records.inflight.contains_key(&group_id) {
+                return Err(records.not_inflight(group_id));
+            }
+            check_finish_after_last_batch(&records, group_id, versions)?;
+            if !seen.insert(group_id) {
+                // Its second completion in this batch would find it finished already.
+                return Err(BufferError::GroupNotInflight { group_id });
             }
         }
-        records.inflight.remove(&group_id);
-        // The record was present, so this group's admission CAS happened and it is counted in flight.
-        self.admission.finish_one();
-        records.finished.push(FinishedGroup {
-            group_id,
-            prompt_index,
-            versions,
-        });
-        records.max_finish_version = Some(
-            records
-                .max_finish_version
-                .map_or(versions.finish_version, |max| {
-                    max.max(versions.finish_version)
-                }),
-        );
+        for &(group_id, versions) in groups {
+            self.finish_validated(&mut records, group_id, versions);
+        }
         self.release_done(records);
         Ok(())
     }
@@ -374,21 +441,51 @@ impl<C: Clock> GroupBuffer<C> {
         let group_id = records.next_group_id;
         records.next_group_id += 1;
         records.inflight.insert(group_id, prompt_index);
-        records.ledger.admitted(self.clock.now_ns());
+        if records.ledger.is_waiting() {
+            records.ledger.admitted(self.clock.now_ns());
+        }
         group_id
+    }
+
+    /// Move a group checked to be in flight, with checked versions, to the finished heap.
+    fn finish_validated(&self, records: &mut Records, group_id: u64, versions: GroupVersions) {
+        let Some(prompt_index) = records.inflight.remove(&group_id) else {
+            return;
+        };
+        // The record was present, so this group's admission CAS happened and it is counted in flight.
+        self.admission.finish_one();
+        records.finished.push(FinishedGroup {
+            group_id,
+            prompt_index,
+            versions,
+        });
+        records.max_finish_version = Some(
+            records
+                .max_finish_version
+                .map_or(versions.finish_version, |max| {
+                    max.max(versions.finish_version)
+                }),
+        );
     }
 
     /// After a release under the lock: update the wait accounting, unlock, wake the waiters.
     fn release_done(&self, mut records: MutexGuard<'_, Records>) {
-        let blocked = self.admission.blocked_by(self.admission.counts());
-        records
-            .ledger
-            .capacity_changed(blocked, self.clock.now_ns());
+        // Reading the clock costs more than the rest of a cycle; only a wait in progress needs it.
+        if records.ledger.is_waiting() {
+            let blocked = self.admission.blocked_by(self.admission.counts());
+            records
+                .ledger
+                .capacity_changed(blocked, self.clock.now_ns());
+        }
+        let anyone_waiting = records.num_waiters > 0;
         drop(records);
         // After unlocking, so woken waiters do not queue on the lock we hold. No wake-up is lost: a
-        // waiter checks the counters under the lock before it sleeps, and this release happened
-        // under the lock.
-        self.capacity_changed.notify_all();
+        // waiter checks the counters and registers in `num_waiters` under the lock before it sleeps,
+        // and this release happened (and read `num_waiters`) under the lock. A notification is a
+        // system call, so it is skipped when nobody waits.
+        if anyone_waiting {
+            self.capacity_changed.notify_all();
+        }
     }
 }
 
@@ -414,6 +511,23 @@ fn check_group_versions(group_id: u64, versions: GroupVersions) -> Result<()> {
         return Ok(());
     };
     Err(BufferError::Version(format!("group {group_id}: {problem}")))
+}
+
+fn check_finish_after_last_batch(
+    records: &Records,
+    group_id: u64,
+    versions: GroupVersions,
+) -> Result<()> {
+    match records.last_actor_version {
+        Some(last_actor_version) if versions.finish_version < last_actor_version => {
+            Err(BufferError::Version(format!(
+                "group {group_id}: finish_version {} is older than actor version {last_actor_version}, \
+                 which a batch was already handed out at",
+                versions.finish_version
+            )))
+        }
+        _ => Ok(()),
+    }
 }
 
 fn check_actor_version(records: &Records, actor_version: i64) -> Result<()> {

@@ -91,6 +91,11 @@ impl Ledger {
         &mut self.step
     }
 
+    /// Whether an admission wait is in progress (only then do the events below need the time).
+    pub(crate) fn is_waiting(&self) -> bool {
+        self.blocked_since.is_some()
+    }
+
     /// An admission was refused by `blocked` at `now_ns`.
     pub(crate) fn refused(&mut self, blocked: Blocked, now_ns: u64) {
         match self.blocked_since {

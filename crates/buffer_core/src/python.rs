@@ -154,6 +154,14 @@ impl PyGroupBuffer {
         Ok(self.inner.try_admit(prompt_index))
     }
 
+    fn try_admit_many(&self, prompt_indices: Vec<i64>) -> PyResult<Vec<u64>> {
+        let prompt_indices = prompt_indices
+            .into_iter()
+            .map(|prompt_index| non_negative("prompt_index", prompt_index))
+            .collect::<Result<Vec<u64>, BufferError>>()?;
+        Ok(self.inner.try_admit_many(&prompt_indices))
+    }
+
     fn wait_admit(
         &self,
         py: Python<'_>,
@@ -201,6 +209,23 @@ impl PyGroupBuffer {
             finish_version,
         };
         Ok(self.inner.complete(group_id, versions)?)
+    }
+
+    fn complete_many(&self, groups: Vec<(i64, i64, i64, i64)>) -> PyResult<()> {
+        let groups = groups
+            .into_iter()
+            .map(
+                |(group_id, earliest_version, latest_version, finish_version)| {
+                    let versions = GroupVersions {
+                        earliest_version,
+                        latest_version,
+                        finish_version,
+                    };
+                    Ok((non_negative("group_id", group_id)?, versions))
+                },
+            )
+            .collect::<Result<Vec<_>, BufferError>>()?;
+        Ok(self.inner.complete_many(&groups)?)
     }
 
     fn abandon(&self, group_id: i64) -> PyResult<u64> {

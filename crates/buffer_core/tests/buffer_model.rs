@@ -12,13 +12,27 @@ use proptest::prelude::*;
 
 #[derive(Debug, Clone)]
 enum Op {
-    Admit { prompt_index: u64 },
+    Admit {
+        prompt_index: u64,
+    },
     /// Complete the `pick`-th group in flight; versions relative to the current actor version.
-    Complete { pick: usize, age: i64, span: i64 },
+    Complete {
+        pick: usize,
+        age: i64,
+        span: i64,
+    },
     /// Complete with versions that go backwards or an id that is not in flight.
-    CompleteInvalid { pick: usize, kind: u8 },
-    Abandon { pick: usize },
-    Take { num_groups: usize, behind: i64 },
+    CompleteInvalid {
+        pick: usize,
+        kind: u8,
+    },
+    Abandon {
+        pick: usize,
+    },
+    Take {
+        num_groups: usize,
+        behind: i64,
+    },
     BumpVersion,
     EndStep,
     Restore,
@@ -70,7 +84,7 @@ impl Model {
             && versions.latest_version <= versions.finish_version
             && self
                 .last_actor_version
-                .is_none_or(|last| versions.finish_version >= last);
+                .map_or(true, |last| versions.finish_version >= last);
         let Some(&prompt_index) = self.inflight.get(&group_id) else {
             return Err(());
         };
@@ -94,8 +108,12 @@ impl Model {
         actor_version: i64,
     ) -> Result<(Vec<u64>, Vec<u64>), ()> {
         if num_groups == 0
-            || self.last_actor_version.is_some_and(|last| actor_version < last)
-            || self.max_finish_version.is_some_and(|max| actor_version < max)
+            || self
+                .last_actor_version
+                .is_some_and(|last| actor_version < last)
+            || self
+                .max_finish_version
+                .is_some_and(|max| actor_version < max)
         {
             return Err(());
         }
@@ -149,7 +167,11 @@ fn check_agrees(buffer: &GroupBuffer<ManualClock>, model: &Model, limits: &Limit
     assert_eq!(state.next_group_id, model.next_group_id);
     assert_eq!(
         state.inflight,
-        model.inflight.iter().map(|(&id, &prompt)| (id, prompt)).collect::<Vec<_>>()
+        model
+            .inflight
+            .iter()
+            .map(|(&id, &prompt)| (id, prompt))
+            .collect::<Vec<_>>()
     );
     let mut finished = model.finished.clone();
     finished.sort_by_key(|group| (group.versions.earliest_version, group.group_id));

@@ -70,7 +70,11 @@ fn admission_stops_at_the_inflight_limit_and_at_the_buffer_limit() {
         }
     );
     buffer.complete(second, versions(0, 0, 0)).unwrap();
-    assert_eq!(buffer.try_admit(13), None, "buffer limit: 1 in flight + 2 buffered");
+    assert_eq!(
+        buffer.try_admit(13),
+        None,
+        "buffer limit: 1 in flight + 2 buffered"
+    );
     buffer.take_batch(1, 0).unwrap();
     assert_eq!(buffer.try_admit(13), Some(3));
     assert_eq!(buffer.inflight_groups(), vec![(third, 12), (3, 13)]);
@@ -199,11 +203,7 @@ fn versions_that_go_backwards_are_errors_that_change_nothing() {
     let first = admit(&buffer, 0);
     let second = admit(&buffer, 1);
     let before = buffer.state();
-    for bad in [
-        versions(-1, 0, 0),
-        versions(2, 1, 3),
-        versions(1, 3, 2),
-    ] {
+    for bad in [versions(-1, 0, 0), versions(2, 1, 3), versions(1, 3, 2)] {
         assert!(matches!(
             buffer.complete(first, bad),
             Err(BufferError::Version(_))
@@ -340,9 +340,11 @@ fn state_round_trips_exactly_and_the_restored_buffer_continues() {
     clock.advance_ns(7);
     let state = buffer.state();
     let bytes = buffer.to_bytes();
-    let restored =
-        GroupBuffer::from_state(buffer_core::state::decode(&bytes).unwrap(), ManualClock::new(0))
-            .unwrap();
+    let restored = GroupBuffer::from_state(
+        buffer_core::state::decode(&bytes).unwrap(),
+        ManualClock::new(0),
+    )
+    .unwrap();
     assert_eq!(restored.state(), state);
     assert_eq!(restored.counts(), buffer.counts());
     assert_eq!(restored.to_bytes(), bytes);
@@ -391,4 +393,35 @@ fn an_impossible_state_with_a_valid_checksum_is_rejected() {
     let bytes = buffer_core::state::encode(&state);
     let error = GroupBuffer::from_bytes(&bytes).err().unwrap();
     assert!(error.to_string().contains("appears twice"), "{error}");
+}
+
+#[test]
+fn batch_admission_admits_the_prefix_that_fits_and_batch_completion_is_all_or_nothing() {
+    let (buffer, clock) = buffer(limits(3, 4, 0, None));
+    assert_eq!(buffer.try_admit_many(&[7, 8, 9, 10]), [0, 1, 2]);
+    clock.advance_ns(SECOND_NS);
+    let before = buffer.state();
+    for bad in [
+        vec![(0, versions(0, 0, 0)), (5, versions(0, 0, 0))],
+        vec![(0, versions(0, 0, 0)), (0, versions(0, 0, 0))],
+        vec![(0, versions(0, 0, 0)), (1, versions(1, 0, 1))],
+    ] {
+        assert!(buffer.complete_many(&bad).is_err());
+        assert_eq!(buffer.state(), before);
+    }
+    buffer
+        .complete_many(&[(2, versions(0, 0, 0)), (0, versions(1, 1, 1))])
+        .unwrap();
+    assert_eq!(
+        buffer.counts(),
+        Counts {
+            inflight: 1,
+            buffered: 2
+        }
+    );
+    // The refusal of prompt 10 started a wait (in-flight limit) that the completion ended.
+    assert_eq!(buffer.end_step().wait_inflight_limit_ns, SECOND_NS);
+    let batch = buffer.take_batch(2, 1).unwrap();
+    let order: Vec<u64> = batch.groups.iter().map(|group| group.group_id).collect();
+    assert_eq!(order, [2, 0]);
 }

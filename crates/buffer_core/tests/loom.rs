@@ -4,15 +4,28 @@
 //! RUSTFLAGS="--cfg loom" cargo test -p buffer_core --release --test loom
 //! ```
 //!
-//! loom's state space grows exponentially with threads and operations, so each model runs 2-3
-//! threads against limits of 1-2 groups; `tests/stress.rs` runs 12 OS threads against small limits.
+//! loom's state space grows exponentially with threads and operations (the relaxed loads alone can
+//! read any older value of the word), so the models are small: two threads explored exhaustively, and
+//! three threads explored with at most `PREEMPTION_BOUND` preemptions per execution (loom's
+//! recommended bound; the 3-thread models take over ten minutes unbounded). `tests/stress.rs` runs 12
+//! OS threads against small limits.
 #![cfg(loom)]
 
 use std::time::Duration;
 
 use buffer_core::{Admission, BufferError, Clock, Counts, GroupBuffer, GroupVersions, Limits};
+use loom::model::Builder;
 use loom::sync::Arc;
 use loom::thread;
+
+const PREEMPTION_BOUND: usize = 3;
+
+/// Explore every interleaving of `model`, or every one with at most `preemption_bound` preemptions.
+fn explore(preemption_bound: Option<usize>, model: impl Fn() + Sync + Send + 'static) {
+    let mut builder = Builder::new();
+    builder.preemption_bound = preemption_bound;
+    builder.check(model);
+}
 
 /// Time stands still in the models: the wait accounting is not what they check.
 struct FrozenClock;
@@ -33,45 +46,56 @@ fn within(counts: Counts, max_inflight: u32, max_buffered: u32) -> bool {
     counts.inflight <= max_inflight && counts.total() <= u64::from(max_buffered)
 }
 
-#[test]
-fn packed_admission_never_exceeds_either_limit() {
-    loom::model(|| {
-        let admission = Arc::new(Admission::new(1, 2, Counts::default()));
-        let threads: Vec<_> = (0..3)
-            .map(|thread_index| {
-                let admission = Arc::clone(&admission);
-                thread::spawn(move || {
-                    let Ok(counts) = admission.try_acquire() else {
-                        return 0;
-                    };
-                    assert!(within(counts, 1, 2), "{counts:?}");
-                    let counts = if thread_index == 2 {
-                        admission.release_inflight()
-                    } else {
-                        admission.finish_one()
-                    };
-                    assert!(within(counts, 1, 2), "{counts:?}");
-                    u32::from(thread_index != 2)
-                })
+/// `num_threads` threads each admit once, then finish (the last one abandons instead), against an
+/// in-flight limit of 1 and a buffer limit of 2.
+fn packed_admission_model(num_threads: usize) {
+    let admission = Arc::new(Admission::new(1, 2, Counts::default()));
+    let threads: Vec<_> = (0..num_threads)
+        .map(|thread_index| {
+            let admission = Arc::clone(&admission);
+            thread::spawn(move || {
+                let Ok(counts) = admission.try_acquire() else {
+                    return 0;
+                };
+                assert!(within(counts, 1, 2), "{counts:?}");
+                let abandons = thread_index + 1 == num_threads;
+                let counts = if abandons {
+                    admission.release_inflight()
+                } else {
+                    admission.finish_one()
+                };
+                assert!(within(counts, 1, 2), "{counts:?}");
+                u32::from(!abandons)
             })
-            .collect();
-        let finished: u32 = threads.into_iter().map(|t| t.join().unwrap()).sum();
-        assert_eq!(
-            admission.counts(),
-            Counts {
-                inflight: 0,
-                buffered: finished
-            }
-        );
-    });
+        })
+        .collect();
+    let finished: u32 = threads.into_iter().map(|t| t.join().unwrap()).sum();
+    assert_eq!(
+        admission.counts(),
+        Counts {
+            inflight: 0,
+            buffered: finished
+        }
+    );
 }
 
 #[test]
-fn admit_complete_and_take_keep_the_limits_and_every_group() {
-    loom::model(|| {
+fn packed_admission_never_exceeds_either_limit_two_threads_exhaustive() {
+    explore(None, || packed_admission_model(2));
+}
+
+#[test]
+fn packed_admission_never_exceeds_either_limit_three_threads() {
+    explore(Some(PREEMPTION_BOUND), || packed_admission_model(3));
+}
+
+/// `num_agents` agent threads each admit and complete one group while a trainer takes a batch of one,
+/// against an in-flight limit of 1 and a buffer limit of 2.
+fn admit_complete_take_model(num_agents: u64) {
+    {
         let limits = Limits::new(1, 2, 0, None).unwrap();
         let buffer = Arc::new(GroupBuffer::with_clock(limits, FrozenClock));
-        let agents: Vec<_> = (0..2)
+        let agents: Vec<_> = (0..num_agents)
             .map(|prompt_index| {
                 let buffer = Arc::clone(&buffer);
                 thread::spawn(move || {
@@ -115,7 +139,17 @@ fn admit_complete_and_take_keep_the_limits_and_every_group() {
                 buffered: buffered.len() as u32
             }
         );
-    });
+    }
+}
+
+#[test]
+fn admit_complete_and_take_keep_the_limits_and_every_group_two_threads_exhaustive() {
+    explore(None, || admit_complete_take_model(1));
+}
+
+#[test]
+fn admit_complete_and_take_keep_the_limits_and_every_group_three_threads() {
+    explore(Some(PREEMPTION_BOUND), || admit_complete_take_model(2));
 }
 
 #[test]
@@ -123,7 +157,7 @@ fn a_waiting_admission_is_woken_by_every_kind_of_release() {
     // Limits of one: the waiter can only get in once the first group has left the buffer entirely,
     // after a completion and a hand-out (or an abandon), each of which must wake it.
     for abandon in [false, true] {
-        loom::model(move || {
+        explore(None, move || {
             let limits = Limits::new(1, 1, 0, None).unwrap();
             let buffer = Arc::new(GroupBuffer::with_clock(limits, FrozenClock));
             let first = buffer.try_admit(0).unwrap();

@@ -71,7 +71,10 @@ fn packed_counters_never_exceed_either_limit_under_contention() {
             });
         }
     });
-    assert!(admitted.load(Ordering::Relaxed) > 1000, "the test must exercise admission");
+    assert!(
+        admitted.load(Ordering::Relaxed) > 1000,
+        "the test must exercise admission"
+    );
     // The limits were reached (the test exercised them) and never exceeded.
     assert_eq!(high_water.0.load(Ordering::Relaxed), MAX_INFLIGHT);
     assert_eq!(high_water.1.load(Ordering::Relaxed), MAX_BUFFERED);
@@ -161,7 +164,11 @@ fn group_buffer_keeps_its_limits_and_every_group_with_many_threads() {
     let trained = trained.into_inner().unwrap();
     let abandoned = abandoned.into_inner().unwrap();
     let unique: HashSet<u64> = trained.iter().chain(&abandoned).copied().collect();
-    assert_eq!(unique.len(), trained.len() + abandoned.len(), "a group left twice");
+    assert_eq!(
+        unique.len(),
+        trained.len() + abandoned.len(),
+        "a group left twice"
+    );
     assert_eq!(
         unique,
         admitted.iter().copied().collect(),

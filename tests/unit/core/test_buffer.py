@@ -212,6 +212,21 @@ def test_each_typed_error_leaves_the_buffer_unchanged() -> None:
     assert buffer.buffered_groups()[0] is buffered
 
 
+def test_batch_admission_and_completion() -> None:
+    buffer = make_buffer(inflight=3, buffered=4)
+    group_ids = buffer.try_admit_many([7, 8, 9, 10])
+    assert group_ids == [0, 1, 2], "the admitted prefix, up to the in-flight limit"
+    groups = [make_group(group_id, 7 + group_id, [group_id], 2) for group_id in group_ids]
+    before = observed(buffer)
+    with pytest.raises(InvalidGroupError):
+        buffer.complete_many([*groups[:2], make_group(99, 0, [0], 2)])
+    with pytest.raises(VersionError):
+        buffer.complete_many([groups[0], make_group(group_ids[2], 9, [3], 2)])
+    assert observed(buffer) == before, "all or nothing"
+    buffer.complete_many(groups)
+    assert buffer.take_batch(3, actor_version=2).groups == groups
+
+
 def test_snapshot_restores_state_and_payloads() -> None:
     buffer = make_buffer(inflight=2, buffered=4, cap=2)
     first = admit_and_complete(buffer, 5, [0, 1], 1)

@@ -148,6 +148,47 @@ class BufferMachine(RuleBasedStateMachine):
             self.m.prompts[expected] = prompt_index
             self.m.next_group_id += 1
 
+    @rule(prompt_indices=st.lists(st.integers(0, 10_000), max_size=6))
+    def admit_many(self, prompt_indices: list[int]) -> None:
+        admitted = self.core.try_admit_many(prompt_indices)
+        expected: list[int] = []
+        for prompt_index in prompt_indices:
+            if not self.m.admissible():
+                break
+            group_id = self.m.next_group_id
+            self.m.inflight[group_id] = prompt_index
+            self.m.prompts[group_id] = prompt_index
+            self.m.next_group_id += 1
+            expected.append(group_id)
+        assert admitted == expected
+
+    @precondition(lambda self: self.model is not None and self.model.inflight)
+    @rule(data=st.data(), invalid=st.sampled_from([None, "duplicate", "backwards", "finished"]))
+    def complete_many(self, data: st.DataObject, invalid: str | None) -> None:
+        m = self.m
+        group_ids = data.draw(st.lists(st.sampled_from(sorted(m.inflight)), min_size=1, unique=True))
+        version = m.version
+        groups = []
+        for group_id in group_ids:
+            earliest = data.draw(st.integers(max(0, version - 3), version))
+            groups.append((group_id, earliest, data.draw(st.integers(earliest, version)), version))
+        if invalid is not None:
+            if invalid == "duplicate":
+                groups.append(groups[0])
+            elif invalid == "backwards":
+                groups.append((groups[0][0], version, version, version - 1))
+            else:
+                groups.append((m.next_group_id, version, version, version))
+            before = self.observed()
+            with pytest.raises((InvalidGroupError, VersionError)):
+                self.core.complete_many(groups)
+            assert self.observed() == before
+            return
+        self.core.complete_many(groups)
+        for group_id, earliest, latest, finish in groups:
+            m.finished[group_id] = FinishedRecord(m.inflight.pop(group_id), earliest, latest, finish)
+            m.max_finish_version = max(m.max_finish_version or 0, finish)
+
     @precondition(lambda self: self.model is not None and self.model.inflight)
     @rule(data=st.data())
     def complete(self, data: st.DataObject) -> None:

@@ -4,6 +4,7 @@ Use the facade `asyncrl_core.buffer` instead: it keeps the group payloads and re
 Every error is an `asyncrl_core.errors.GroupBufferError` subclass raised before anything changes.
 """
 
+from collections.abc import Sequence
 from typing import final
 
 __all__ = ["GroupBuffer", "StepTotals"]
@@ -80,6 +81,9 @@ class GroupBuffer:
         """Finished groups waiting for the actor."""
     def try_admit(self, prompt_index: int) -> int | None:
         """The new group id if both limits allow admission, else None. Never blocks."""
+    def try_admit_many(self, prompt_indices: Sequence[int]) -> list[int]:
+        """Admit as many prompts as the limits allow, in order, under one lock: the group ids of the
+        admitted prefix."""
     def wait_admit(self, prompt_index: int, timeout_s: float) -> int | None:
         """The new group id once both limits allow admission, or None after `timeout_s` seconds.
         Releases the GIL while waiting and checks for signals every 0.1 s."""
@@ -87,6 +91,9 @@ class GroupBuffer:
         self, group_id: int, earliest_version: int, latest_version: int, finish_version: int
     ) -> None:
         """Move an in-flight group to the finished heap with its weight versions."""
+    def complete_many(self, groups: Sequence[tuple[int, int, int, int]]) -> None:
+        """`complete` for each `(group_id, earliest_version, latest_version, finish_version)` under one
+        lock, all or nothing."""
     def abandon(self, group_id: int) -> int:
         """Release an in-flight group that failed; returns its prompt index."""
     def take_batch(self, num_groups: int, actor_version: int) -> tuple[list[int], list[tuple[int, int]]]:

@@ -12,7 +12,7 @@ Every method may be called from several threads at once. Each error is an `async
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -255,6 +255,11 @@ class GroupBuffer:
         """Admit the prompt if both limits allow it: its new group id, or None (never blocks)."""
         return self._core.try_admit(prompt_index)
 
+    def try_admit_many(self, prompt_indices: Sequence[int]) -> list[int]:
+        """Admit as many of `prompt_indices` as the limits allow, in order: the group ids of the
+        admitted prefix. One call fills freed capacity at once."""
+        return self._core.try_admit_many(prompt_indices)
+
     def wait_admit(self, prompt_index: int, timeout_s: float) -> int | None:
         """Admit the prompt, waiting up to `timeout_s` seconds for capacity: its group id, or None on
         timeout. Releases the GIL while it waits; Ctrl-C interrupts it."""
@@ -274,6 +279,22 @@ class GroupBuffer:
             self._core.complete(group.group_id, earliest_version, latest_version, group.finish_version)
         except BaseException:
             del self._groups[group.group_id]
+            raise
+
+    def complete_many(self, groups: Sequence[Group]) -> None:
+        """`complete` for several groups, all or nothing: on any error no group is buffered."""
+        added: list[int] = []
+        try:
+            for group in groups:
+                if self._groups.setdefault(group.group_id, group) is not group:
+                    raise InvalidGroupError(f"group {group.group_id} already finished and is buffered")
+                added.append(group.group_id)
+            self._core.complete_many(
+                [(group.group_id, *group.version_range(), group.finish_version) for group in groups]
+            )
+        except BaseException:
+            for group_id in added:
+                del self._groups[group_id]
             raise
 
     def abandon(self, group_id: int) -> int:
