@@ -12,6 +12,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from asyncrl_core.errors import AsyncRLError
 
@@ -83,6 +84,6 @@ class Corpus:
                         raise AsyncRLError(f"{path}:{number}: not JSON: {error}") from error
                     if not isinstance(row, dict):
                         raise AsyncRLError(f"{path}:{number}: a row must be a JSON object")
-                    yield {str(key): value for key, value in row.items()}  # pyright: ignore[reportUnknownVariableType]
+                    yield cast("dict[str, object]", row)
 
         return cls.from_rows(rows(), source=str(path))

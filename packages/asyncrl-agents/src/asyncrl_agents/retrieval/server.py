@@ -11,8 +11,8 @@ A malformed request gets 400 `{"error": message}` and the server keeps serving. 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import cast
 
 from aiohttp import web
 
@@ -40,13 +40,16 @@ class RetrieveRequest:
     def parse(cls, body: object, default_topk: int) -> RetrieveRequest:
         if not isinstance(body, dict):
             raise BadRequest("the body must be a JSON object with `queries`")
-        fields: Mapping[str, object] = body  # pyright: ignore[reportUnknownVariableType]
         # Other fields are ignored, as Search-R1's server ignores them.
+        fields = cast("dict[str, object]", body)
         queries = fields.get("queries")
-        if not isinstance(queries, list) or not all(isinstance(query, str) for query in queries):  # pyright: ignore[reportUnknownVariableType]
+        if not isinstance(queries, list):
             raise BadRequest("`queries` must be a list of strings")
-        if len(queries) > MAX_QUERIES:  # pyright: ignore[reportUnknownArgumentType]
-            raise BadRequest(f"at most {MAX_QUERIES} queries per request, got {len(queries)}")  # pyright: ignore[reportUnknownArgumentType]
+        texts = [query for query in cast("list[object]", queries) if isinstance(query, str)]
+        if len(texts) != len(cast("list[object]", queries)):
+            raise BadRequest("`queries` must be a list of strings")
+        if len(texts) > MAX_QUERIES:
+            raise BadRequest(f"at most {MAX_QUERIES} queries per request, got {len(texts)}")
         topk = fields.get("topk")
         if topk is None:
             topk = default_topk
@@ -55,7 +58,7 @@ class RetrieveRequest:
         return_scores = fields.get("return_scores", False)
         if not isinstance(return_scores, bool):
             raise BadRequest(f"`return_scores` must be true or false, got {json.dumps(return_scores)}")
-        return cls([str(query) for query in queries], topk, return_scores)  # pyright: ignore[reportUnknownVariableType]
+        return cls(texts, topk, return_scores)
 
 
 def make_app(corpus: Corpus, index: Index, *, index_name: str, default_topk: int = 3) -> web.Application:

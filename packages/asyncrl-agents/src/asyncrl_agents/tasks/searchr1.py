@@ -86,12 +86,11 @@ def format_passages(result: Sequence[object]) -> str:
     """
     lines: list[str] = []
     for number, item in enumerate(result, start=1):
-        document = item.get("document", item) if isinstance(item, dict) else None  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]
-        contents = document.get("contents") if isinstance(document, dict) else None  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]
+        wrapper = _json_object(item)
+        document = _json_object(wrapper.get("document", wrapper)) if wrapper is not None else None
+        contents = document.get("contents") if document is not None else None
         if not isinstance(contents, str):
-            raise AsyncRLError(
-                f"retrieval result {number} has no `contents` string: {json.dumps(item)[:200]}"
-            )
+            raise AsyncRLError(f"retrieval result {number} has no `contents` string: {str(item)[:200]}")
         title, text = split_contents(contents)
         lines.append(f"Doc {number}(Title: {title}) {text}")
     return "\n".join(lines)
