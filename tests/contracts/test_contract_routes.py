@@ -322,8 +322,12 @@ async def test_pause_abort_returns_partials_and_holds_new_requests(client: SGLan
     partial = running.result()
     assert partial.finish_reason == "abort"
     held = asyncio.create_task(client.generate([3, 4], SamplingParams(max_new_tokens=3, ignore_eos=True)))
-    await asyncio.sleep(0.3)
-    assert not held.done()  # held at the gate until continue
+
+    async def gated() -> bool:
+        return (await client.metrics()).values.get("sglang:num_paused_reqs", 0.0) >= 1
+
+    await eventually(gated, "the new request held at the pause gate")
+    assert not held.done()
     await client.continue_generation()
     assert len((await held).output_ids) == 3
 
