@@ -8,9 +8,11 @@ importable and a GPU is present). The model's weights are not initialised meanin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import warnings
+from collections.abc import Generator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -101,6 +103,19 @@ class Architecture:
         if not config_path.is_file():
             raise ArchitectureError(f"{config_path} does not exist: not a HuggingFace model folder")
         return cls.from_dict(json.loads(config_path.read_text()))
+
+
+@contextlib.contextmanager
+def megatron_warnings_ignored() -> Generator[None]:
+    """Silence the warnings Megatron-Core raises from its own modules.
+
+    Without Apex or TransformerEngine Megatron warns that it falls back to torch modules (the intended
+    setup here), and some of its layers warn on every call about arguments that later versions will
+    require. Warnings from any other module still surface.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", module="megatron")  # megatron.* and megatron_fsdp
+        yield
 
 
 def padded_vocab_size(vocab_size: int, tensor_parallel_size: int) -> int:
@@ -199,10 +214,7 @@ def build_gpt_model(
 
     Model parallelism must already be initialised (`asyncrl_megatron.parallel.initialize`).
     """
-    with warnings.catch_warnings():
-        # Megatron warns when Apex or TE is missing and it falls back to torch modules (the plan here), and
-        # about defaults of its own config that this package does not set.
-        warnings.simplefilter("ignore")
+    with megatron_warnings_ignored():
         from megatron.core.models.gpt import GPTModel
 
         config = transformer_config(

@@ -13,7 +13,6 @@ import queue
 import socket
 import time
 import traceback
-import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -22,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl_megatron import _cpu
+from asyncrl_megatron.model import megatron_warnings_ignored
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -39,9 +39,7 @@ def initialize(tensor_parallel_size: int = 1, *, seed: int = 0, timeout_s: float
     On a machine without a GPU the CPU adaptation (`asyncrl_megatron._cpu`) is applied first. Re-entering
     with the same `tensor_parallel_size` is a no-op; a different one is an error.
     """
-    with warnings.catch_warnings():
-        # Importing Megatron without Apex or TransformerEngine warns about the torch fallbacks we rely on.
-        warnings.simplefilter("ignore")
+    with megatron_warnings_ignored():
         _cpu.enable()
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -80,11 +78,19 @@ def initialize(tensor_parallel_size: int = 1, *, seed: int = 0, timeout_s: float
     model_parallel_cuda_manual_seed(seed)
 
 
+def process_group(group: object) -> dist.ProcessGroup:
+    """A group Megatron returned, checked to be a real group this rank belongs to."""
+    if not isinstance(group, dist.ProcessGroup):
+        raise RuntimeError(f"this rank is not a member of the expected process group (got {group!r})")
+    return group
+
+
 def destroy() -> None:
     """Tear down Megatron's groups and torch.distributed (for tests that build several worlds in turn)."""
-    from megatron.core import parallel_state
+    with megatron_warnings_ignored():
+        from megatron.core import parallel_state
 
-    parallel_state.destroy_model_parallel()
+        parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
 

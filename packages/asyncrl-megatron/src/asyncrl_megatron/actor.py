@@ -1,0 +1,640 @@
+"""The Megatron-Core actor: trains a GPT model built from a HuggingFace Llama/Qwen2 folder on buffered groups.
+
+One optimizer step per `train_step`, with the objective every actor shares (`asyncrl_core.algorithms`): the
+groups are packed with group-relative advantages, the rows are sorted by length and dealt to the
+data-parallel ranks, and each rank runs its rows in micro-batches, accumulating gradients in Megatron's
+gradient buffers (`DistributedDataParallel`), which average them over the data-parallel group once per step.
+Tensor-parallel ranks of one data-parallel rank see the same rows. The loss weights are fixed for the whole
+batch, so any split of the rows gives the full-batch gradient.
+
+Logprobs and entropy. The model returns vocab-parallel logits `[n, t, V / TP]`. With TP = 1 the objective's
+own `token_logprobs` and `token_entropy` are used, exactly as in the torch actor. With TP > 1 the logprob of
+each target comes from Megatron's `vocab_parallel_cross_entropy`, and the entropy from a softmax whose
+maximum and sums are all-reduced over the tensor-parallel group. Vocabulary rows added to make the
+vocabulary divisible by TP get `-inf` logits, so they never take probability mass. Logits are divided by the
+engines' sampling temperature first.
+
+Off-policy correction. All micro-batches of a step run before its single optimizer step, so the proximal
+logprobs (the policy before the update) are the step's own logprobs, detached.
+
+Optimizer. On a GPU: Megatron's optimizer (`get_megatron_optimizer`: AdamW or plain SGD, float32 master
+weights for bfloat16 parameters, the distributed optimizer if configured, gradient clipping). On a CPU,
+Megatron's optimizer wrappers allocate CUDA tensors, so the same update is done with `torch.optim` on the
+float32 parameters and a tensor-parallel-aware gradient-norm clip; see the package README.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from asyncrl_core.algorithms import (
+    LossSettings,
+    PackedBatch,
+    pack_groups,
+    policy_loss,
+    token_entropy,
+    token_logprobs,
+)
+from asyncrl_core.errors import AsyncRLError
+from asyncrl_core.protocols import NamedTensors
+from asyncrl_core.types import Group
+from asyncrl_megatron import parallel
+from asyncrl_megatron.mapping import SafetensorsReader, export_hf_weights, load_hf_weights
+from asyncrl_megatron.model import Architecture, build_gpt_model, megatron_warnings_ignored, padded_vocab_size
+
+if TYPE_CHECKING:
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.models.gpt import GPTModel
+
+    from asyncrl_core.config import AlgorithmConfig, MegatronActorConfig
+
+logger = logging.getLogger(__name__)
+
+SMOLLM2_MODEL_PATH = "smollm2-135m"
+"""The `actor.model_path` that names the offline SmolLM2-135M-Instruct."""
+
+CHECKPOINT_FORMAT = "asyncrl-megatron-actor-1"
+STATE_FILE = "actor_state.json"
+HF_FOLDER = "hf"
+_HF_COPIED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
+
+
+class MegatronActorError(AsyncRLError):
+    """The Megatron actor cannot be built, train on a batch or read a checkpoint; nothing was changed."""
+
+
+@dataclass(frozen=True, slots=True)
+class MegatronActorSettings:
+    """The actor's settings: the `actor` section of the configuration, as plain values."""
+
+    model_path: str
+    """A HuggingFace Llama/Qwen2 folder, or `smollm2-135m`."""
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Parameter dtype on a GPU (float32 master weights in the optimizer); a CPU always uses float32."""
+    micro_batch_size: int = 1
+    """Rows per forward/backward pass."""
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    """Must be 1: the actor is tensor and data parallel."""
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism (GPUs, `tensor_parallel_size > 1`)."""
+    use_distributed_optimizer: bool = True
+    """Shard the optimizer state over the data-parallel group (GPUs)."""
+    gradient_checkpointing: bool = False
+    """Recompute each layer in the backward pass (Megatron's full, uniform recomputation)."""
+    weight_export_bucket_mb: int = 512
+    seed: int = 0
+
+    @classmethod
+    def from_config(cls, actor: MegatronActorConfig) -> MegatronActorSettings:
+        """The settings of the configuration's `actor` section (`backend: megatron`)."""
+        return cls(
+            model_path=actor.model_path,
+            dtype=actor.dtype,
+            micro_batch_size=actor.micro_batch_size,
+            optimizer=actor.optimizer,
+            lr=actor.lr,
+            weight_decay=actor.weight_decay,
+            adam_beta1=actor.adam_beta1,
+            adam_beta2=actor.adam_beta2,
+            adam_eps=actor.adam_eps,
+            grad_clip=actor.grad_clip,
+            tensor_parallel_size=actor.tensor_parallel_size,
+            pipeline_parallel_size=actor.pipeline_parallel_size,
+            sequence_parallel=actor.sequence_parallel,
+            use_distributed_optimizer=actor.use_distributed_optimizer,
+            gradient_checkpointing=actor.gradient_checkpointing,
+            weight_export_bucket_mb=actor.weight_export_bucket_mb,
+        )
+
+
+def resolve_model_path(model_path: str) -> Path:
+    """The HuggingFace folder that `actor.model_path` names (`smollm2-135m` converts the offline model)."""
+    if model_path == SMOLLM2_MODEL_PATH:
+        from asyncrl_core.models import smollm2_135m
+
+        return smollm2_135m()
+    path = Path(model_path).expanduser()
+    if not (path / "config.json").is_file():
+        raise MegatronActorError(
+            f"actor.model_path {model_path!r} is not a HuggingFace model folder (no config.json there); "
+            f"give a folder or `{SMOLLM2_MODEL_PATH}`"
+        )
+    return path
+
+
+class MegatronActor:
+    """The `asyncrl_core.protocols.Actor` on Megatron-Core, tensor and data parallel.
+
+    Build one in every rank of the actor's world (after `torch.distributed` is initialised when there is
+    more than one rank, e.g. by a launcher that sets `RANK`/`WORLD_SIZE`/`MASTER_ADDR`/`MASTER_PORT`); every
+    rank must get the same groups in `train_step` and consume `export_weights` in step. `temperature` is the
+    engines' sampling temperature.
+    """
+
+    def __init__(
+        self, settings: MegatronActorSettings, loss: LossSettings, *, temperature: float = 1.0
+    ) -> None:
+        on_gpu = torch.cuda.is_available()
+        if settings.pipeline_parallel_size != 1:
+            raise MegatronActorError(
+                "the Megatron actor is tensor and data parallel: set actor.pipeline_parallel_size to 1"
+            )
+        if settings.sequence_parallel and (settings.tensor_parallel_size == 1 or not on_gpu):
+            raise MegatronActorError(
+                "actor.sequence_parallel needs actor.tensor_parallel_size > 1 and GPUs (gloo cannot "
+                "reduce-scatter)"
+            )
+        if temperature <= 0.0:
+            raise MegatronActorError(f"temperature must be > 0, got {temperature}")
+        self.settings = settings
+        self.loss_settings = loss
+        self.temperature = temperature
+        self.model_path = resolve_model_path(settings.model_path)
+        self.arch = Architecture.from_pretrained(self.model_path)
+        self.dtype = torch.bfloat16 if settings.dtype == "bfloat16" and on_gpu else torch.float32
+        if settings.dtype == "bfloat16" and not on_gpu:
+            logger.warning("no GPU: the Megatron actor trains in float32 on the CPU")
+
+        parallel.initialize(settings.tensor_parallel_size, seed=settings.seed)
+        from megatron.core import parallel_state
+
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.dp_group = parallel.process_group(parallel_state.get_data_parallel_group())
+        self.tp_group = parallel.process_group(parallel_state.get_tensor_model_parallel_group())
+        self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+
+        with megatron_warnings_ignored():
+            self._build_all(loss, on_gpu)
+        config = json.loads((self.model_path / "config.json").read_text())
+        pad_id = config.get("pad_token_id")
+        self.pad_id: int = pad_id if isinstance(pad_id, int) else 0
+        self._version = 0
+
+    def _build_all(self, loss: LossSettings, on_gpu: bool) -> None:
+        reader = SafetensorsReader(self.model_path)
+        self.module: GPTModel = self._build(reader)
+        self.module.train()
+        self.model: DistributedDataParallel = self._wrap(self.module)
+        self.reference: GPTModel | None = None
+        if loss.needs_reference:
+            self.reference = self._build(reader)
+            self.reference.eval()
+            self.reference.requires_grad_(False)
+        self._megatron_optimizer: Any = None
+        self._torch_optimizer: torch.optim.Optimizer | None = None
+        if on_gpu:
+            self._megatron_optimizer = self._build_megatron_optimizer()
+        else:
+            self._torch_optimizer = self._build_torch_optimizer()
+
+    @classmethod
+    def from_config(
+        cls, actor: MegatronActorConfig, algorithm: AlgorithmConfig, *, temperature: float = 1.0
+    ) -> MegatronActor:
+        """The actor for the configuration's `actor` (`backend: megatron`) and `algorithm` sections."""
+        return cls(
+            MegatronActorSettings.from_config(actor),
+            LossSettings.from_config(algorithm),
+            temperature=temperature,
+        )
+
+    # --- the Actor protocol ---------------------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def train_step(self, groups: Sequence[Group]) -> dict[str, float]:
+        """One optimizer step on `groups`; returns the batch's `train/...` metrics, equal on every rank.
+
+        Besides `policy_loss`'s metrics: `train/grad_norm` (before clipping; 0 when clipping is off on a
+        GPU, where Megatron does not compute it), `train/lr`, `train/num_trajectories`, `train/num_tokens`
+        and `train/num_loss_tokens`. Raises `BatchError` for malformed groups and `MegatronActorError` for a
+        non-finite gradient; in both cases the weights, the optimizer and the version are unchanged.
+        """
+        with megatron_warnings_ignored():
+            return self._train_step(groups)
+
+    def _train_step(self, groups: Sequence[Group]) -> dict[str, float]:
+        batch = pack_groups(
+            groups,
+            self.pad_id,
+            normalize_std=self.loss_settings.normalize_advantage_std,
+            aggregation=self.loss_settings.loss_aggregation,
+        )
+        plan = self._micro_batch_rows(batch)
+        self.model.zero_grad_buffer()
+        self._zero_grad()
+        totals: dict[str, torch.Tensor] = {}
+        for rows in plan:
+            part = batch.select(rows) if rows else self._empty_part(batch)
+            loss, metrics = self._micro_batch_loss(part.to(self.device))
+            # The buffers average gradients over data-parallel ranks; the weights already split the batch.
+            (loss * self.dp_size).backward()
+            for name, value in metrics.items():
+                totals[name] = totals[name] + value if name in totals else value
+        self.model.finish_grad_sync()
+        if not self._gradients_finite():
+            self.model.zero_grad_buffer()
+            self._zero_grad()
+            raise MegatronActorError(
+                f"non-finite gradient at version {self._version}: the step was skipped and the weights are "
+                "unchanged"
+            )
+        grad_norm = self._optimizer_step()
+        self._version += 1
+
+        names = sorted(totals)
+        reduced = torch.stack([totals[name].float() for name in names])
+        if self.dp_size > 1:
+            dist.all_reduce(reduced, group=self.dp_group)
+        result = dict(zip(names, reduced.tolist(), strict=True))
+        result["train/grad_norm"] = grad_norm
+        result["train/lr"] = self.settings.lr
+        result["train/num_trajectories"] = float(batch.num_rows)
+        result["train/num_tokens"] = float(batch.num_tokens)
+        result["train/num_loss_tokens"] = float(batch.num_loss_tokens)
+        return result
+
+    def export_weights(
+        self, bucket_bytes: int, *, dtype: torch.dtype | None = None
+    ) -> Iterator[NamedTensors]:
+        """The weights under HuggingFace names (QKV and gate/up unfused, TP shards gathered, vocabulary
+        padding removed), in buckets of at most `bucket_bytes` (or one tensor).
+
+        `dtype` defaults to the parameters' dtype. Collective over the tensor-parallel group: every rank
+        must consume the iterator in step. With TP = 1 tensors may be views of the live parameters: consume
+        each bucket before the next `train_step`.
+        """
+        with megatron_warnings_ignored():
+            yield from export_hf_weights(self.module, self.arch, bucket_bytes, dtype)
+
+    def save_checkpoint(self, path: str) -> None:
+        """Write the model shards, optimizer state and version under `path`, plus a HuggingFace copy.
+
+        Each rank writes `rank-<tp>-<dp>.pt` (its parameter shards and optimizer state, read back only by
+        `load_checkpoint`); with the distributed optimizer, its parameter state goes to
+        `optimizer-params.pt`. Rank 0 writes `hf/` (a HuggingFace folder loadable by the engines) and
+        `actor_state.json`. Files appear under their final names only when complete.
+        """
+        folder = Path(path)
+        folder.mkdir(parents=True, exist_ok=True)
+        rank_file = folder / f"rank-{self.tp_rank}-{self.dp_rank}.pt"
+        state = {
+            "model": {name: p.detach().cpu() for name, p in self.module.named_parameters()},
+            "optimizer": self._optimizer().state_dict(),
+        }
+        _atomic_torch_save(state, rank_file)
+        if self._megatron_optimizer is not None and self.settings.use_distributed_optimizer:
+            # Collective over the data-parallel group; data-parallel rank 0 writes the file.
+            self._megatron_optimizer.save_parameter_state(
+                str(folder / f"optimizer-params-tp{self.tp_rank}.pt")
+            )
+        hf_folder = folder / HF_FOLDER
+        weights: dict[str, torch.Tensor] = {}
+        for bucket in self.export_weights(self.settings.weight_export_bucket_mb << 20):
+            if dist.get_rank() == 0:
+                weights.update((name, tensor.detach().cpu().contiguous()) for name, tensor in bucket)
+        if dist.get_rank() == 0:
+            from safetensors.torch import save_file
+
+            hf_folder.mkdir(exist_ok=True)
+            temporary = hf_folder / "model.safetensors.tmp"
+            save_file(weights, str(temporary), metadata={"format": "pt"})
+            os.replace(temporary, hf_folder / "model.safetensors")
+            for name in _HF_COPIED_FILES:
+                if (self.model_path / name).is_file():
+                    shutil.copyfile(self.model_path / name, hf_folder / name)
+            description = {
+                "format": CHECKPOINT_FORMAT,
+                "version": self._version,
+                "optimizer": self.settings.optimizer,
+                "tensor_parallel_size": self.tp_size,
+                "data_parallel_size": self.dp_size,
+                "model_path": self.settings.model_path,
+            }
+            temporary = folder / (STATE_FILE + ".tmp")
+            temporary.write_text(json.dumps(description, indent=2) + "\n")
+            os.replace(temporary, folder / STATE_FILE)
+        del weights
+        dist.barrier()
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore what `save_checkpoint` wrote, with the same tensor- and data-parallel sizes.
+
+        The description, this rank's file and every shard's name and shape are checked before anything
+        changes; a mismatch raises `MegatronActorError` and leaves the actor as it was.
+        """
+        folder = Path(path)
+        try:
+            description = json.loads((folder / STATE_FILE).read_text())
+        except (OSError, ValueError) as error:
+            raise MegatronActorError(
+                f"{folder} holds no readable Megatron actor checkpoint: {error}"
+            ) from error
+        if not isinstance(description, dict) or description.get("format") != CHECKPOINT_FORMAT:  # pyright: ignore[reportUnknownMemberType]
+            raise MegatronActorError(f"{folder / STATE_FILE} is not a {CHECKPOINT_FORMAT} checkpoint")
+        expected = {"optimizer": self.settings.optimizer, "tensor_parallel_size": self.tp_size,
+                    "data_parallel_size": self.dp_size}  # fmt: skip
+        for key, value in expected.items():
+            if description.get(key) != value:
+                raise MegatronActorError(
+                    f"the checkpoint in {folder} has {key} {description.get(key)!r}, this actor {value!r}"
+                )
+        version = description.get("version")
+        if not isinstance(version, int) or version < 0:
+            raise MegatronActorError(f"{folder / STATE_FILE} has no valid version")
+        rank_file = folder / f"rank-{self.tp_rank}-{self.dp_rank}.pt"
+        try:
+            # Our own file, written by `save_checkpoint` on this machine's storage (optimizer state is nested
+            # Python data, as Megatron itself stores it).
+            state = torch.load(rank_file, map_location="cpu", weights_only=False)
+        except (OSError, RuntimeError) as error:
+            raise MegatronActorError(f"cannot read {rank_file}: {error}") from error
+        parameters = dict(self.module.named_parameters())
+        shards: dict[str, torch.Tensor] = state["model"]
+        problems = [f"missing {name}" for name in parameters if name not in shards]
+        problems += [f"unexpected {name}" for name in shards if name not in parameters]
+        problems += [
+            f"{name} has shape {tuple(shards[name].shape)}, the model {tuple(p.shape)}"
+            for name, p in parameters.items()
+            if name in shards and shards[name].shape != p.shape
+        ]
+        if problems:
+            raise MegatronActorError(
+                f"the checkpoint in {folder} does not fit the model: " + "; ".join(problems)
+            )
+        with torch.no_grad():
+            for name, parameter in parameters.items():
+                parameter.copy_(shards[name])
+        self._optimizer().load_state_dict(state["optimizer"])
+        if self._megatron_optimizer is not None and self.settings.use_distributed_optimizer:
+            self._megatron_optimizer.load_parameter_state(
+                str(folder / f"optimizer-params-tp{self.tp_rank}.pt")
+            )
+        self._version = version
+        dist.barrier()
+
+    # --- beyond the protocol --------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits `[T, V]` (float32, full vocabulary on every rank) of one token sequence `[T]`."""
+        ids = input_ids.to(self.device)[None]
+        positions = torch.arange(ids.shape[1], device=self.device)[None]
+        with megatron_warnings_ignored():
+            logits = self.module(ids, positions, None)[0].float()
+        if self.tp_size > 1:
+            pieces = [torch.empty_like(logits) for _ in range(self.tp_size)]
+            dist.all_gather(pieces, logits.contiguous(), group=self.tp_group)
+            logits = torch.cat(pieces, dim=-1)
+        return logits[:, : self.arch.vocab_size]
+
+    # --- internals ------------------------------------------------------------------------------------------
+
+    def _build(self, reader: SafetensorsReader) -> GPTModel:
+        model = build_gpt_model(
+            self.arch,
+            tensor_parallel_size=self.settings.tensor_parallel_size,
+            dtype=self.dtype,
+            gradient_checkpointing=self.settings.gradient_checkpointing,
+        )
+        if self.settings.sequence_parallel:
+            model.config.sequence_parallel = True
+        load_hf_weights(model, reader, self.arch)
+        return model
+
+    def _wrap(self, module: GPTModel) -> DistributedDataParallel:
+        with megatron_warnings_ignored():
+            from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=self.settings.use_distributed_optimizer and self.device.type == "cuda",
+        )
+        return DistributedDataParallel(config=module.config, ddp_config=ddp_config, module=module)
+
+    def _build_megatron_optimizer(self) -> Any:
+        with megatron_warnings_ignored():
+            from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        s = self.settings
+        config = OptimizerConfig(
+            optimizer="adam" if s.optimizer == "adamw" else "sgd",
+            lr=s.lr,
+            min_lr=s.lr,
+            weight_decay=s.weight_decay,
+            adam_beta1=s.adam_beta1,
+            adam_beta2=s.adam_beta2,
+            adam_eps=s.adam_eps,
+            sgd_momentum=0.0,
+            bf16=self.dtype == torch.bfloat16,
+            params_dtype=self.dtype,
+            use_distributed_optimizer=s.use_distributed_optimizer,
+            clip_grad=s.grad_clip,
+        )
+        return get_megatron_optimizer(config, [self.model])
+
+    def _build_torch_optimizer(self) -> torch.optim.Optimizer:
+        s = self.settings
+        parameters = [p for p in self.module.parameters() if p.requires_grad]
+        if s.optimizer == "adamw":
+            return torch.optim.AdamW(
+                parameters,
+                lr=s.lr,
+                betas=(s.adam_beta1, s.adam_beta2),
+                eps=s.adam_eps,
+                weight_decay=s.weight_decay,
+            )
+        return torch.optim.SGD(parameters, lr=s.lr, weight_decay=s.weight_decay)
+
+    def _optimizer(self) -> Any:
+        return self._megatron_optimizer if self._megatron_optimizer is not None else self._torch_optimizer
+
+    def _zero_grad(self) -> None:
+        if self._megatron_optimizer is not None:
+            self._megatron_optimizer.zero_grad()
+        elif self._torch_optimizer is not None:
+            self._torch_optimizer.zero_grad(set_to_none=True)
+
+    def _optimizer_step(self) -> float:
+        """Apply the averaged gradients in Megatron's buffers; returns the gradient norm before clipping."""
+        if self._megatron_optimizer is not None:
+            success, grad_norm, _ = self._megatron_optimizer.step()
+            if not success:
+                raise MegatronActorError(f"the optimizer skipped the step at version {self._version}")
+            return float(grad_norm or 0.0)
+        assert self._torch_optimizer is not None
+        parameters = [p for p in self.module.parameters() if p.requires_grad]
+        for parameter in parameters:
+            # Megatron's gradient buffers hold the (averaged) gradient; torch.optim reads `.grad`.
+            parameter.grad = parameter.main_grad  # pyright: ignore[reportAttributeAccessIssue]
+        grad_norm = self._global_grad_norm(parameters)
+        if self.settings.grad_clip > 0 and grad_norm > self.settings.grad_clip:
+            scale = self.settings.grad_clip / (grad_norm + 1e-6)
+            for parameter in parameters:
+                assert parameter.grad is not None
+                parameter.grad.mul_(scale)
+        self._torch_optimizer.step()
+        self._torch_optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def _gradients_finite(self) -> bool:
+        """Whether every rank's gradient buffers are finite (checked before the optimizer touches weights)."""
+        buffers: list[torch.Tensor] = [
+            p.main_grad  # pyright: ignore[reportAttributeAccessIssue]
+            for p in self.module.parameters()
+            if hasattr(p, "main_grad")
+        ]
+        sums = [buffer.float().sum() for buffer in buffers]
+        bad = torch.zeros((), device=self.device) if not sums else (~torch.isfinite(torch.stack(sums))).any()
+        flag = bad.float().reshape(1)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag.item() == 0.0
+
+    def _global_grad_norm(self, parameters: list[torch.nn.Parameter]) -> float:
+        """L2 norm of the full model's gradient: sharded parameters summed over TP ranks, replicated once."""
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        squares = torch.zeros((), dtype=torch.float64, device=self.device)
+        for parameter in parameters:
+            if parameter.grad is not None and param_is_not_tensor_parallel_duplicate(parameter):
+                squares += parameter.grad.detach().double().square().sum()
+        if self.tp_size > 1:
+            dist.all_reduce(squares, group=self.tp_group)
+        return float(squares.sqrt().item())
+
+    def _micro_batch_rows(self, batch: PackedBatch) -> list[list[int]]:
+        """This data-parallel rank's rows, in micro-batches; every rank gets the same number of them.
+
+        Rows are sorted by length (longest first) and dealt round-robin, so ranks get similar token counts
+        and a micro-batch holds rows of similar length. A rank with fewer rows gets empty micro-batches, run
+        on a zero-weight row so the ranks' collectives still match.
+        """
+        lengths: list[int] = batch.lengths.tolist()
+        order = sorted(range(batch.num_rows), key=lambda row: -lengths[row])
+        mine = order[self.dp_rank :: self.dp_size]
+        size = self.settings.micro_batch_size
+        num_micro_batches = math.ceil(math.ceil(batch.num_rows / self.dp_size) / size)
+        return [mine[index * size : (index + 1) * size] for index in range(num_micro_batches)]
+
+    @staticmethod
+    def _empty_part(batch: PackedBatch) -> PackedBatch:
+        part = batch.select([0])
+        return replace(part, loss_weights=torch.zeros_like(part.loss_weights))
+
+    def _logits(self, model: torch.nn.Module, part: PackedBatch) -> torch.Tensor:
+        """Vocab-parallel logits `[n, t, V / TP]` divided by the temperature, padding rows at `-inf`."""
+        # Right padding needs no attention mask: causal attention never lets a real token see a later pad.
+        logits: torch.Tensor = model(part.input_ids, part.position_ids, None)
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        padded = padded_vocab_size(self.arch.vocab_size, self.tp_size)
+        if padded != self.arch.vocab_size:
+            shard = padded // self.tp_size
+            first_padding = self.arch.vocab_size - self.tp_rank * shard
+            if first_padding < shard:
+                column = torch.arange(shard, device=logits.device)
+                logits = logits.masked_fill(column >= first_padding, float("-inf"))
+        return logits
+
+    def _logprobs(self, logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return token_logprobs(logits, target_ids)
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        # It works in place on float32 logits (a bfloat16 input is converted, hence copied, first), and the
+        # entropy and reference paths still need them.
+        source = logits.clone() if logits.dtype == torch.float32 else logits
+        return -vocab_parallel_cross_entropy(source, target_ids)
+
+    def _entropy(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return token_entropy(logits)
+        return _vocab_parallel_entropy(logits, self.tp_group)
+
+    def _micro_batch_loss(self, part: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        logits = self._logits(self.model, part)
+        logprobs = self._logprobs(logits, part.target_ids)
+        if self.loss_settings.entropy_coef > 0.0:
+            entropy = self._entropy(logits)
+        else:
+            with torch.no_grad():
+                entropy = self._entropy(logits.detach())
+        ref_logprobs = None
+        if self.reference is not None:
+            with torch.no_grad():
+                ref_logits = self._logits(self.reference, part)
+                ref_logprobs = self._logprobs(ref_logits, part.target_ids)
+            del ref_logits
+        proximal = logprobs.detach() if self.loss_settings.needs_proximal else None
+        return policy_loss(
+            logprobs,
+            part.rollout_logprobs,
+            part.advantages,
+            part.loss_weights,
+            self.loss_settings,
+            proximal_logprobs=proximal,
+            ref_logprobs=ref_logprobs,
+            entropy=entropy,
+        )
+
+
+def _vocab_parallel_entropy(logits: torch.Tensor, group: Any) -> torch.Tensor:
+    """Entropy `[...]` (float32) of the softmax over vocab-parallel logits `[..., V / TP]`.
+
+    `H = log Z - sum(p z)` with `Z = sum(exp(z))`; the maximum, `Z` and `sum(exp(z) z)` are all-reduced
+    over the tensor-parallel group. The sums go through Megatron's `reduce_from_tensor_model_parallel_region`
+    (all-reduce forward, identity backward), so the result is differentiable when `logits` is.
+    """
+    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+    values = logits.float()
+    maximum = values.detach().amax(dim=-1, keepdim=True)
+    dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=group)
+    shifted = values - maximum
+    exp = shifted.exp()
+    total = reduce_from_tensor_model_parallel_region(exp.sum(dim=-1))
+    weighted = reduce_from_tensor_model_parallel_region(
+        (exp * torch.nan_to_num(shifted, neginf=0.0)).sum(dim=-1)
+    )
+    return total.log() - weighted / total
+
+
+def _atomic_torch_save(state: dict[str, Any], path: Path) -> None:
+    temporary = path.with_name(path.name + ".tmp")
+    torch.save(state, temporary)
+    os.replace(temporary, path)
