@@ -165,3 +165,18 @@ def test_searchr1_on_files_serves_its_corpus_and_searches_it(tmp_path: Path) -> 
     assert text.startswith("Doc 1(Title: ")
     assert "\nDoc 2(Title: " in text
     assert [line[:4] for line in text.splitlines()] == ["Doc ", "Doc "]
+
+
+def test_load_task_builds_registered_tasks_and_names_problems() -> None:
+    from asyncrl_agents.tasks import load_task
+    from asyncrl_core.errors import PluginError
+
+    task = load_task("searchr1-mini", {"seed": 2, "topk": 5})
+    assert isinstance(task, SearchR1MiniTask)
+    assert (task.seed, task.topk) == (2, 5)
+    with pytest.raises(PluginError, match=r"rejected agentloop\.task_args"):
+        load_task("searchr1-mini", {"bogus": 1})
+    with pytest.raises(PluginError, match="no plugin named 'nope'"):
+        load_task("nope")
+    with pytest.raises(PluginError, match=r"not a Task \(missing: .*max_turns"):
+        load_task("collections:OrderedDict")

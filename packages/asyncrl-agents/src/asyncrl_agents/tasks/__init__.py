@@ -1,0 +1,45 @@
+"""The tasks that ship with asyncrl, and `load_task`, which builds any registered task by name."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from asyncrl_core import plugins
+from asyncrl_core.errors import PluginError
+from asyncrl_core.protocols import Task
+
+_TASK_MEMBERS = (
+    "name",
+    "max_turns",
+    "stop",
+    "dataset",
+    "tools",
+    "parse_turn",
+    "observation",
+    "reward",
+    "demonstrations",
+    "serve",
+    "aclose",
+)
+
+
+def load_task(name: str, task_args: Mapping[str, object] | None = None) -> Task:
+    """Build the task registered as `name` in `asyncrl.tasks` (or `module:attr`) with `task_args`.
+
+    Raises `PluginError` when the name is unknown, the factory rejects the arguments, or what it builds
+    lacks a member of the `Task` protocol (the message lists them).
+    """
+    factory = plugins.load("asyncrl.tasks", name)
+    if not callable(factory):
+        raise PluginError(f"`asyncrl.tasks`: {name!r} is {type(factory).__name__}, not a task factory")
+    try:
+        task: object = factory(**dict(task_args or {}))
+    except TypeError as error:
+        raise PluginError(f"`asyncrl.tasks`: {name!r} rejected agentloop.task_args: {error}") from error
+    if not isinstance(task, Task):
+        missing = [member for member in _TASK_MEMBERS if not hasattr(task, member)]
+        raise PluginError(
+            f"`asyncrl.tasks`: {name!r} built a {type(task).__name__}, which is not a Task "
+            f"(missing: {', '.join(missing) or 'none; check the signatures'})"
+        )
+    return task
