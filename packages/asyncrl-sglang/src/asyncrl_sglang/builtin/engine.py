@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 PauseMode = Literal["abort", "retract", "in_place"]
+PREFILL_TOKEN_BUDGET = 8192
+"""At most this many prompt tokens are prefilled in one batch (a single longer prompt still goes alone)."""
 KV_CAPACITY_STEP = 256
 """The KV cache grows in multiples of this many positions (up to the context length)."""
 
@@ -357,8 +359,16 @@ class Engine:
         return self.paused is None and not self.weights_released and bool(self.running or self.waiting)
 
     def _step(self) -> None:
-        while self.waiting and len(self.running) < self.max_running_requests:
-            self._prefill(self.waiting.popleft())
+        admitted: list[Request] = []
+        budget = PREFILL_TOKEN_BUDGET
+        while self.waiting and len(self.running) + len(admitted) < self.max_running_requests:
+            size = self.waiting[0].num_tokens
+            if admitted and size > budget:
+                break
+            admitted.append(self.waiting.popleft())
+            budget -= size
+        if admitted:
+            self._prefill(admitted)
         if self.running:
             self._decode()
 
@@ -383,22 +393,24 @@ class Engine:
             self._graphs.clear()
         return grown
 
-    def _prefill(self, request: Request) -> None:
-        """Run prompt + output-so-far into a fresh slot and sample the next token (a re-prefill after retract
-        recomputes all KV under the current weights)."""
-        tokens = request.prompt_ids + request.output_ids
-        cache = self._ensure_cache(len(tokens) + 1)
-        slot = len(self.running)
-        hidden = self.model.prefill(torch.tensor(tokens, dtype=torch.long), cache, slot)
-        first_time = not request.was_running
-        request.was_running = True
-        self.running.append(request)
-        if first_time:
-            self.counters.prompt_tokens_total += len(request.prompt_ids)
-            if request.return_logprob and request.logprob_start_len >= 0:
-                self._input_logprobs(request, hidden)
-        logits = self.model.logits(hidden[-1:])
-        self._accept([request], logits)
+    def _prefill(self, requests: list[Request]) -> None:
+        """Run prompt + output-so-far of each request into a fresh slot (one right-padded batch) and sample
+        its next token. A re-prefill after a retract recomputes all KV under the current weights."""
+        sequences = [r.prompt_ids + r.output_ids for r in requests]
+        cache = self._ensure_cache(max(len(s) for s in sequences) + 1)
+        first_slot = len(self.running)
+        slots = list(range(first_slot, first_slot + len(requests)))
+        hidden = self.model.prefill_batch(sequences, cache, slots)
+        last_rows = torch.tensor([len(s) - 1 for s in sequences], device=hidden.device)
+        last_hidden = hidden[torch.arange(len(requests), device=hidden.device), last_rows]
+        for row, request in enumerate(requests):
+            if not request.was_running:
+                self.counters.prompt_tokens_total += len(request.prompt_ids)
+                if request.return_logprob and request.logprob_start_len >= 0:
+                    self._input_logprobs(request, hidden[row, : len(sequences[row])])
+            request.was_running = True
+        self.running.extend(requests)
+        self._accept(requests, self.model.logits(last_hidden))
 
     def _input_logprobs(self, request: Request, hidden: Tensor) -> None:
         """Logprobs of prompt tokens from `logprob_start_len` on (the first prompt token has none)."""

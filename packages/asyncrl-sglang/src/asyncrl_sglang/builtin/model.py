@@ -7,7 +7,7 @@ tensor sent under its HuggingFace name straight into place. Tied embeddings shar
 
 Three entry points:
 - `forward_logits(input_ids)`: a plain full-sequence forward without a cache (reference and tests).
-- `prefill(input_ids, cache, slot)`: runs a prompt into a KV-cache slot, returns the last hidden states.
+- `prefill(input_ids, cache, slot)`, `prefill_batch(...)`: run prompts into KV-cache slots (hidden states).
 - `decode(input_ids, positions, cache)`: one token for each of the first `B` slots, batched.
 """
 
@@ -363,34 +363,50 @@ class EngineModel:
     @torch.inference_mode()
     def forward_logits(self, input_ids: Tensor) -> Tensor:
         """Full causal forward without a cache: input_ids LongTensor[T] -> float32 logits [T, vocab]."""
-        hidden = self._forward_sequence(input_ids.to(self.device), cache=None, slot=0)
-        return self.logits(hidden)
+        hidden = self._forward_batch(input_ids.to(self.device).unsqueeze(0), cache=None, slots=None)
+        return self.logits(hidden[0])
 
     @torch.inference_mode()
     def prefill(self, input_ids: Tensor, cache: KVCache, slot: int) -> Tensor:
         """Run input_ids [T] from position 0, write their KV into `slot`; return hidden states [T, hidden]."""
-        return self._forward_sequence(input_ids.to(self.device), cache=cache, slot=slot)
+        return self._forward_batch(input_ids.to(self.device).unsqueeze(0), cache, [slot])[0]
 
-    def _forward_sequence(self, input_ids: Tensor, cache: KVCache | None, slot: int) -> Tensor:
+    @torch.inference_mode()
+    def prefill_batch(
+        self, sequences: Sequence[Sequence[int]], cache: KVCache, slots: Sequence[int]
+    ) -> Tensor:
+        """Prefill several sequences at once, right-padded to the longest: returns hidden [B, T_max, hidden].
+
+        Row b is valid up to len(sequences[b]); causal attention keeps its valid positions blind to the
+        padding after them, and the K/V written for padding lands beyond the row's length, where the next
+        decode step overwrites it.
+        """
+        longest = max(len(s) for s in sequences)
+        padded = torch.zeros((len(sequences), longest), dtype=torch.long)
+        for row, tokens in enumerate(sequences):
+            padded[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        return self._forward_batch(padded.to(self.device), cache, list(slots))
+
+    def _forward_batch(self, input_ids: Tensor, cache: KVCache | None, slots: list[int] | None) -> Tensor:
+        """input_ids [B, T] from position 0 -> hidden states [B, T, hidden]; K/V go to `slots` of `cache`."""
         c = self.config
-        length = input_ids.shape[0]
+        batch, length = input_ids.shape
         self._ensure_rope(length)
         cos, sin = self._rope_cos[:length], self._rope_sin[:length]
+        slot_index = None if slots is None else torch.tensor(slots, device=self.device)
         x = self.embed[input_ids]
         for layer in range(c.num_layers):
             h = self._rms_norm(x, self.attn_norm[layer])
             q, k, v = self._project_qkv(layer, h)
-            # [T, heads * D] -> [1, heads, T, D]
-            q = self._rotate(q.view(length, c.num_heads, c.head_dim).transpose(0, 1), cos, sin).unsqueeze(0)
-            k = self._rotate(k.view(length, c.num_kv_heads, c.head_dim).transpose(0, 1), cos, sin).unsqueeze(
-                0
-            )
-            v = v.view(length, c.num_kv_heads, c.head_dim).transpose(0, 1).unsqueeze(0)
-            if cache is not None:
-                cache.keys[layer][slot, :, :length] = k[0]
-                cache.values[layer][slot, :, :length] = v[0]
+            # [B, T, heads * D] -> [B, heads, T, D]
+            q = self._rotate(q.view(batch, length, c.num_heads, c.head_dim).transpose(1, 2), cos, sin)
+            k = self._rotate(k.view(batch, length, c.num_kv_heads, c.head_dim).transpose(1, 2), cos, sin)
+            v = v.view(batch, length, c.num_kv_heads, c.head_dim).transpose(1, 2)
+            if cache is not None and slot_index is not None:
+                cache.keys[layer][slot_index, :, :length] = k
+                cache.values[layer][slot_index, :, :length] = v
             attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            x = x + F.linear(attn[0].transpose(0, 1).reshape(length, -1), self.o_proj[layer])
+            x = x + F.linear(attn.transpose(1, 2).reshape(batch, length, -1), self.o_proj[layer])
             x = self._mlp(layer, x)
         return x
 

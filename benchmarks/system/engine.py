@@ -1,0 +1,347 @@
+"""Generation throughput of the built-in engine against plain `transformers`, side by side in one run.
+
+Measures, on the same model (same weights), the same prompts and lengths, greedy with every request running
+to exactly `--new-tokens` tokens, for each batch size B:
+
+  (a) `transformers` `generate` on a batch of B prompts (its dynamic KV cache);
+  (b) `transformers` continuous batching (`generate_batch`), where the installed version has it;
+  (c) the built-in engine in process: B requests submitted at once to `Engine` (scheduler thread, batched
+      prefill, batched decode over the per-slot KV cache, CUDA graphs on a GPU), no HTTP;
+  (d) the built-in engine through HTTP (`/generate`, one request per prompt, all concurrent) at the batch
+      sizes of `--http-batch-sizes`;
+  (e) on CUDA, the bound: the bare decode forward of the same model with a static KV cache replayed as one CUDA
+      graph per step (no sampling, no scheduling), decode tokens only.
+
+Tokens per second count generated tokens over the wall time from submission to the last token (prefill
+included) for (a)-(d), and decode tokens over decode time for (e). Nothing is downloaded: the model is
+SmolLM2-135M from `asyncrl_core.models` (real weights) or, with `--random-weights`, a random Llama of the same
+shape (hidden 576, 30 layers, 9 heads, 3 KV heads, FFN 1536, vocab 49152, tied).
+
+    python benchmarks/system/engine.py --device cpu --batch-sizes 1 8 32 --prompt-len 64 --new-tokens 32
+    python benchmarks/system/engine.py --device cuda --random-weights --dtype bfloat16 \
+        --batch-sizes 8 64 256 --prompt-len 128 --new-tokens 256 --json engine-gpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+
+SMOLLM2_CONFIG: dict[str, Any] = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0,
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 2,
+}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument(
+        "--http-batch-sizes", type=int, nargs="*", default=None, help="default: the middle one"
+    )
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--model-path", help="a HuggingFace folder (default: SmolLM2-135M from asyncrl_core)")
+    parser.add_argument(
+        "--random-weights", action="store_true", help="random weights of SmolLM2-135M's shape"
+    )
+    parser.add_argument("--skip-continuous-batching", action="store_true", help="skip (b)")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="the engine decodes eagerly on CUDA")
+    parser.add_argument("--json", dest="json_path", help="write the results here")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args()
+
+
+def build_models(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any, str]:
+    """(transformers model, engine model) with identical weights, and a description."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from asyncrl_sglang.builtin.model import EngineModel, ModelConfig
+
+    if args.random_weights:
+        torch.manual_seed(args.seed)
+        hf = LlamaForCausalLM(LlamaConfig(**SMOLLM2_CONFIG)).to(dtype)
+        config = ModelConfig.from_dict(SMOLLM2_CONFIG)
+        description = "random weights, SmolLM2-135M shape"
+    else:
+        if args.model_path:
+            path = Path(args.model_path)
+        else:
+            from asyncrl_core.models import smollm2_135m
+
+            path = smollm2_135m()
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        config = ModelConfig.from_dict(json.loads((path / "config.json").read_text()))
+        description = f"{path.name} weights"
+    hf = hf.to(device).eval()
+    engine_model = EngineModel(config, device, dtype)
+    state = hf.state_dict()
+    engine_model.load_named_tensors([(n, state[n]) for n in sorted(engine_model.required_names())])
+    return hf, engine_model, description
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench_hf_generate(hf: Any, prompts: torch.Tensor, new_tokens: int) -> float:
+    device = prompts.device
+    attention_mask = torch.ones_like(prompts)
+    kwargs = {
+        "max_new_tokens": new_tokens,
+        "min_new_tokens": new_tokens,
+        "do_sample": False,
+        "pad_token_id": 2,
+    }
+    with torch.inference_mode():
+        warm = {**kwargs, "max_new_tokens": 2, "min_new_tokens": 2}
+        hf.generate(prompts[:, :8], attention_mask=attention_mask[:, :8], **warm)
+        synchronize(device)
+        started = time.perf_counter()
+        output = hf.generate(prompts, attention_mask=attention_mask, **kwargs)
+        synchronize(device)
+        elapsed = time.perf_counter() - started
+    assert output.shape[1] == prompts.shape[1] + new_tokens
+    return prompts.shape[0] * new_tokens / elapsed
+
+
+def bench_hf_continuous(hf: Any, prompts: torch.Tensor, new_tokens: int) -> float:
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(
+        max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=2
+    )
+    inputs = prompts.tolist()
+    with torch.inference_mode():
+        hf.generate_batch(inputs=inputs[:1], generation_config=config, progress_bar=False)
+        synchronize(prompts.device)
+        started = time.perf_counter()
+        results = hf.generate_batch(inputs=inputs, generation_config=config, progress_bar=False)
+        synchronize(prompts.device)
+        elapsed = time.perf_counter() - started
+    generated = sum(len(r.generated_tokens) for r in results.values())
+    return generated / elapsed
+
+
+def bench_engine(engine: Any, prompts: torch.Tensor, new_tokens: int) -> float:
+    from asyncrl_sglang.builtin.engine import Request
+    from asyncrl_sglang.builtin.sampling import SamplingOptions
+
+    options = SamplingOptions(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    remaining = [prompts.shape[0]]
+    done = threading.Event()
+    lock = threading.Lock()
+
+    def on_update(_request: Request, finished: bool) -> None:
+        if finished:
+            with lock:
+                remaining[0] -= 1
+                if remaining[0] == 0:
+                    done.set()
+
+    requests = [
+        Request(rid=f"bench-{i}", prompt_ids=row, options=options, on_update=on_update)
+        for i, row in enumerate(prompts.tolist())
+    ]
+    started = time.perf_counter()
+    engine.call(lambda: [engine.add_request(r) for r in requests])
+    if not done.wait(3600):
+        raise RuntimeError("the engine did not finish within an hour")
+    elapsed = time.perf_counter() - started
+    assert all(len(r.output_ids) == new_tokens for r in requests)
+    return len(requests) * new_tokens / elapsed
+
+
+def bench_http(engine: Any, prompts: torch.Tensor, new_tokens: int) -> float:
+    """The same requests through `/generate` on a loopback aiohttp server in this process."""
+    import aiohttp
+    from aiohttp import web
+
+    from asyncrl_sglang.builtin.server import BuiltinServer, ServerArgs
+
+    async def run() -> float:
+        args = ServerArgs(model_path="bench", served_model_name="bench", tokenizer_path=None, port=0)
+        server = BuiltinServer(engine, None, args)
+        server.ready = True
+        runner = web.AppRunner(server.app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        params = {"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True}
+        try:
+            connector = aiohttp.TCPConnector(limit=0)
+            async with aiohttp.ClientSession(connector=connector) as session:
+
+                async def one(row: list[int]) -> int:
+                    body = {"input_ids": row, "sampling_params": params}
+                    async with session.post(f"http://127.0.0.1:{port}/generate", json=body) as response:
+                        return len((await response.json())["output_ids"])
+
+                started = time.perf_counter()
+                counts = await asyncio.gather(*(one(row) for row in prompts.tolist()))
+                elapsed = time.perf_counter() - started
+        finally:
+            await runner.cleanup()
+        assert all(c == new_tokens for c in counts)
+        return sum(counts) / elapsed
+
+    return asyncio.run(run())
+
+
+def bench_bound(model: Any, batch: int, prompt_len: int, new_tokens: int) -> float:
+    """Bare decode forward (no sampling) with a static KV cache, one CUDA graph replay per step."""
+    from asyncrl_sglang.builtin.model import KVCache
+
+    device = model.device
+    capacity = prompt_len + new_tokens + 1
+    cache = KVCache(model.config, batch, capacity, device, model.dtype)
+    ids = torch.zeros(batch, dtype=torch.long, device=device)
+    positions = torch.full((batch,), prompt_len, dtype=torch.long, device=device)
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            model.decode(ids, positions, cache, capacity)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        hidden = model.decode(ids, positions, cache, capacity)
+        logits = model.logits(hidden)
+        ids.copy_(logits.argmax(dim=-1))
+    torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    for step in range(new_tokens):
+        positions.fill_(prompt_len + step)
+        graph.replay()
+    torch.cuda.synchronize(device)
+    return batch * new_tokens / (time.perf_counter() - started)
+
+
+def main() -> int:
+    args = parse_args()
+    device = torch.device(args.device)
+    dtype = (
+        getattr(torch, args.dtype)
+        if args.dtype
+        else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    )
+    from asyncrl_sglang.builtin.engine import Engine
+
+    hf, engine_model, description = build_models(args, device, dtype)
+    generator = torch.Generator().manual_seed(args.seed)
+    largest = max(args.batch_sizes)
+    all_prompts = torch.randint(
+        3, engine_model.config.vocab_size, (largest, args.prompt_len), generator=generator
+    )
+    http_sizes = args.http_batch_sizes
+    if http_sizes is None:
+        http_sizes = [sorted(args.batch_sizes)[len(args.batch_sizes) // 2]]
+    print(
+        f"device={device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else os.cpu_count()} "
+        f"{'GPU' if device.type == 'cuda' else 'CPUs'}), dtype={str(dtype).removeprefix('torch.')}, "
+        f"{description}, torch threads={torch.get_num_threads()}, prompt {args.prompt_len}, "
+        f"{args.new_tokens} new tokens, greedy",
+        flush=True,
+    )
+    with torch.inference_mode():
+        check = all_prompts[0].to(device)
+        reference = hf(check.unsqueeze(0)).logits[0].float()
+        difference = (engine_model.forward_logits(check) - reference).abs().max().item()
+    print(f"same model: max |engine logits - transformers logits| = {difference:.3g}", flush=True)
+    rows: list[dict[str, Any]] = []
+    for batch in args.batch_sizes:
+        prompts = all_prompts[:batch].to(device)
+        row: dict[str, Any] = {"batch": batch}
+        row["hf_generate"] = bench_hf_generate(hf, prompts, args.new_tokens)
+        if not args.skip_continuous_batching and hasattr(hf, "generate_batch"):
+            try:
+                row["hf_continuous_batching"] = bench_hf_continuous(hf, prompts, args.new_tokens)
+            except Exception as error:  # reported, not fatal: the feature is young and version-dependent
+                row["hf_continuous_batching_error"] = f"{type(error).__name__}: {error}"[:200]
+        engine = Engine(
+            engine_model,
+            max_running_requests=batch,
+            context_length=args.prompt_len + args.new_tokens + 8,
+            use_cuda_graphs=not args.no_cuda_graphs,
+        )
+        engine.start()
+        try:
+            bench_engine(engine, prompts[:, :16], 4)  # warm-up (and CUDA graph capture)
+            row["engine"] = bench_engine(engine, prompts, args.new_tokens)
+            if batch in http_sizes:
+                row["engine_http"] = bench_http(engine, prompts, args.new_tokens)
+        finally:
+            engine.stop()
+        if device.type == "cuda":
+            row["bound_cuda_graph_decode"] = bench_bound(
+                engine_model, batch, args.prompt_len, args.new_tokens
+            )
+        row["engine_over_hf_generate"] = row["engine"] / row["hf_generate"]
+        rows.append(row)
+        print(_format_row(row), flush=True)
+    result = {
+        "args": vars(args),
+        "device": str(device),
+        "dtype": str(dtype),
+        "model": description,
+        "max_logit_difference": difference,
+        "rows": rows,
+    }
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(result, indent=2))
+    print("\ntokens/s        " + "  ".join(f"{'B=' + str(r['batch']):>10}" for r in rows))
+    for key in ("hf_generate", "hf_continuous_batching", "engine", "engine_http", "bound_cuda_graph_decode"):
+        values = [r.get(key) for r in rows]
+        if any(v is not None for v in values):
+            cells = "  ".join(f"{v:10.1f}" if v is not None else f"{'-':>10}" for v in values)
+            print(f"{key:<24}{cells}")
+    print("engine / generate       " + "  ".join(f"{r['engine_over_hf_generate']:10.2f}" for r in rows))
+    for r in rows:
+        if "hf_continuous_batching_error" in r:
+            print(
+                f"B={r['batch']}: transformers continuous batching failed: {r['hf_continuous_batching_error']}"
+            )
+    return 0
+
+
+def _format_row(row: dict[str, Any]) -> str:
+    parts = [f"B={row['batch']}"]
+    for key, value in row.items():
+        if key != "batch" and isinstance(value, float):
+            parts.append(f"{key}={value:.1f}")
+    return "  ".join(parts)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
