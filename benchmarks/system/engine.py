@@ -9,8 +9,8 @@ to exactly `--new-tokens` tokens, for each batch size B:
       prefill, batched decode over the per-slot KV cache, CUDA graphs on a GPU), no HTTP;
   (d) the built-in engine through HTTP (`/generate`, one request per prompt, all concurrent) at the batch
       sizes of `--http-batch-sizes`;
-  (e) on CUDA, the bound: the bare decode forward of the same model with a static KV cache replayed as one CUDA
-      graph per step (no sampling, no scheduling), decode tokens only.
+  (e) on CUDA, the bound: the bare decode forward of the same model with a static KV cache, replayed as one
+      CUDA graph per step (greedy argmax inside the graph, no scheduling), decode tokens only.
 
 Tokens per second count generated tokens over the wall time from submission to the last token (prefill
 included) for (a)-(d), and decode tokens over decode time for (e). Nothing is downloaded: the model is
@@ -329,9 +329,8 @@ def main() -> int:
     print("engine / generate       " + "  ".join(f"{r['engine_over_hf_generate']:10.2f}" for r in rows))
     for r in rows:
         if "hf_continuous_batching_error" in r:
-            print(
-                f"B={r['batch']}: transformers continuous batching failed: {r['hf_continuous_batching_error']}"
-            )
+            error = r["hf_continuous_batching_error"]
+            print(f"B={r['batch']}: transformers continuous batching failed: {error}")
     return 0
 
 
