@@ -7,7 +7,9 @@
 //! workload runs from Python in `benchmarks/micro/admission.py`.
 //!
 //! Measured with `in_flight` groups already generating and as many finished groups in the heap, for
-//! `in_flight` in 0, 1e3, 1e5 and 1e6, single-threaded and from 8 threads sharing one buffer.
+//! `in_flight` in 0, 1e3, 1e5 and 1e6, single-threaded and from 8 threads sharing one buffer. Each
+//! case is timed twice: `wall` (elapsed time) and `cpu` (CPU time of the thread, or of the process
+//! for the 8-thread case), which stays meaningful when other processes compete for the cores.
 
 use std::collections::VecDeque;
 use std::hint::black_box;
@@ -18,6 +20,19 @@ use buffer_core::{GroupBuffer, GroupVersions, Limits};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 
 const ROUND: usize = 64;
+
+/// CPU time consumed so far by the calling thread or by the whole process.
+fn cpu_time(clock: libc::clockid_t) -> Duration {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `now` is a valid, writable timespec that outlives the call; clock_gettime only writes
+    // it. Both clock ids are supported on every Linux.
+    let status = unsafe { libc::clock_gettime(clock, &mut now) };
+    assert_eq!(status, 0, "clock_gettime failed");
+    Duration::new(now.tv_sec as u64, now.tv_nsec as u32)
+}
 const VERSION: i64 = 1_000;
 const THREADS: usize = 8;
 
@@ -66,38 +81,56 @@ fn single_thread(c: &mut Criterion) {
     for in_flight in [0usize, 1_000, 100_000, 1_000_000] {
         let buffer = prefilled(in_flight);
         let mut ids = VecDeque::with_capacity(ROUND);
-        group.bench_function(BenchmarkId::new("1_thread", in_flight), |b| {
+        group.bench_function(BenchmarkId::new("1_thread_wall", in_flight), |b| {
             b.iter(|| round(&buffer, &mut ids))
+        });
+        group.bench_function(BenchmarkId::new("1_thread_cpu", in_flight), |b| {
+            b.iter_custom(|iterations| {
+                let start = cpu_time(libc::CLOCK_THREAD_CPUTIME_ID);
+                for _ in 0..iterations {
+                    round(&buffer, &mut ids);
+                }
+                cpu_time(libc::CLOCK_THREAD_CPUTIME_ID) - start
+            })
         });
     }
     group.finish();
 }
 
+/// Eight threads each run `iterations` rounds on one buffer; returns (wall, process CPU) time.
+fn eight_thread_rounds(buffer: &GroupBuffer, iterations: u64) -> (Duration, Duration) {
+    let barrier = Barrier::new(THREADS + 1);
+    let (start, start_cpu) = std::thread::scope(|scope| {
+        for _ in 0..THREADS {
+            scope.spawn(|| {
+                let mut ids = VecDeque::with_capacity(ROUND);
+                barrier.wait();
+                for _ in 0..iterations {
+                    round(buffer, &mut ids);
+                }
+            });
+        }
+        let start_cpu = cpu_time(libc::CLOCK_PROCESS_CPUTIME_ID);
+        barrier.wait();
+        (Instant::now(), start_cpu)
+        // The scope joins every thread before it returns.
+    });
+    (
+        start.elapsed(),
+        cpu_time(libc::CLOCK_PROCESS_CPUTIME_ID) - start_cpu,
+    )
+}
+
 fn eight_threads(c: &mut Criterion) {
     let mut group = c.benchmark_group("admission_cycle");
-    // Throughput per iteration: each of the 8 threads runs one round.
+    // Per iteration, each of the 8 threads runs one round.
     group.throughput(Throughput::Elements((THREADS * ROUND) as u64));
     let buffer = prefilled(1_000);
-    group.bench_function(BenchmarkId::new("8_threads", 1_000), |b| {
-        b.iter_custom(|iterations| {
-            let barrier = Barrier::new(THREADS + 1);
-            std::thread::scope(|scope| {
-                for _ in 0..THREADS {
-                    scope.spawn(|| {
-                        let mut ids = VecDeque::with_capacity(ROUND);
-                        barrier.wait();
-                        for _ in 0..iterations {
-                            round(&buffer, &mut ids);
-                        }
-                    });
-                }
-                barrier.wait();
-                let start = Instant::now();
-                // The scope joins every thread before it returns.
-                start
-            })
-            .elapsed()
-        })
+    group.bench_function(BenchmarkId::new("8_threads_wall", 1_000), |b| {
+        b.iter_custom(|iterations| eight_thread_rounds(&buffer, iterations).0)
+    });
+    group.bench_function(BenchmarkId::new("8_threads_cpu", 1_000), |b| {
+        b.iter_custom(|iterations| eight_thread_rounds(&buffer, iterations).1)
     });
     group.finish();
 }

@@ -352,7 +352,7 @@ impl<C: Clock> GroupBuffer<C> {
             dropped_this_step + would_drop > self.limits.max_dropped_groups_per_step;
         let available = records.finished.len();
         if over_drop_limit || available < num_groups {
-            // Put the stale groups back: the heap order is total, so the heap is as it was.
+            // Put the stale groups back: keyed by (earliest version, group id), the heap is as it was.
             for group in &dropped {
                 records.finished.push(*group);
             }
