@@ -13,6 +13,10 @@ run: install  ## run the main job
 
 test: install lint typecheck  ## the whole suite, as CI runs it
 	$(CARGO) test --workspace
+# loom models of the buffer's admission: own target dir (--cfg loom rebuilds every crate); optimised,
+# since loom explores thousands of executions, but without LTO, to keep the build short
+	RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom CARGO_PROFILE_RELEASE_LTO=false \
+	  CARGO_PROFILE_RELEASE_CODEGEN_UNITS=16 $(CARGO) test -p buffer_core --release --test loom
 	$(UV) run pytest
 
 lint:  ## ruff, rustfmt and clippy, warnings as errors
