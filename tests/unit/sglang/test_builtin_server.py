@@ -442,14 +442,22 @@ async def test_distributed_update_over_gloo(
         port = sock.getsockname()[1]
     norm = tiny_model.named["model.norm.weight"]
     new_norm = torch.full_like(norm, 0.5)
-    trainer = (
-        "import datetime, torch, torch.distributed as dist\n"
-        f"dist.init_process_group('gloo', init_method='tcp://127.0.0.1:{port}', world_size=2, rank=0,"
-        " timeout=datetime.timedelta(seconds=60))\n"
-        f"dist.broadcast(torch.full(({norm.shape[0]},), 0.5), src=0)\n"
-        "dist.barrier()\n"
-        "dist.destroy_process_group()\n"
-    )
+    # The trainer's side as SGLang's trainers build it: it hosts the TCP store, the group's keys live under
+    # the group name, and the group is a communicator of its own.
+    trainer = f"""
+import datetime, inspect, torch
+from torch._C._distributed_c10d import PrefixStore, TCPStore
+from torch.distributed import distributed_c10d as c10d
+timeout = datetime.timedelta(seconds=60)
+store = TCPStore("127.0.0.1", {port}, 2, is_master=True, timeout=timeout, multi_tenant=True)
+helper = c10d._new_process_group_helper
+name = "backend_options" if "backend_options" in inspect.signature(helper).parameters else "pg_options"
+group, _ = helper(2, 0, [], c10d.Backend("gloo"), PrefixStore("weight_update_group", store),
+                  group_name="weight_update_group", timeout=timeout, **{{name: None}})
+options = c10d.BroadcastOptions()
+options.rootRank = 0
+group.broadcast([torch.full(({norm.shape[0]},), 0.5)], options).wait(timeout)
+"""
     process = subprocess.Popen([sys.executable, "-c", trainer])  # noqa: ASYNC220
     try:
         response = await client.post(
@@ -475,13 +483,6 @@ async def test_distributed_update_over_gloo(
         body = await _json(response)
         assert body["success"] is True, body
         torch.testing.assert_close(tiny_model.named["model.norm.weight"], new_norm)
-
-        def barrier() -> None:
-            import torch.distributed as dist
-
-            dist.barrier()
-
-        await asyncio.to_thread(barrier)
         assert (await _json(await client.post("/destroy_weights_update_group", json={})))["success"] is True
         assert process.wait(WAIT_S) == 0
         response = await client.post("/update_weights_from_distributed", json={"dtypes": [], "shapes": []})

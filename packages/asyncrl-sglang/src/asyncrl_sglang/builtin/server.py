@@ -145,6 +145,7 @@ class BuiltinServer:
         self._gate = asyncio.Condition()
         self._num_gated = 0
         self._group_name: str | None = None
+        self._group: Any = None
         self._group_device = torch.device("cpu")
         self.app = web.Application(middlewares=[self._errors_middleware, self._auth_middleware])
         self._add_routes()
@@ -756,21 +757,14 @@ class BuiltinServer:
         if not 0 < rank_offset < world_size:
             return update_failure(f"rank_offset {rank_offset} must be in [1, world_size={world_size})")
 
-        def join() -> None:
-            import torch.distributed as dist
-
-            dist.init_process_group(
-                backend=backend,
-                init_method=f"tcp://{address}:{port}",
-                world_size=world_size,
-                rank=rank_offset,
-                timeout=datetime.timedelta(seconds=120),
-            )
+        def join() -> Any:
+            return _join_weight_update_group(address, port, world_size, rank_offset, group_name, backend)
 
         try:
-            await asyncio.to_thread(join)
+            group = await asyncio.to_thread(join)
         except Exception as error:
             return update_failure(f"Failed to init the weight update group: {error}")
+        self._group = group
         self._group_name = group_name
         self._group_device = self.engine.model.device if backend == "nccl" else torch.device("cpu")
         return web.json_response(
@@ -800,15 +794,18 @@ class BuiltinServer:
                 raise SchemaError(f"bad tensor spec: name={name!r} dtype={dtype!r} shape={shape!r}")
             specs.append((name, torch_dtype, [int(s) for s in shape]))  # pyright: ignore[reportUnknownVariableType, reportUnknownArgumentType]
         device = self._group_device
+        group = self._group
 
         async def receive() -> list[tuple[str, torch.Tensor]]:
             def run() -> list[tuple[str, torch.Tensor]]:
                 import torch.distributed as dist
 
+                options = dist.BroadcastOptions()
+                options.rootRank = 0
                 received: list[tuple[str, torch.Tensor]] = []
                 for name, dtype, shape in specs:
                     tensor = torch.empty(shape, dtype=dtype, device=device)
-                    dist.broadcast(tensor, src=0)
+                    group.broadcast([tensor], options).wait(_GROUP_TIMEOUT)
                     received.append((name, tensor))
                 return received
 
@@ -823,13 +820,16 @@ class BuiltinServer:
         if self._group_name is None or group_name != self._group_name:
             return update_failure(f"no weight update group named {group_name!r}")
 
+        group = self._group
+
         def leave() -> None:
             import torch.distributed as dist
 
-            dist.destroy_process_group()
+            dist.destroy_process_group(group)
 
-        await asyncio.to_thread(leave)
         self._group_name = None
+        self._group = None
+        await asyncio.to_thread(leave)
         return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
@@ -1083,6 +1083,41 @@ def _check_kind(key: str, value: object, kinds: tuple[type, ...], default: Any) 
         names = " or ".join(k.__name__ for k in kinds)
         raise RequestError(f"{key}: expected {names}, got {value!r}", schema=True)
     return value
+
+
+_GROUP_TIMEOUT = datetime.timedelta(seconds=120)
+
+
+def _join_weight_update_group(
+    address: str, port: int, world_size: int, rank: int, group_name: str, backend: str
+) -> Any:
+    """The engine's end of the weight-update group, as SGLang's engines build it: the trainer (rank 0)
+    hosts a TCP store at `address:port`; the group's keys live under the group name (a `PrefixStore`), and
+    the group is its own communicator, not this process's default group."""
+    import inspect
+
+    from torch._C._distributed_c10d import PrefixStore, TCPStore
+    from torch.distributed import distributed_c10d as c10d
+
+    store = TCPStore(address, port, world_size, is_master=False, timeout=_GROUP_TIMEOUT)
+    prefixed = PrefixStore(group_name, store)
+    helper: Any = c10d._new_process_group_helper  # pyright: ignore[reportPrivateUsage]
+    # The option argument of this (private, but shared by SGLang and the RL trainers) helper was renamed.
+    options_name = (
+        "backend_options" if "backend_options" in inspect.signature(helper).parameters else "pg_options"
+    )
+    group, _ = helper(
+        world_size,
+        rank,
+        [],
+        c10d.Backend(backend),
+        prefixed,
+        group_name=group_name,
+        timeout=_GROUP_TIMEOUT,
+        **{options_name: None},
+    )
+    c10d._world.pg_group_ranks[group] = {r: r for r in range(world_size)}  # pyright: ignore[reportPrivateUsage]
+    return group
 
 
 def _decode_safetensors(payload: str) -> list[tuple[str, torch.Tensor]]:
