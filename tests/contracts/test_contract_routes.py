@@ -417,11 +417,6 @@ async def test_20_distributed_update_without_names_is_400(http: httpx.AsyncClien
     assert missing.json()["object"] == "error"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the built-in engine joins the weight-update group with init_process_group (store keys under "
-    "default_pg/), not as SGLang does (a store namespaced by group_name): an SGLang trainer never meets it",
-)
 async def test_20_distributed_group_lifecycle(
     engine_url: str, tiny_llama_path: Path, client: SGLangClient
 ) -> None:
