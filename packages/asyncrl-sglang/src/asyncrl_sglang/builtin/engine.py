@@ -539,7 +539,9 @@ class _DecodeGraphs:
         self.pool: Any = None
 
     def clear(self) -> None:
+        # The pool goes with its graphs: capturing into a pool whose graphs are gone is an allocator error.
         self.graphs.clear()
+        self.pool = None
 
     def weights_changed(self) -> None:
         # `load_named_tensors` copies into the same storage: graphs stay valid. Moving weights does not.
