@@ -1,13 +1,13 @@
 """The agent loop's overhead per turn against the generation time of the same turn.
 
 Runs searchr1-mini groups through `AgentLoopWorker` against the built-in engine (SmolLM2-135M-Instruct on
-the CPU, shown two demonstrations so that it writes `<search>` calls) and the real retrieval server (BM25,
+the CPU, shown a worked demonstration so that it writes `<search>` calls) and the real retrieval server (BM25,
 loopback HTTP), then reports per model turn: generation (the `/generate` round trip), parsing (decoding
 the turn and parsing its tags), the tool round trip (per search call), and bookkeeping (appending ids, masks,
 logprobs and versions, formatting and tokenising the observation, budget checks). A second run with a
 scripted engine (the model's words fixed, no model) shows the loop's own cost when generation is free.
 
-    uv run python benchmarks/system/agent_loop.py [--groups 2 --group-size 4 --max-new-tokens 48]
+    uv run python benchmarks/system/agent_loop.py [--groups 1 --group-size 4 --max-new-tokens 32]
 
 Prints a table and writes the figures as JSON (`--out`, default `benchmarks/results/agent_loop.json`).
 """
@@ -19,6 +19,7 @@ import asyncio
 import json
 import os
 import platform
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -97,7 +98,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "max_response_len": 512,
         "context_len": 2048,
         "max_turns": args.max_turns,
-        "num_demonstrations": 2,
+        "num_demonstrations": args.demonstrations,
     }
     results: dict[str, Any] = {}
     with SearchR1MiniTask().serve() as task_args:
@@ -105,8 +106,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             task = SearchR1MiniTask(**task_args)
             async with SGLangClient(server.url) as client:
                 worker = AgentLoopWorker(task, client, model, **settings)  # type: ignore[arg-type]
-                await run_groups(worker, 1)  # warm up the engine, the tokenizer and the HTTP connections
+                # Warm up the engine, the tokenizer and the HTTP connections with one short request.
+                await client.generate([1, 2, 3], SamplingParams(max_new_tokens=2))
+                log("engine warm; measuring")
                 groups, wall_s = await run_groups(worker, args.groups)
+                log(f"engine run done in {wall_s:.1f} s")
                 results["builtin_engine"] = per_turn(groups, wall_s)
                 await worker.aclose()
         task = SearchR1MiniTask(**task_args)
@@ -116,6 +120,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         results["fixed_words"] = per_turn(groups, wall_s)
         await worker.aclose()
     return results
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def print_table(results: dict[str, Any]) -> None:
@@ -142,13 +150,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--groups", type=int, default=2, help="groups measured at once")
+    parser.add_argument("--groups", type=int, default=1, help="groups measured at once")
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--max-turns", type=int, default=3)
-    parser.add_argument("--max-new-tokens", type=int, default=48, help="most tokens of one model turn")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="most tokens of one model turn")
+    parser.add_argument(
+        "--demonstrations", type=int, default=1, help="worked examples shown before the question"
+    )
     parser.add_argument("--threads", type=int, default=1, help="CPU threads of the built-in engine")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/agent_loop.json"))
     args = parser.parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so the engine and the retrieval server are stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     results = asyncio.run(main_async(args))
     print_table(results)
     report = {
