@@ -188,6 +188,26 @@ def bare_megatron_step(
     return step
 
 
+def engine_round_trip(actor: Any, model_dir: Path) -> float | None:
+    """Load the actor's exported weights into the built-in engine and compare logits on a few tokens."""
+    try:
+        from asyncrl_sglang.builtin.model import EngineModel
+    except ImportError:
+        print("built-in engine not importable: round trip skipped")
+        return None
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    engine = EngineModel.from_pretrained(model_dir, device, actor.dtype)
+    for bucket in actor.export_weights(64 << 20):
+        engine.load_named_tensors(bucket)
+    tokens = torch.randint(3, VOCAB_SIZE, (64,), generator=torch.Generator().manual_seed(1))
+    ours, theirs = actor.forward_logits(tokens), engine.forward_logits(tokens)
+    difference = float((ours - theirs).abs().max())
+    agree = float((ours.argmax(-1) == theirs.argmax(-1)).float().mean())
+    print(f"engine round trip ({actor.dtype}): max |logits difference| {difference:.4g}, ", end="")
+    print(f"argmax agreement {agree:.3f}")
+    return difference
+
+
 def main() -> int:
     on_gpu = torch.cuda.is_available()
     parser = argparse.ArgumentParser(
@@ -200,6 +220,11 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=5 if on_gpu else 3)
     parser.add_argument("--warmup", type=int, default=2 if on_gpu else 1)
     parser.add_argument("--skip-torch", action="store_true", help="do not measure the torch actor")
+    parser.add_argument(
+        "--no-distributed-optimizer",
+        action="store_true",
+        help="Megatron's plain optimizer instead of the sharded one",
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
 
@@ -222,7 +247,11 @@ def main() -> int:
         model_dir = write_random_llama(Path(scratch) / "model", shape)
         groups = make_groups(args.rows, args.seq_len, args.group_size)
         settings = MegatronActorSettings(
-            model_path=str(model_dir), dtype=dtype_name, micro_batch_size=args.micro_batch_size, lr=1e-6
+            model_path=str(model_dir),
+            dtype=dtype_name,
+            micro_batch_size=args.micro_batch_size,
+            lr=1e-6,
+            use_distributed_optimizer=not args.no_distributed_optimizer,
         )
         actor = MegatronActor(settings, LossSettings())
         bare = bare_megatron_step(model_dir, dtype, args.rows, args.seq_len, args.micro_batch_size)
@@ -240,6 +269,7 @@ def main() -> int:
         print(f"megatron actor: losses {[round(value, 5) for value in losses]}, version {actor.version}")
         exported = sum(t.numel() for bucket in actor.export_weights(256 << 20) for _, t in bucket)
         print(f"megatron actor: exported {exported / 1e6:.1f}M parameters under HuggingFace names")
+        results["engine_logits_max_abs_diff"] = engine_round_trip(actor, model_dir)
         if not args.skip_torch:
             from types import SimpleNamespace
 

@@ -2,7 +2,7 @@
 
 `Architecture` reads the fields that matter from the HuggingFace config; `build_gpt_model` turns it into a
 `TransformerConfig` and a `GPTModel` with the local layer spec (TransformerEngine's spec when TE is
-importable and a GPU is present). The model's weights are not initialised meaningfully: load them with
+importable and a GPU is present). The model starts with Megatron's random initialisation: load weights with
 `asyncrl_megatron.mapping.load_hf_weights`.
 """
 
@@ -191,9 +191,11 @@ def transformer_config(
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         use_cpu_initialization=not on_gpu,
-        perform_initialization=False,
-        # The softmax kernel is used only where Megatron finds it; the rest need TE or Apex.
-        masked_softmax_fusion=on_gpu,
+        # Megatron marks tensor-parallel weights (`tensor_model_parallel`, `partition_dim`) only while it
+        # initialises them, and gradient-norm clipping needs the marks: initialise, then load over it.
+        perform_initialization=True,
+        # Every fused kernel needs TransformerEngine, Apex or Megatron's compiled extensions.
+        masked_softmax_fusion=False,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
@@ -247,4 +249,6 @@ def build_gpt_model(
         )
     if torch.cuda.is_available():
         model = model.cuda(torch.cuda.current_device())
-    return model
+    # The local spec's norms are created in float32 whatever `params_dtype` says; like Megatron's
+    # Float16Module, cast the whole model so norms run fused in the compute dtype.
+    return model.to(dtype)
