@@ -222,6 +222,8 @@ def test_batch_admission_and_completion() -> None:
         buffer.complete_many([*groups[:2], make_group(99, 0, [0], 2)])
     with pytest.raises(VersionError):
         buffer.complete_many([groups[0], make_group(group_ids[2], 9, [3], 2)])
+    with pytest.raises(InvalidGroupError):
+        buffer.complete_many([groups[0], groups[0]])
     assert observed(buffer) == before, "all or nothing"
     buffer.complete_many(groups)
     assert buffer.take_batch(3, actor_version=2).groups == groups

@@ -293,7 +293,8 @@ class GroupBuffer:
                 [(group.group_id, *group.version_range(), group.finish_version) for group in groups]
             )
         except BaseException:
-            for group_id in added:
+            # A group listed twice was added once.
+            for group_id in set(added):
                 del self._groups[group_id]
             raise
 
