@@ -29,6 +29,15 @@ enum Op {
     Abandon {
         pick: usize,
     },
+    AdmitMany {
+        prompt_indices: Vec<u64>,
+    },
+    /// Complete the first `count` groups in flight, `age` versions old; `duplicate` lists one twice.
+    CompleteMany {
+        count: usize,
+        age: i64,
+        duplicate: bool,
+    },
     Take {
         num_groups: usize,
         behind: i64,
@@ -44,6 +53,9 @@ fn op() -> impl Strategy<Value = Op> {
         4 => (0usize..16, 0i64..4, 0i64..3).prop_map(|(pick, age, span)| Op::Complete { pick, age, span }),
         1 => (0usize..16, 0u8..4).prop_map(|(pick, kind)| Op::CompleteInvalid { pick, kind }),
         1 => (0usize..16).prop_map(|pick| Op::Abandon { pick }),
+        2 => prop::collection::vec(0u64..1000, 0..6).prop_map(|prompt_indices| Op::AdmitMany { prompt_indices }),
+        2 => (1usize..4, 0i64..3, prop::bool::weighted(0.2))
+            .prop_map(|(count, age, duplicate)| Op::CompleteMany { count, age, duplicate }),
         2 => (0usize..5, prop_oneof![4 => Just(0i64), 1 => Just(1i64)])
             .prop_map(|(num_groups, behind)| Op::Take { num_groups, behind }),
         2 => Just(Op::BumpVersion),
@@ -227,6 +239,33 @@ proptest! {
                     };
                     let prompt_index = model.inflight.remove(&group_id);
                     prop_assert_eq!(buffer.abandon(group_id).ok(), prompt_index);
+                }
+                Op::AdmitMany { prompt_indices } => {
+                    let expected: Vec<u64> = prompt_indices
+                        .iter()
+                        .map_while(|&prompt_index| model.admit(&limits, prompt_index))
+                        .collect();
+                    prop_assert_eq!(buffer.try_admit_many(&prompt_indices), expected);
+                }
+                Op::CompleteMany { count, age, duplicate } => {
+                    let earliest_version = (version - age).max(0);
+                    let versions = GroupVersions { earliest_version, latest_version: version, finish_version: version };
+                    let mut groups: Vec<(u64, GroupVersions)> =
+                        model.inflight.keys().take(count).map(|&id| (id, versions)).collect();
+                    if groups.is_empty() {
+                        continue;
+                    }
+                    if duplicate {
+                        groups.push(groups[0]);
+                        let before = buffer.state();
+                        prop_assert!(buffer.complete_many(&groups).is_err());
+                        prop_assert_eq!(buffer.state(), before);
+                    } else {
+                        // The model has no batch call: a valid batch is the same as one call per group.
+                        let expected: Result<Vec<()>, ()> =
+                            groups.iter().map(|&(id, v)| model.complete(id, v)).collect();
+                        prop_assert_eq!(buffer.complete_many(&groups).is_ok(), expected.is_ok());
+                    }
                 }
                 Op::Take { num_groups, behind } => {
                     let actor_version = version - behind;
