@@ -11,7 +11,7 @@ from agents_testing import ScriptedEngine, check_alignment, mini_reader, smollm2
 
 from asyncrl_agents.loop import AgentLoopWorker
 from asyncrl_agents.tasks.searchr1 import INVALID_TURN_OBSERVATION, SearchR1MiniTask
-from asyncrl_core.errors import GenerationError, PromptTooLongError
+from asyncrl_core.errors import EngineUnavailableError, GenerationError, PromptTooLongError
 from asyncrl_core.types import NO_VERSION, Generation, SamplingParams, TaskSample
 
 pytestmark = pytest.mark.integration
@@ -242,6 +242,27 @@ async def test_engine_refusal_ends_the_trajectory_not_the_group(task: SearchR1Mi
     assert [t.finish_reason for t in group.trajectories] == ["error", "error"]
     assert all(t.response_len == 0 for t in group.trajectories)
     assert group.finish_version == NO_VERSION
+
+
+class UnreachableEngine:
+    async def generate(
+        self, input_ids: Sequence[int], sampling: SamplingParams, *, rid: str | None = None
+    ) -> Generation:
+        raise EngineUnavailableError("engine at http://127.0.0.1:1 is not reachable")
+
+
+async def test_unreachable_engine_raises_its_own_error(task: SearchR1MiniTask) -> None:
+    loop = AgentLoopWorker(
+        task,
+        UnreachableEngine(),
+        smollm2_tokenizer(),
+        group_size=3,
+        sampling=SamplingParams(max_new_tokens=8),
+        max_prompt_len=512,
+        max_response_len=64,
+    )
+    with pytest.raises(EngineUnavailableError, match="not reachable"):
+        await loop.run_group(0)
 
 
 async def test_prompt_too_long_is_refused(task: SearchR1MiniTask) -> None:

@@ -205,10 +205,10 @@ class AgentLoopWorker:
         eos = self.tokenizer.eos_token_id
         if isinstance(eos, int):
             ids.add(eos)
+        vocabulary: dict[str, int] = self.tokenizer.get_vocab()
         for token in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
-            token_id = self.tokenizer.convert_tokens_to_ids(token)
-            if isinstance(token_id, int) and token_id != self.tokenizer.unk_token_id:
-                ids.add(token_id)
+            if token in vocabulary:
+                ids.add(vocabulary[token])
         return frozenset(ids)
 
     def dataset(self, split: str = "train") -> Sequence[TaskSample]:
@@ -264,11 +264,18 @@ class AgentLoopWorker:
             group_id = self._next_group_id
             self._next_group_id += 1
         prompt = self.prompt_ids(sample)
-        async with self._slots, asyncio.TaskGroup() as tasks:
-            running = [
-                tasks.create_task(self._run_trajectory(sample, prompt, f"{self._rid_prefix}-{group_id}-{i}"))
-                for i in range(self.group_size)
-            ]
+        try:
+            async with self._slots, asyncio.TaskGroup() as tasks:
+                running = [
+                    tasks.create_task(
+                        self._run_trajectory(sample, prompt, f"{self._rid_prefix}-{group_id}-{i}")
+                    )
+                    for i in range(self.group_size)
+                ]
+        except BaseExceptionGroup as failures:
+            # The first failure cancelled the group's other trajectories; callers see that error itself
+            # (an `EngineUnavailableError`, say), not an exception group.
+            raise failures.exceptions[0] from None
         trajectories = [trajectory.result() for trajectory in running]
         finish_version = max((t.metrics["latest_version"] for t in trajectories), default=NO_VERSION)
         return Group(group_id, prompt_index, trajectories, int(finish_version))
