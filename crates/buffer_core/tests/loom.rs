@@ -57,7 +57,10 @@ fn packed_admission_model(num_threads: usize) {
                 let Ok(counts) = admission.try_acquire() else {
                     return 0;
                 };
+                // Both the counts the CAS installed and the word as it is now, whatever the other
+                // thread did meanwhile, respect the limits.
                 assert!(within(counts, 1, 2), "{counts:?}");
+                assert!(within(admission.counts(), 1, 2));
                 let abandons = thread_index + 1 == num_threads;
                 let counts = if abandons {
                     admission.release_inflight()
@@ -65,6 +68,7 @@ fn packed_admission_model(num_threads: usize) {
                     admission.finish_one()
                 };
                 assert!(within(counts, 1, 2), "{counts:?}");
+                assert!(within(admission.counts(), 1, 2));
                 u32::from(!abandons)
             })
         })
