@@ -25,7 +25,8 @@ fn packed_counters_never_exceed_either_limit_under_contention() {
     const MAX_INFLIGHT: u32 = 3;
     const MAX_BUFFERED: u32 = 5;
     let admission = Admission::new(MAX_INFLIGHT, MAX_BUFFERED, Counts::default());
-    // Every value a successful CAS or a finish installs is recorded: only those can raise a count.
+    // Every value a successful CAS or a finish installs is recorded (only those can raise a count),
+    // plus a sample of the word after each admission.
     let high_water = (AtomicU32::new(0), AtomicU32::new(0));
     let buffered_now = Mutex::new(0u32);
     let admitted = AtomicU32::new(0);
@@ -40,7 +41,9 @@ fn packed_counters_never_exceed_either_limit_under_contention() {
                 for iteration in 0..20_000usize {
                     match admission.try_acquire() {
                         Ok(counts) => {
+                            // The counts the CAS installed, and a sample of the word itself.
                             record(high_water, counts);
+                            record(high_water, admission.counts());
                             admitted.fetch_add(1, Ordering::Relaxed);
                             holding.push(iteration);
                         }
