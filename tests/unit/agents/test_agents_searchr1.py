@@ -6,6 +6,7 @@ import asyncio
 import json
 from pathlib import Path
 
+import httpx
 import pytest
 
 from asyncrl_agents.tasks import mini_world
@@ -13,6 +14,7 @@ from asyncrl_agents.tasks.searchr1 import (
     PROMPT,
     SearchR1MiniTask,
     SearchR1Task,
+    SearchTool,
     exact_match,
     format_passages,
     normalize_answer,
@@ -180,3 +182,39 @@ def test_load_task_builds_registered_tasks_and_names_problems() -> None:
         load_task("nope")
     with pytest.raises(PluginError, match=r"not a Task \(missing: .*max_turns"):
         load_task("collections:OrderedDict")
+
+
+class CountingTransport(httpx.AsyncHTTPTransport):
+    """The real network transport, counting the requests it sends."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_requests = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.num_requests += 1
+        return await super().handle_async_request(request)
+
+
+@pytest.mark.integration
+async def test_concurrent_searches_share_one_request_and_get_their_own_passages() -> None:
+    task = SearchR1MiniTask()
+    people = [passage["contents"].split("\n")[0].strip('"') for passage in task.world.passages[60:72:2]]
+    with task.serve() as args:
+        transport = CountingTransport()
+        search = SearchTool(args["retriever_url"], topk=2, transport=transport, max_batch=4)
+        try:
+            texts = await asyncio.gather(*(search(person) for person in people))
+            assert transport.num_requests == 2  # six queries, batches of at most four
+            for person, text in zip(people, texts, strict=True):
+                assert text.startswith(f'Doc 1(Title: "{person}")')
+            assert (await search(people[0])).startswith(f'Doc 1(Title: "{people[0]}")')
+            assert transport.num_requests == 3
+        finally:
+            await search.aclose()
+    failing = SearchTool("http://127.0.0.1:9", timeout_s=2.0)
+    try:
+        results = await asyncio.gather(failing("a"), failing("b"), return_exceptions=True)
+        assert all(isinstance(result, httpx.ConnectError) for result in results)
+    finally:
+        await failing.aclose()

@@ -97,41 +97,99 @@ def format_passages(result: Sequence[object]) -> str:
 
 
 class SearchTool:
-    """The `search` tool: one query to a `/retrieve` server (asyncrl's or Search-R1's), top-k passages back.
+    """The `search` tool: queries to a `/retrieve` server (asyncrl's or Search-R1's), top-k passages back.
 
-    One HTTP connection pool per event loop, opened on first use.
+    Queries that arrive in the same event-loop iteration (trajectories whose turns ended together) go out
+    as one request, at most `max_batch` queries each, as Search-R1 batches a turn's queries; a lone query
+    waits for nothing. One HTTP connection pool per event loop, opened on first use. `transport` replaces
+    httpx's network transport (to count requests, say).
     """
 
     name = "search"
 
-    def __init__(self, url: str, *, topk: int = 3, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        topk: int = 3,
+        timeout_s: float = 30.0,
+        max_batch: int = 64,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
         if topk < 1:
             raise ValueError(f"topk must be at least 1, got {topk}")
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         self.url = url.rstrip("/")
         if not self.url.endswith("/retrieve"):
             self.url += "/retrieve"
         self.topk = topk
         self.timeout_s = timeout_s
+        self.max_batch = max_batch
+        self._transport = transport
         self._client: httpx.AsyncClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._pending: list[tuple[str, asyncio.Future[str]]] = []
+        self._flush_scheduled = False
+        self._requests: set[asyncio.Task[None]] = set()
 
     def _session(self) -> httpx.AsyncClient:
         loop = asyncio.get_running_loop()
         if self._client is None or self._loop is not loop:
-            self._client = httpx.AsyncClient(timeout=self.timeout_s, trust_env=False)
+            self._client = httpx.AsyncClient(
+                timeout=self.timeout_s, trust_env=False, transport=self._transport
+            )
             self._loop = loop
         return self._client
 
     async def __call__(self, arguments: str) -> str:
-        payload = {"queries": [arguments], "topk": self.topk, "return_scores": True}
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[str] = loop.create_future()
+        self._pending.append((arguments, future))
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            loop.call_soon(self._flush)
+        return await future
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        pending, self._pending = self._pending, []
+        for start in range(0, len(pending), self.max_batch):
+            request = asyncio.ensure_future(self._send(pending[start : start + self.max_batch]))
+            self._requests.add(request)
+            request.add_done_callback(self._requests.discard)
+
+    async def _send(self, batch: list[tuple[str, asyncio.Future[str]]]) -> None:
+        """One `/retrieve` request for `batch`; each caller gets its passages or the error."""
+        try:
+            results = await self._retrieve([query for query, _ in batch])
+        except Exception as error:  # every caller of the batch gets the failure as its own
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(error)
+            return
+        for (_, future), result in zip(batch, results, strict=True):
+            if future.done():  # the caller timed out or was cancelled
+                continue
+            try:
+                future.set_result(format_passages(result))
+            except AsyncRLError as error:
+                future.set_exception(error)
+
+    async def _retrieve(self, queries: list[str]) -> list[list[object]]:
+        payload = {"queries": queries, "topk": self.topk, "return_scores": True}
         response = await self._session().post(self.url, json=payload)
         if response.status_code != 200:
             raise AsyncRLError(f"retrieval server answered {response.status_code}: {response.text[:200]}")
         body = _json_object(response.json())
         results = body.get("result") if body is not None else None
-        if not isinstance(results, list) or len(results) != 1 or not isinstance(results[0], list):
+        if (
+            not isinstance(results, list)
+            or len(cast("list[object]", results)) != len(queries)
+            or not all(isinstance(result, list) for result in cast("list[object]", results))
+        ):
             raise AsyncRLError(f"retrieval server answered an unexpected body: {response.text[:200]}")
-        return format_passages(cast("list[object]", results[0]))
+        return cast("list[list[object]]", results)
 
     async def aclose(self) -> None:
         client, self._client, self._loop = self._client, None, None
