@@ -1,20 +1,23 @@
-"""The admission path from Python: the Rust core against the pure-Python baseline, side by side.
+"""The admission path: the Rust core against the pure-Python baseline, side by side in one process.
 
     uv run python benchmarks/micro/admission.py [--quick] [--json PATH]
 
 One round puts `ROUND` groups through a buffer: admit each (`try_admit`), complete each with its
 versions (a quarter of them three versions old), then one `take_batch(3 * ROUND / 4)` at the current
 actor version with `max_actor_accept_staleness = 2`, which drops the stale quarter and hands out the
-rest. A cycle is one group through the buffer, so its cost is the round's wall time divided by
-`ROUND`. Two ways of calling: `per_group` makes one `try_admit` and one `complete` call per group;
-`batched` makes one `try_admit_many` and one `complete_many` call per round. Both take one
-`take_batch` per round.
+rest. A cycle is one group through the buffer, so its cost is the round's time divided by `ROUND`.
 
-Both implementations are driven by the same Python loop, so the Rust figures include the pyo3 call
-overhead (two calls per group per_group, three calls per round batched) and the loop's own cost. The
-Rust-only cycle, without Python, is measured by criterion on the same workload:
-`cargo bench -p buffer_core --bench admission`. Each figure is the best of `repeats` timed runs, in
-process CPU time (robust to other processes sharing the cores) and in wall time.
+Three ways of driving the rounds (`calls`):
+- `in_rust`: the Rust core alone. `_buffer_core.run_admission_workload` runs the rounds in Rust
+  (`buffer_core::workload`, the same code the criterion bench times) without the GIL, on the same
+  prefilled buffer; Python only times the one call. This is what the core costs.
+- `per_group`: a Python loop makes one `try_admit` and one `complete` call per group and one
+  `take_batch` per round, the same operations in the same order. Through the Rust core this is what a
+  Python caller pays (the loop and two pyo3 calls per group); through the baseline it is the baseline.
+- `batched`: one `try_admit_many`, one `complete_many` and one `take_batch` call per round.
+
+Each figure is the best of `repeats` timed runs, in process CPU time (all threads of the process, so
+it is robust to other processes sharing the cores and counts the 8 threads' work) and in wall time.
 The buffer starts with `in_flight` groups generating and as many finished in its heap.
 """
 
@@ -36,11 +39,15 @@ from asyncrl_core import _buffer_core
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from py_buffer import PyGroupBuffer
 
-ROUND = 64
-VERSION = 1_000
+ROUND = _buffer_core.WORKLOAD_ROUND
+VERSION = _buffer_core.WORKLOAD_VERSION
 THREADS = 8
 IN_FLIGHT = (0, 1_000, 100_000, 1_000_000)
-CALLS = ("per_group", "batched")
+CALLS = ("in_rust", "per_group", "batched")
+"""`in_rust` exists for the Rust core only."""
+IN_RUST_ROUNDS_FACTOR = 10
+"""`in_rust` runs this many times the rounds of the Python-driven loops, so that its much shorter
+timed runs still last tens of milliseconds."""
 
 Implementation = Callable[..., Any]
 IMPLEMENTATIONS: dict[str, Implementation] = {
@@ -67,6 +74,15 @@ def prefilled(implementation: Implementation, in_flight: int) -> Any:
     for group_id in finished:
         complete(group_id, VERSION, VERSION, VERSION)
     return buffer
+
+
+def run_rounds_in_rust(buffer: Any, rounds_per_thread: int, num_threads: int = 1) -> None:
+    """The rounds run by the Rust core on `num_threads` Rust threads (the GIL released)."""
+    counts = _buffer_core.run_admission_workload(buffer, rounds_per_thread, num_threads)
+    if counts.num_rounds != rounds_per_thread * num_threads:
+        raise RuntimeError(
+            f"the workload ran {counts.num_rounds} rounds, not {rounds_per_thread * num_threads}"
+        )
 
 
 def run_rounds_batched(buffer: Any, num_rounds: int) -> None:
@@ -110,16 +126,28 @@ class Cost:
     processes compete for the cores."""
 
 
+RUNS: dict[str, Callable[[Any, int], None]] = {
+    "in_rust": run_rounds_in_rust,
+    "per_group": run_rounds,
+    "batched": run_rounds_batched,
+}
+
+
 def cycle_cost(
-    buffer: Any, num_rounds: int, repeats: int, num_threads: int = 1, batched: bool = False
+    buffer: Any, num_rounds: int, repeats: int, num_threads: int = 1, calls: str = "per_group"
 ) -> Cost:
     """Best wall and CPU time per cycle of `num_rounds` rounds split over `num_threads` threads."""
-    run = run_rounds_batched if batched else run_rounds
+    run = RUNS[calls]
     best_wall, best_cpu = math.inf, math.inf
     rounds_per_thread = max(1, num_rounds // num_threads)
     num_cycles = rounds_per_thread * num_threads * ROUND
     for _ in range(repeats):
-        if num_threads == 1:
+        if calls == "in_rust":
+            # The Rust threads run inside the one call; process CPU time counts all of them.
+            start_cpu, start = time.process_time_ns(), time.perf_counter_ns()
+            run_rounds_in_rust(buffer, rounds_per_thread, num_threads)
+            elapsed, elapsed_cpu = time.perf_counter_ns() - start, time.process_time_ns() - start_cpu
+        elif num_threads == 1:
             start_cpu, start = time.process_time_ns(), time.perf_counter_ns()
             run(buffer, rounds_per_thread)
             elapsed, elapsed_cpu = time.perf_counter_ns() - start, time.process_time_ns() - start_cpu
@@ -156,27 +184,40 @@ def cycle_cost(
 class Row:
     implementation: str
     calls: str
-    """`per_group` (try_admit, complete per group) or `batched` (try_admit_many, complete_many)."""
+    """`in_rust` (rounds run by the Rust core), `per_group` (a Python loop calling try_admit and
+    complete per group) or `batched` (try_admit_many, complete_many per round)."""
     threads: int
     in_flight: int
     cycle_wall_ns: float
     cycle_cpu_ns: float
 
 
+def implementation_calls(name: str) -> tuple[str, ...]:
+    return CALLS if name == "rust" else tuple(calls for calls in CALLS if calls != "in_rust")
+
+
 def measure(num_rounds: int, repeats: int, sizes: tuple[int, ...]) -> list[Row]:
     rows: list[Row] = []
+
+    def add(name: str, buffer: Any, threads: int, in_flight: int) -> None:
+        for calls in implementation_calls(name):
+            rounds = num_rounds * IN_RUST_ROUNDS_FACTOR if calls == "in_rust" else num_rounds
+            cost = cycle_cost(buffer, rounds, repeats, threads, calls)
+            rows.append(Row(name, calls, threads, in_flight, cost.wall_ns, cost.cpu_ns))
+
     for name, implementation in IMPLEMENTATIONS.items():
         for in_flight in sizes:
             buffer = prefilled(implementation, in_flight)
-            for calls in CALLS:
-                cost = cycle_cost(buffer, num_rounds, repeats, batched=calls == "batched")
-                rows.append(Row(name, calls, 1, in_flight, cost.wall_ns, cost.cpu_ns))
+            add(name, buffer, 1, in_flight)
             del buffer
-        buffer = prefilled(implementation, 1_000)
-        for calls in CALLS:
-            cost = cycle_cost(buffer, num_rounds, repeats, THREADS, batched=calls == "batched")
-            rows.append(Row(name, calls, THREADS, 1_000, cost.wall_ns, cost.cpu_ns))
+        add(name, prefilled(implementation, 1_000), THREADS, 1_000)
     return rows
+
+
+def baseline_calls(calls: str) -> str:
+    """The Python baseline's figure to compare with: the same calls, or per group for `in_rust`
+    (the same operations, one at a time)."""
+    return "per_group" if calls == "in_rust" else calls
 
 
 def report(rows: list[Row]) -> dict[str, float]:
@@ -184,7 +225,9 @@ def report(rows: list[Row]) -> dict[str, float]:
     cost = {(row.implementation, row.calls, row.threads, row.in_flight): row for row in rows}
     sizes = sorted({row.in_flight for row in rows if row.threads == 1})
     print(f"admission cycle: ns per group through the buffer (round of {ROUND}, best of the runs)")
-    print("  cpu = process CPU time per cycle, wall = elapsed time per cycle")
+    print("  cpu = process CPU time per cycle (all threads), wall = elapsed time per cycle")
+    print("  in_rust: rounds run inside the Rust core; per_group, batched: driven from a Python loop")
+    print("  py: the Python baseline driven per_group (for in_rust: the same operations) or batched")
     header = f"{'calls':>10} {'in flight':>10} {'threads':>7}"
     columns = f"{'rust cpu':>9} {'py cpu':>9} {'py/rust':>8} {'rust wall':>10} {'py wall':>9} {'py/rust':>8}"
     print(f"{header} {columns}")
@@ -192,7 +235,7 @@ def report(rows: list[Row]) -> dict[str, float]:
         for threads, in_flights in [(1, sizes), (THREADS, [1_000])]:
             for in_flight in in_flights:
                 rust = cost[("rust", calls, threads, in_flight)]
-                python = cost[("python", calls, threads, in_flight)]
+                python = cost[("python", baseline_calls(calls), threads, in_flight)]
                 print(
                     f"{calls:>10} {in_flight:>10} {threads:>7} "
                     f"{rust.cycle_cpu_ns:>9.0f} {python.cycle_cpu_ns:>9.0f} "
@@ -202,30 +245,46 @@ def report(rows: list[Row]) -> dict[str, float]:
                 )
     summary: dict[str, float] = {}
     base = 1_000 if 1_000 in sizes else sizes[0]
+    print(f"\nat {base} in flight, CPU ns per cycle:")
+    for threads in (1, THREADS):
+        in_rust = cost[("rust", "in_rust", threads, base)].cycle_cpu_ns
+        from_python = cost[("rust", "per_group", threads, base)].cycle_cpu_ns
+        baseline = cost[("python", "per_group", threads, base)].cycle_cpu_ns
+        baseline_batched = cost[("python", "batched", threads, base)].cycle_cpu_ns
+        summary[f"rust_in_rust_cycle_cpu_ns_{threads}_threads"] = in_rust
+        summary[f"rust_per_group_cycle_cpu_ns_{threads}_threads"] = from_python
+        summary[f"python_per_group_cycle_cpu_ns_{threads}_threads"] = baseline
+        for calls in CALLS:
+            rust = cost[("rust", calls, threads, base)].cycle_cpu_ns
+            python = cost[("python", baseline_calls(calls), threads, base)].cycle_cpu_ns
+            summary[f"ratio_cpu_python_over_rust_{calls}_{threads}_threads"] = python / rust
+        print(
+            f"  {threads} thread(s): (1) rust core, in Rust {in_rust:.0f}; "
+            f"(2) rust core from Python, per group {from_python:.0f}; "
+            f"(3) python baseline, per group {baseline:.0f} (batched {baseline_batched:.0f})\n"
+            f"    (3)/(1) = {baseline / in_rust:.1f}x, (3)/(2) = {baseline / from_python:.1f}x cheaper; "
+            f"batched baseline / (1) = {baseline_batched / in_rust:.1f}x"
+        )
     largest = sizes[-1]
-    for calls in CALLS:
-        for threads in (1, THREADS):
-            rust, python = cost[("rust", calls, threads, base)], cost[("python", calls, threads, base)]
-            summary[f"ratio_cpu_python_over_rust_{calls}_{threads}_threads"] = (
-                python.cycle_cpu_ns / rust.cycle_cpu_ns
-            )
-        summary[f"rust_cycle_cpu_ns_{calls}_1_thread"] = cost[("rust", calls, 1, base)].cycle_cpu_ns
-        if largest > base:
-            growth = (
-                cost[("rust", calls, 1, largest)].cycle_cpu_ns / cost[("rust", calls, 1, base)].cycle_cpu_ns
-            )
-            summary[f"rust_cpu_growth_{largest}_over_{base}_{calls}"] = growth
-            print(f"rust, {calls}: CPU cost per cycle at {largest} in flight / at {base}: {growth:.2f}x")
     if largest > base:
         # The heap holds about `in_flight` groups, so a heap operation grows with log2(in_flight).
         summary["heap_log_growth"] = math.log2(largest) / math.log2(base)
-        print(f"  (log2 of the heap size grows {summary['heap_log_growth']:.2f}x)")
-    for calls in CALLS:
         print(
-            f"python baseline / rust core, CPU per cycle, {calls}: "
-            f"{summary[f'ratio_cpu_python_over_rust_{calls}_1_threads']:.1f}x single-threaded, "
-            f"{summary[f'ratio_cpu_python_over_rust_{calls}_{THREADS}_threads']:.1f}x with {THREADS} threads"
+            f"\ngrowth with groups in flight, 1 thread, CPU ns per cycle (ratio to {base}; "
+            f"log2 of the heap size grows {summary['heap_log_growth']:.2f}x from {base} to {largest}):"
         )
+        for calls in CALLS:
+            at_base = cost[("rust", calls, 1, base)].cycle_cpu_ns
+            figures = ", ".join(
+                f"{size}: {cost[('rust', calls, 1, size)].cycle_cpu_ns:.0f} "
+                f"({cost[('rust', calls, 1, size)].cycle_cpu_ns / at_base:.2f}x)"
+                for size in sizes
+                if size >= base
+            )
+            print(f"  rust {calls:>9}: {figures}")
+            summary[f"rust_cpu_growth_{largest}_over_{base}_{calls}"] = (
+                cost[("rust", calls, 1, largest)].cycle_cpu_ns / at_base
+            )
     return summary
 
 

@@ -3,23 +3,22 @@
 //! One round puts `ROUND` groups through the buffer: admit each, complete each with versions (a
 //! quarter of them three versions old), then one `take_batch(3 * ROUND / 4)` at the current actor
 //! version with `max_actor_accept_staleness = 2`, which drops the stale quarter and hands out the
-//! rest. A cycle is one group through the buffer: the round's cost divided by `ROUND`. The same
-//! workload runs from Python in `benchmarks/micro/admission.py`.
+//! rest. A cycle is one group through the buffer: the round's cost divided by `ROUND`. The round is
+//! `buffer_core::workload::run_round`, which `benchmarks/micro/admission.py` also runs (through
+//! `_buffer_core.run_admission_workload`) beside its call-by-call Python loop.
 //!
 //! Measured with `in_flight` groups already generating and as many finished groups in the heap, for
 //! `in_flight` in 0, 1e3, 1e5 and 1e6, single-threaded and from 8 threads sharing one buffer. Each
 //! case is timed twice: `wall` (elapsed time) and `cpu` (CPU time of the thread, or of the process
 //! for the 8-thread case), which stays meaningful when other processes compete for the cores.
 
-use std::collections::VecDeque;
 use std::hint::black_box;
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
-use buffer_core::{GroupBuffer, GroupVersions, Limits};
+use buffer_core::workload::{prefilled, run_round, ROUND};
+use buffer_core::GroupBuffer;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-
-const ROUND: usize = 64;
 
 /// CPU time consumed so far by the calling thread or by the whole process.
 fn cpu_time(clock: libc::clockid_t) -> Duration {
@@ -33,54 +32,19 @@ fn cpu_time(clock: libc::clockid_t) -> Duration {
     assert_eq!(status, 0, "clock_gettime failed");
     Duration::new(now.tv_sec as u64, now.tv_nsec as u32)
 }
-const VERSION: i64 = 1_000;
 const THREADS: usize = 8;
 
-/// A buffer holding `in_flight` generating groups and `in_flight` finished ones.
-fn prefilled(in_flight: usize) -> GroupBuffer {
-    // All 2 * in_flight are admitted before half of them finish.
-    let capacity = (2 * in_flight + THREADS * ROUND) as i64;
-    let limits = Limits::new(capacity, 2 * capacity, i64::MAX, Some(2)).unwrap();
-    let buffer = GroupBuffer::new(limits);
-    let finished: Vec<u64> = (0..in_flight)
-        .map(|prompt| buffer.try_admit(prompt as u64).unwrap())
-        .collect();
-    for _ in 0..in_flight {
-        buffer.try_admit(0).unwrap();
-    }
-    let newest = GroupVersions {
-        earliest_version: VERSION,
-        latest_version: VERSION,
-        finish_version: VERSION,
-    };
-    for group_id in finished {
-        buffer.complete(group_id, newest).unwrap();
-    }
-    buffer
-}
-
-fn round(buffer: &GroupBuffer, ids: &mut VecDeque<u64>) {
-    for prompt in 0..ROUND as u64 {
-        ids.push_back(buffer.try_admit(prompt).unwrap());
-    }
-    for offset in 0..ROUND as i64 {
-        let group_id = ids.pop_front().unwrap();
-        let versions = GroupVersions {
-            earliest_version: VERSION - offset % 4,
-            latest_version: VERSION,
-            finish_version: VERSION,
-        };
-        buffer.complete(group_id, versions).unwrap();
-    }
-    black_box(buffer.take_batch(3 * ROUND / 4, VERSION).unwrap());
+/// One round of the shared workload; a refusal or error is a bug in the benchmark's setup.
+fn round(buffer: &GroupBuffer, group_ids: &mut Vec<u64>) {
+    black_box(run_round(buffer, group_ids).expect("the prefilled buffer has room for a round"));
 }
 
 fn single_thread(c: &mut Criterion) {
     let mut group = c.benchmark_group("admission_cycle");
     group.throughput(Throughput::Elements(ROUND as u64));
     for in_flight in [0usize, 1_000, 100_000, 1_000_000] {
-        let buffer = prefilled(in_flight);
-        let mut ids = VecDeque::with_capacity(ROUND);
+        let buffer = prefilled(in_flight, THREADS);
+        let mut ids = Vec::with_capacity(ROUND);
         group.bench_function(BenchmarkId::new("1_thread_wall", in_flight), |b| {
             b.iter(|| round(&buffer, &mut ids))
         });
@@ -103,7 +67,7 @@ fn eight_thread_rounds(buffer: &GroupBuffer, iterations: u64) -> (Duration, Dura
     let (start, start_cpu) = std::thread::scope(|scope| {
         for _ in 0..THREADS {
             scope.spawn(|| {
-                let mut ids = VecDeque::with_capacity(ROUND);
+                let mut ids = Vec::with_capacity(ROUND);
                 barrier.wait();
                 for _ in 0..iterations {
                     round(buffer, &mut ids);
@@ -125,7 +89,7 @@ fn eight_threads(c: &mut Criterion) {
     let mut group = c.benchmark_group("admission_cycle");
     // Per iteration, each of the 8 threads runs one round.
     group.throughput(Throughput::Elements((THREADS * ROUND) as u64));
-    let buffer = prefilled(1_000);
+    let buffer = prefilled(1_000, THREADS);
     group.bench_function(BenchmarkId::new("8_threads_wall", 1_000), |b| {
         b.iter_custom(|iterations| eight_thread_rounds(&buffer, iterations).0)
     });

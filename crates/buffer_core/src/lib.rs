@@ -11,6 +11,7 @@ pub mod ledger;
 pub mod limits;
 pub mod state;
 mod sync;
+pub mod workload;
 
 #[cfg(feature = "python")]
 mod python;
@@ -23,3 +24,4 @@ pub use heap::{FinishedGroup, GroupVersions};
 pub use ledger::StepStats;
 pub use limits::Limits;
 pub use state::BufferState;
+pub use workload::WorkloadCounts;

@@ -16,6 +16,7 @@ use crate::error::BufferError;
 use crate::heap::GroupVersions;
 use crate::ledger::StepStats;
 use crate::limits::Limits;
+use crate::workload::{self, WorkloadCounts};
 
 /// How long `wait_admit` sleeps without the GIL before it checks for Ctrl-C.
 const SIGNAL_CHECK_INTERVAL: Duration = Duration::from_millis(100);
@@ -273,9 +274,59 @@ impl PyGroupBuffer {
     }
 }
 
+/// What `run_admission_workload` did, as `workload::WorkloadCounts` counts it.
+#[pyclass(
+    frozen,
+    get_all,
+    name = "WorkloadCounts",
+    module = "asyncrl_core._buffer_core"
+)]
+struct PyWorkloadCounts {
+    num_rounds: u64,
+    admitted: u64,
+    completed: u64,
+    handed_out: u64,
+    dropped: u64,
+}
+
+impl From<WorkloadCounts> for PyWorkloadCounts {
+    fn from(counts: WorkloadCounts) -> Self {
+        Self {
+            num_rounds: counts.num_rounds,
+            admitted: counts.admitted,
+            completed: counts.completed,
+            handed_out: counts.handed_out,
+            dropped: counts.dropped,
+        }
+    }
+}
+
+/// The admission benchmark's rounds (`workload::run_rounds`) driven from Rust, without the GIL, so
+/// the benchmark can time the core beside its call-by-call Python loop on the same buffer.
+#[pyfunction]
+fn run_admission_workload(
+    py: Python<'_>,
+    buffer: &Bound<'_, PyGroupBuffer>,
+    rounds_per_thread: i64,
+    num_threads: i64,
+) -> PyResult<PyWorkloadCounts> {
+    let rounds_per_thread = non_negative("rounds_per_thread", rounds_per_thread)?;
+    let num_threads = usize::try_from(num_threads).map_err(|_| {
+        BufferError::InvalidArgument(format!("num_threads must be 1 or more, got {num_threads}"))
+    })?;
+    let inner = &buffer.get().inner;
+    let counts = py.detach(|| workload::run_rounds(inner, rounds_per_thread, num_threads))?;
+    Ok(counts.into())
+}
+
 #[pymodule]
 fn _buffer_core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<PyGroupBuffer>()?;
     module.add_class::<StepTotals>()?;
+    module.add_class::<PyWorkloadCounts>()?;
+    module.add_function(wrap_pyfunction!(run_admission_workload, module)?)?;
+    module.add("WORKLOAD_ROUND", workload::ROUND)?;
+    module.add("WORKLOAD_BATCH_SIZE", workload::BATCH_SIZE)?;
+    module.add("WORKLOAD_VERSION", workload::VERSION)?;
     Ok(())
 }

@@ -5,9 +5,24 @@ Every error is an `asyncrl_core.errors.GroupBufferError` subclass raised before 
 """
 
 from collections.abc import Sequence
-from typing import final
+from typing import Final, final
 
-__all__ = ["GroupBuffer", "StepTotals"]
+__all__ = [
+    "WORKLOAD_BATCH_SIZE",
+    "WORKLOAD_ROUND",
+    "WORKLOAD_VERSION",
+    "GroupBuffer",
+    "StepTotals",
+    "WorkloadCounts",
+    "run_admission_workload",
+]
+
+WORKLOAD_ROUND: Final[int]
+"""Groups admitted, completed and taken per round of `run_admission_workload` (64)."""
+WORKLOAD_BATCH_SIZE: Final[int]
+"""Groups each round's `take_batch` hands out (three quarters of a round)."""
+WORKLOAD_VERSION: Final[int]
+"""The actor version of every round's `take_batch`, and each group's latest and finish version."""
 
 @final
 class StepTotals:
@@ -109,3 +124,31 @@ class GroupBuffer:
     def buffered_groups(self) -> list[tuple[int, int, int, int, int]]:
         """`(group_id, prompt_index, earliest_version, latest_version, finish_version)` of every
         finished group waiting for the actor, oldest first."""
+
+@final
+class WorkloadCounts:
+    """What `run_admission_workload` did. `admitted == completed`, and `handed_out + dropped` is
+    `completed` plus the number of finished groups the buffer held before minus after."""
+
+    @property
+    def num_rounds(self) -> int: ...
+    @property
+    def admitted(self) -> int: ...
+    @property
+    def completed(self) -> int: ...
+    @property
+    def handed_out(self) -> int: ...
+    @property
+    def dropped(self) -> int:
+        """Groups dropped by the staleness cap."""
+
+def run_admission_workload(buffer: GroupBuffer, rounds_per_thread: int, num_threads: int) -> WorkloadCounts:
+    """The admission benchmark's rounds, driven from Rust without the GIL: `rounds_per_thread` rounds
+    on each of `num_threads` threads sharing `buffer`.
+
+    A round admits `WORKLOAD_ROUND` groups one `try_admit` at a time, completes each (a quarter of
+    them three versions older than `WORKLOAD_VERSION`), then takes `WORKLOAD_BATCH_SIZE` at actor
+    version `WORKLOAD_VERSION`. `InvalidArgumentError`, before anything changes, when the limits leave
+    no room for `num_threads` rounds at once; an error from a round (versions, the drop limit) stops
+    its thread and is raised, with the rounds before it done.
+    """
