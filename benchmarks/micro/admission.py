@@ -45,7 +45,7 @@ THREADS = 8
 IN_FLIGHT = (0, 1_000, 100_000, 1_000_000)
 CALLS = ("in_rust", "per_group", "batched")
 """`in_rust` exists for the Rust core only."""
-IN_RUST_ROUNDS_FACTOR = 10
+IN_RUST_ROUNDS_FACTOR = 5
 """`in_rust` runs this many times the rounds of the Python-driven loops, so that its much shorter
 timed runs still last tens of milliseconds."""
 
