@@ -20,6 +20,7 @@ from asyncrl_core.algorithms import (
     policy_loss,
     token_entropy,
     token_logprobs,
+    token_logprobs_and_entropy,
 )
 from asyncrl_core.config import AlgorithmConfig
 from asyncrl_core.types import NO_VERSION, Group, Trajectory
@@ -180,6 +181,33 @@ def test_token_logprobs_work_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.testing.assert_close(logits.grad, reference_logits.grad)
     uniform = token_entropy(torch.zeros(2, 5, 7))
     torch.testing.assert_close(uniform, torch.full((2, 5), math.log(7)))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_fused_entropy_matches_token_entropy_and_leaves_the_gradient_alone(
+    monkeypatch: pytest.MonkeyPatch, temperature: float
+) -> None:
+    import asyncrl_core.algorithms.losses as losses
+
+    monkeypatch.setattr(losses, "LOGITS_CHUNK_BYTES", 3 * 4 * 7)  # three positions per chunk
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 5, 7, generator=generator, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 7, (2, 5), generator=generator)
+    upstream = torch.randn(2, 5, generator=generator, dtype=torch.float64)
+
+    logprobs, entropy = token_logprobs_and_entropy(logits, targets, temperature)
+    (grad_fused,) = torch.autograd.grad((logprobs * upstream).sum(), logits)
+    alone = token_logprobs(logits, targets, temperature)
+    (grad_alone,) = torch.autograd.grad((alone * upstream).sum(), logits)
+
+    assert not entropy.requires_grad
+    assert entropy.shape == targets.shape
+    assert entropy.dtype == logprobs.dtype == torch.float32
+    torch.testing.assert_close(logprobs, alone)
+    torch.testing.assert_close(grad_fused, grad_alone)
+    torch.testing.assert_close(entropy, token_entropy(logits.detach(), temperature))
+    with pytest.raises(ValueError, match="do not match"):
+        token_logprobs_and_entropy(logits, targets[:, :3])
 
 
 def test_bfloat16_logits_give_float32_logprobs_and_bfloat16_gradients() -> None:

@@ -103,3 +103,23 @@ def test_settings_it_cannot_honour_are_refused(model_dir: Path, tmp_path: Path) 
         _actor(tmp_path)
     with pytest.raises(MegatronActorError, match="sequence_parallel"):
         _actor(model_dir, sequence_parallel=True)
+
+
+def test_a_non_finite_gradient_skips_the_step_without_change(model_dir: Path) -> None:
+    actor = _actor(model_dir)
+    before = _weights(actor)
+    # A NaN in one parameter's gradient reaches one element of DDP's gradient buffers.
+    parameter = next(p for p in actor.module.parameters() if p.requires_grad and p.dim() == 2)
+
+    def poison(grad: torch.Tensor) -> torch.Tensor:
+        return grad.index_fill(0, torch.tensor([0]), float("nan"))
+
+    handle = parameter.register_hook(poison)
+    with pytest.raises(MegatronActorError, match="non-finite gradient at version 0"):
+        actor.train_step(_groups(0))
+    handle.remove()
+    assert actor.version == 0
+    for name, tensor in _weights(actor).items():
+        torch.testing.assert_close(tensor, before[name], rtol=0, atol=0, msg=name)
+    actor.train_step(_groups(0))  # the next batch trains as usual
+    assert actor.version == 1

@@ -8,9 +8,10 @@ Tensor-parallel ranks of one data-parallel rank see the same rows. The loss weig
 batch, so any split of the rows gives the full-batch gradient.
 
 Logprobs and entropy. The model returns vocab-parallel logits `[n, t, V / TP]`. With TP = 1 the objective's
-own `token_logprobs` and `token_entropy` are used, exactly as in the torch actor. With TP > 1 the logprob of
-each target comes from Megatron's `vocab_parallel_cross_entropy`, and the entropy from a softmax whose
-maximum and sums are all-reduced over the tensor-parallel group. Vocabulary rows added to make the
+own `token_logprobs` and `token_entropy` are used, as in the torch actor; an entropy that is only logged
+(`entropy_coef = 0`) comes from the logprobs' own pass (`token_logprobs_and_entropy`). With TP > 1 the
+logprob of each target comes from Megatron's `vocab_parallel_cross_entropy`, and the entropy from a softmax
+whose maximum and sums are all-reduced over the tensor-parallel group. Vocabulary rows added to make the
 vocabulary divisible by TP get `-inf` logits, so they never take probability mass. Logits are divided by the
 engines' sampling temperature first.
 
@@ -45,6 +46,7 @@ from asyncrl_core.algorithms import (
     policy_loss,
     token_entropy,
     token_logprobs,
+    token_logprobs_and_entropy,
 )
 from asyncrl_core.errors import AsyncRLError
 from asyncrl_core.protocols import NamedTensors
@@ -257,10 +259,12 @@ class MegatronActor:
         plan = self._micro_batch_rows(batch)
         self.model.zero_grad_buffer()
         self._zero_grad()
+        # Every micro-batch is cut and copied to the device before the first forward pass, so no host work
+        # or host-to-device copy waits between the micro-batches' kernels.
+        parts = [(batch.select(rows) if rows else self._empty_part(batch)).to(self.device) for rows in plan]
         totals: dict[str, torch.Tensor] = {}
-        for rows in plan:
-            part = batch.select(rows) if rows else self._empty_part(batch)
-            loss, metrics = self._micro_batch_loss(part.to(self.device))
+        for part in parts:
+            loss, metrics = self._micro_batch_loss(part)
             # The buffers average gradients over data-parallel ranks; the weights already split the batch.
             (loss * self.dp_size).backward()
             for name, value in metrics.items():
@@ -513,14 +517,15 @@ class MegatronActor:
         return grad_norm
 
     def _gradients_finite(self) -> bool:
-        """Whether every rank's gradient buffers are finite (checked before the optimizer touches weights)."""
-        buffers: list[torch.Tensor] = [
-            p.main_grad  # pyright: ignore[reportAttributeAccessIssue]
-            for p in self.module.parameters()
-            if hasattr(p, "main_grad")
-        ]
-        sums = [buffer.float().sum() for buffer in buffers]
-        bad = torch.zeros((), device=self.device) if not sums else (~torch.isfinite(torch.stack(sums))).any()
+        """Whether every rank's gradient buffers are finite (checked before the optimizer touches weights).
+
+        Every parameter's `main_grad` is a view into one of DDP's contiguous gradient buffers, so one
+        reduction per buffer checks them all.
+        """
+        # Megatron's DDP shadows the `nn.Module.buffers` method with its list of gradient buffers.
+        grad_buffers: list[Any] = [*self.model.buffers, *self.model.expert_parallel_buffers]  # pyright: ignore[reportGeneralTypeIssues]
+        finite = [torch.isfinite(buffer.grad_data).all() for buffer in grad_buffers]
+        bad = torch.zeros((), device=self.device) if not finite else ~torch.stack(finite).all()
         flag = bad.float().reshape(1)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return flag.item() == 0.0
@@ -588,12 +593,16 @@ class MegatronActor:
 
     def _micro_batch_loss(self, part: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         logits = self._logits(self.model, part)
-        logprobs = self._logprobs(logits, part.target_ids)
-        if self.loss_settings.entropy_coef > 0.0:
-            entropy = self._entropy(logits)
+        if self.tp_size == 1 and self.loss_settings.entropy_coef == 0.0:
+            # The logged entropy comes from the logprobs' own pass over the logits.
+            logprobs, entropy = token_logprobs_and_entropy(logits, part.target_ids)
         else:
-            with torch.no_grad():
-                entropy = self._entropy(logits.detach())
+            logprobs = self._logprobs(logits, part.target_ids)
+            if self.loss_settings.entropy_coef > 0.0:
+                entropy = self._entropy(logits)
+            else:
+                with torch.no_grad():
+                    entropy = self._entropy(logits.detach())
         ref_logprobs = None
         if self.reference is not None:
             with torch.no_grad():

@@ -27,6 +27,7 @@ from asyncrl_core.algorithms.losses import (
     policy_loss,
     token_entropy,
     token_logprobs,
+    token_logprobs_and_entropy,
 )
 
 __all__ = [
@@ -44,4 +45,5 @@ __all__ = [
     "policy_loss",
     "token_entropy",
     "token_logprobs",
+    "token_logprobs_and_entropy",
 ]

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 KLEstimator = Literal["k1", "k2", "k3"]
 OffPolicyCorrection = Literal["none", "decoupled"]
 
-LOGITS_CHUNK_BYTES = 64 * 1024 * 1024
+LOGITS_CHUNK_BYTES = 256 * 1024 * 1024
 """Float32 working memory per chunk of positions in `token_logprobs` and `token_entropy`."""
 
 _MAX_LOG_RATIO = 20.0
@@ -115,52 +115,82 @@ def _chunk_rows(vocab_size: int) -> int:
     return max(1, LOGITS_CHUNK_BYTES // (4 * max(vocab_size, 1)))
 
 
+def _scaled_float(chunk: torch.Tensor, temperature: float) -> torch.Tensor | None:
+    """`chunk / temperature` in float32, or None when the softmax kernels can read `chunk` directly (no
+    temperature and no cast beyond the one they do on the fly)."""
+    if temperature == 1.0:
+        return None
+    return chunk.float().div_(temperature)
+
+
 class _TokenLogprobs(torch.autograd.Function):
     """`log_softmax(logits / T)[target]` in float32, chunk by chunk, without keeping a float32 copy of the
-    logits or their softmax for the backward pass: the gradient is recomputed from the saved logits and
-    log-normalisers as `(onehot(target) - softmax) / T`."""
+    logits or their softmax for the backward pass: the gradient is recomputed from the saved logits as
+    `(onehot(target) - softmax) / T`.
+
+    With `with_entropy`, the same log-softmax of each chunk also gives the entropy of every position, a
+    second output that carries no gradient (the logged entropy costs no second pass over the logits).
+    Without it the second output is an empty tensor.
+    """
 
     @staticmethod
     def forward(  # pyright: ignore[reportIncompatibleMethodOverride]
-        ctx: FunctionCtx, logits: torch.Tensor, targets: torch.Tensor, temperature: float
-    ) -> torch.Tensor:
+        ctx: FunctionCtx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         vocab_size = logits.shape[-1]
         flat_logits = logits.reshape(-1, vocab_size)
         flat_targets = targets.reshape(-1, 1)
         num_positions = flat_logits.shape[0]
         logprobs = torch.empty(num_positions, dtype=torch.float32, device=logits.device)
-        log_normalisers = torch.empty(num_positions, dtype=torch.float32, device=logits.device)
+        entropy = torch.empty(num_positions if with_entropy else 0, dtype=torch.float32, device=logits.device)
         step = _chunk_rows(vocab_size)
         for start in range(0, num_positions, step):
-            chunk = flat_logits[start : start + step].float() / temperature
-            log_normaliser = torch.logsumexp(chunk, dim=-1)
-            log_normalisers[start : start + step] = log_normaliser
-            picked = chunk.gather(1, flat_targets[start : start + step]).squeeze(1)
-            logprobs[start : start + step] = picked - log_normaliser
-        ctx.save_for_backward(logits, targets, log_normalisers)
+            end = start + step
+            chunk = flat_logits[start:end]
+            scaled = _scaled_float(chunk, temperature)
+            # One kernel reads the (bfloat16) logits and writes float32 log-probabilities.
+            log_probs = torch.log_softmax(chunk if scaled is None else scaled, dim=-1, dtype=torch.float32)
+            logprobs[start:end] = log_probs.gather(1, flat_targets[start:end]).squeeze(1)
+            if with_entropy:
+                entropy[start:end] = torch.linalg.vecdot(log_probs.exp(), log_probs).neg_()
+        ctx.save_for_backward(logits, targets)
         ctx.temperature = temperature  # pyright: ignore[reportAttributeAccessIssue]
-        return logprobs.view(targets.shape)
+        if with_entropy:
+            entropy = entropy.view(targets.shape)
+        ctx.mark_non_differentiable(entropy)
+        return logprobs.view(targets.shape), entropy
 
     @staticmethod
     @once_differentiable
     def backward(  # pyright: ignore[reportIncompatibleMethodOverride]
-        ctx: FunctionCtx, grad_logprobs: torch.Tensor
-    ) -> tuple[torch.Tensor, None, None]:
-        logits, targets, log_normalisers = ctx.saved_tensors  # pyright: ignore[reportAttributeAccessIssue]
+        ctx: FunctionCtx, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor | None
+    ) -> tuple[torch.Tensor, None, None, None]:
+        del grad_entropy  # the entropy output is non-differentiable
+        logits, targets = ctx.saved_tensors  # pyright: ignore[reportAttributeAccessIssue]
         temperature: float = ctx.temperature  # pyright: ignore[reportAttributeAccessIssue]
         vocab_size = logits.shape[-1]
         flat_logits = logits.reshape(-1, vocab_size)
         flat_targets = targets.reshape(-1, 1)
         flat_grad = grad_logprobs.reshape(-1, 1).float()
+        if temperature != 1.0:
+            flat_grad = flat_grad / temperature
         grad_logits = torch.empty_like(flat_logits)
         step = _chunk_rows(vocab_size)
         for start in range(0, flat_logits.shape[0], step):
             end = start + step
-            chunk = flat_logits[start:end].float() / temperature
-            grad = torch.exp(chunk - log_normalisers[start:end, None]).mul_(-flat_grad[start:end])
-            grad.scatter_add_(1, flat_targets[start:end], flat_grad[start:end])
-            grad_logits[start:end] = grad.div_(temperature)
-        return grad_logits.view(logits.shape), None, None
+            chunk = flat_logits[start:end]
+            scaled = _scaled_float(chunk, temperature)
+            grad = torch.softmax(chunk if scaled is None else scaled, dim=-1, dtype=torch.float32)
+            grad.mul_(-flat_grad[start:end]).scatter_add_(1, flat_targets[start:end], flat_grad[start:end])
+            grad_logits[start:end] = grad
+        return grad_logits.view(logits.shape), None, None, None
+
+
+def _check_logprob_arguments(logits: torch.Tensor, target_ids: torch.Tensor, temperature: float) -> None:
+    if logits.shape[:-1] != target_ids.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} do not match targets {tuple(target_ids.shape)}")
+    if temperature <= 0.0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
 
 
 def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -171,11 +201,22 @@ def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, temperature: 
     at a time, in the forward and in the backward pass. Use the temperature the engines sampled with, so
     these logprobs and the rollout logprobs describe the same distribution.
     """
-    if logits.shape[:-1] != target_ids.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} do not match targets {tuple(target_ids.shape)}")
-    if temperature <= 0.0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    result: torch.Tensor = _TokenLogprobs.apply(logits, target_ids, temperature)  # pyright: ignore[reportAssignmentType]
+    _check_logprob_arguments(logits, target_ids, temperature)
+    result: tuple[torch.Tensor, torch.Tensor] = _TokenLogprobs.apply(logits, target_ids, temperature, False)  # pyright: ignore[reportAssignmentType]
+    return result[0]
+
+
+def token_logprobs_and_entropy(
+    logits: torch.Tensor, target_ids: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(token_logprobs(...), token_entropy(...))` from one pass over the logits; the entropy is detached.
+
+    For logging the entropy (`entropy_coef == 0`): each chunk's log-softmax gives both, so the `[..., V]`
+    logits are read once in the forward pass instead of twice. Both results are float32 with the shape of
+    `target_ids`; only the logprobs carry a gradient. An entropy bonus needs `token_entropy`, which does.
+    """
+    _check_logprob_arguments(logits, target_ids, temperature)
+    result: tuple[torch.Tensor, torch.Tensor] = _TokenLogprobs.apply(logits, target_ids, temperature, True)  # pyright: ignore[reportAssignmentType]
     return result
 
 
