@@ -373,11 +373,6 @@ async def test_19_tensor_update_while_paused(
         await client.continue_generation()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the built-in engine caps request bodies at aiohttp's default 1 MiB (413), so a whole model's "
-    "weights cannot be sent to /update_weights_from_tensor",
-)
 async def test_19_a_whole_model_fits_in_one_tensor_update(
     tiny_llama_path: Path, client: SGLangClient
 ) -> None:

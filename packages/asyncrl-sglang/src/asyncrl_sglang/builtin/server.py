@@ -128,6 +128,11 @@ class _Output:
     started_s: float
 
 
+MAX_BODY_BYTES = 1 << 36
+"""Largest request body accepted (64 GiB). A weight update carries a whole bucket of base64 safetensors, and
+SGLang sets no limit on that route; aiohttp's default of 1 MiB would refuse any real model with a 413."""
+
+
 class BuiltinServer:
     """The HTTP front of one engine. `app` is the aiohttp application; `engine` must already be started."""
 
@@ -147,7 +152,9 @@ class BuiltinServer:
         self._group_name: str | None = None
         self._group: Any = None
         self._group_device = torch.device("cpu")
-        self.app = web.Application(middlewares=[self._errors_middleware, self._auth_middleware])
+        self.app = web.Application(
+            middlewares=[self._errors_middleware, self._auth_middleware], client_max_size=MAX_BODY_BYTES
+        )
         self._add_routes()
 
     # ---------------------------------------------------------------------------------------------- routing
