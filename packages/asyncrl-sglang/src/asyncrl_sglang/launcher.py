@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from asyncrl_core.errors import EngineControlError, EngineUnavailableError
+from asyncrl_core.models import SMOLLM2_ALIAS
 from asyncrl_sglang.client import ClientTimeouts, SGLangClient
 from asyncrl_sglang.pool import EnginePool
 
@@ -45,9 +46,6 @@ if TYPE_CHECKING:
     from asyncrl_core.config.models import RolloutConfig
 
 ServerArgument = str | int | float | bool
-
-SMOLLM2_ALIAS = "smollm2-135m"
-"""`rollout.model_path` naming the offline SmolLM2-135M-Instruct (`asyncrl_core.models.smollm2_135m`)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from safetensors.torch import load_file, save_file
 
+from asyncrl_core import models
 from asyncrl_core.actor.distributed import all_reduce_sum, barrier, world
 from asyncrl_core.algorithms import (
     LossSettings,
@@ -45,7 +46,6 @@ from asyncrl_core.algorithms import (
     token_logprobs,
 )
 from asyncrl_core.errors import AsyncRLError
-from asyncrl_core.models import smollm2_135m
 from asyncrl_core.protocols import NamedTensors
 from asyncrl_core.types import Group
 
@@ -55,9 +55,6 @@ if TYPE_CHECKING:
     from asyncrl_core.config import AlgorithmConfig, TorchActorConfig
 
 logger = logging.getLogger(__name__)
-
-SMOLLM2_MODEL_PATH = "smollm2-135m"
-"""The `actor.model_path` that names the offline SmolLM2-135M-Instruct."""
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -80,15 +77,10 @@ class ActorError(AsyncRLError):
 
 def resolve_model_path(model_path: str) -> Path:
     """The HuggingFace folder that `actor.model_path` names (`smollm2-135m` converts the offline model)."""
-    if model_path == SMOLLM2_MODEL_PATH:
-        return smollm2_135m()
-    path = Path(model_path).expanduser()
-    if not (path / "config.json").is_file():
-        raise ActorError(
-            f"actor.model_path {model_path!r} is not a HuggingFace model folder (no config.json there); "
-            f"give a folder or `{SMOLLM2_MODEL_PATH}`"
-        )
-    return path
+    try:
+        return models.resolve_model_path(model_path, key="actor.model_path")
+    except AsyncRLError as error:
+        raise ActorError(str(error)) from error
 
 
 def bfloat16_supported(device: torch.device) -> bool:
