@@ -28,11 +28,10 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import shutil
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -247,12 +246,14 @@ class MegatronActor:
             normalize_std=self.loss_settings.normalize_advantage_std,
             aggregation=self.loss_settings.loss_aggregation,
         )
-        plan = self._micro_batch_rows(batch)
         self.model.zero_grad_buffer()
         self._zero_grad()
         # Every micro-batch is cut and copied to the device before the first forward pass, so no host work
         # or host-to-device copy waits between the micro-batches' kernels.
-        parts = [(batch.select(rows) if rows else self._empty_part(batch)).to(self.device) for rows in plan]
+        parts = [
+            part.to(self.device)
+            for part in batch.rank_micro_batches(self.dp_rank, self.dp_size, self.settings.micro_batch_size)
+        ]
         totals: dict[str, torch.Tensor] = {}
         for part in parts:
             loss, metrics = self._micro_batch_loss(part)
@@ -532,25 +533,6 @@ class MegatronActor:
         if self.tp_size > 1:
             dist.all_reduce(squares, group=self.tp_group)
         return float(squares.sqrt().item())
-
-    def _micro_batch_rows(self, batch: PackedBatch) -> list[list[int]]:
-        """This data-parallel rank's rows, in micro-batches; every rank gets the same number of them.
-
-        Rows are sorted by length (longest first) and dealt round-robin, so ranks get similar token counts
-        and a micro-batch holds rows of similar length. A rank with fewer rows gets empty micro-batches, run
-        on a zero-weight row so the ranks' collectives still match.
-        """
-        lengths: list[int] = batch.lengths.tolist()
-        order = sorted(range(batch.num_rows), key=lambda row: -lengths[row])
-        mine = order[self.dp_rank :: self.dp_size]
-        size = self.settings.micro_batch_size
-        num_micro_batches = math.ceil(math.ceil(batch.num_rows / self.dp_size) / size)
-        return [mine[index * size : (index + 1) * size] for index in range(num_micro_batches)]
-
-    @staticmethod
-    def _empty_part(batch: PackedBatch) -> PackedBatch:
-        part = batch.select([0])
-        return replace(part, loss_weights=torch.zeros_like(part.loss_weights))
 
     def _logits(self, model: torch.nn.Module, part: PackedBatch) -> torch.Tensor:
         """Vocab-parallel logits `[n, t, V / TP]` divided by the temperature, padding rows at `-inf`."""

@@ -28,7 +28,6 @@ import math
 import os
 import shutil
 from collections.abc import Iterator, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -226,14 +225,13 @@ class TorchActor:
             normalize_std=self.settings.normalize_advantage_std,
             aggregation=self.settings.loss_aggregation,
         )
-        plan = self._micro_batch_rows(batch)
+        parts = batch.rank_micro_batches(self.rank, self.world_size, self.config.micro_batch_size)
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, torch.Tensor] = {}
-        for index, rows in enumerate(plan):
-            last = index == len(plan) - 1
+        for index, part in enumerate(parts):
+            last = index == len(parts) - 1
             sync = contextlib.nullcontext() if last or self.world_size == 1 else self._no_sync()
             with sync:
-                part = batch.select(rows) if rows else self._empty_part(batch)
                 loss, metrics = self._micro_batch_loss(part.to(self.device))
                 (loss * self.world_size).backward()
             for name, value in metrics.items():
@@ -374,25 +372,6 @@ class TorchActor:
         if self.compute_dtype == torch.float32:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
-
-    def _micro_batch_rows(self, batch: PackedBatch) -> list[list[int]]:
-        """This rank's rows, in micro-batches; every rank gets the same number of micro-batches.
-
-        Rows are sorted by length (longest first) and dealt round-robin, so ranks get similar token counts
-        and a micro-batch holds rows of similar length (little padding). A rank with fewer rows than the
-        others gets empty micro-batches, which run on a zero-weight row so DDP's collectives still match.
-        """
-        lengths: list[int] = batch.lengths.tolist()
-        order = sorted(range(batch.num_rows), key=lambda row: -lengths[row])
-        mine = order[self.rank :: self.world_size]
-        size = self.config.micro_batch_size
-        num_micro_batches = math.ceil(math.ceil(batch.num_rows / self.world_size) / size)
-        return [mine[index * size : (index + 1) * size] for index in range(num_micro_batches)]
-
-    @staticmethod
-    def _empty_part(batch: PackedBatch) -> PackedBatch:
-        part = batch.select([0])
-        return replace(part, loss_weights=torch.zeros_like(part.loss_weights))
 
     def _micro_batch_loss(self, part: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         # Logits are needed only from the first trained position on: the shared prompt columns before it

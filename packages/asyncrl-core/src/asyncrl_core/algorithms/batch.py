@@ -19,6 +19,7 @@ the full-batch ones, for both aggregations:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Literal
@@ -91,6 +92,28 @@ class PackedBatch:
             for spec in fields(self)
         }
         return PackedBatch(**values)
+
+    def rank_micro_batches(self, rank: int, world_size: int, micro_batch_size: int) -> list[PackedBatch]:
+        """Rank `rank`'s rows of the batch, in micro-batches of at most `micro_batch_size` rows.
+
+        Rows are sorted by length (longest first) and dealt round-robin, so ranks get similar token counts
+        and a micro-batch holds rows of similar length (little padding). Every rank gets the same number of
+        micro-batches: a rank with fewer rows gets empty ones, made of one zero-weight row, so the ranks'
+        collectives still match.
+        """
+        lengths: list[int] = self.lengths.tolist()
+        order = sorted(range(self.num_rows), key=lambda row: -lengths[row])
+        mine = order[rank::world_size]
+        num_micro_batches = math.ceil(math.ceil(self.num_rows / world_size) / micro_batch_size)
+        parts: list[PackedBatch] = []
+        for index in range(num_micro_batches):
+            rows = mine[index * micro_batch_size : (index + 1) * micro_batch_size]
+            if rows:
+                parts.append(self.select(rows))
+            else:
+                empty = self.select([0])
+                parts.append(replace(empty, loss_weights=torch.zeros_like(empty.loss_weights)))
+        return parts
 
     def to(self, device: torch.device | str) -> PackedBatch:
         """The same batch on `device` (the tensors are copied without blocking where possible)."""
