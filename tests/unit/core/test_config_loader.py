@@ -51,7 +51,7 @@ def test_whole_reference_keeps_its_type(tmp_path: Path) -> None:
 
 
 def test_reference_inside_text_and_escape(tmp_path: Path) -> None:
-    replacement = "  name: run-s${runner.seed}\n  run_dir: out/$${literal}/${runner.name}"
+    replacement = "  name: run-s${runner.seed}\n  run_dir: out/\\${literal}/${runner.name}"
     path = mini_with(tmp_path, "  name: searchr1-mini", replacement)
     config = load_config(path)
     assert config.runner.name == "run-s1"
@@ -84,9 +84,25 @@ def test_reference_to_unset_key_without_default(tmp_path: Path) -> None:
 
 def test_interpolation_cycle(tmp_path: Path) -> None:
     path = mini_with(tmp_path, "  model_path: smollm2-135m", "  model_path: ${rollout.model_path}")
-    message = only_problem(path)
-    assert "cycle" in message
-    assert "rollout.model_path -> actor.model_path -> rollout.model_path" in message
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    # Both keys of the cycle are named.
+    assert {problem.key for problem in caught.value.problems} == {"actor.model_path", "rollout.model_path"}
+    assert all("interpolation cycle" in problem.message for problem in caught.value.problems)
+
+
+def test_environment_variable_resolver(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ASYNCRL_TEST_MODEL", "/models/tiny")
+    assert load_config(MINI, ["actor.model_path=${oc.env:ASYNCRL_TEST_MODEL}"]).actor.model_path == (
+        "/models/tiny"
+    )
+
+
+def test_every_unresolvable_reference_is_reported(tmp_path: Path) -> None:
+    path = mini_with(tmp_path, "  name: searchr1-mini", "  name: ${runner.nme}\n  run_dir: ${data.dataset_x}")
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert [problem.key for problem in caught.value.problems] == ["runner.name", "runner.run_dir"]
 
 
 def test_section_inside_text_is_refused(tmp_path: Path) -> None:
@@ -147,7 +163,79 @@ def test_override_into_a_scalar_in_the_file(tmp_path: Path) -> None:
 
 def test_repeated_yaml_key_is_an_error(tmp_path: Path) -> None:
     path = mini_with(tmp_path, "  num_steps: 20", "  num_steps: 20\n  num_steps: 30")
-    assert "written twice" in only_problem(path)
+    message = only_problem(path)
+    assert message.startswith(f"{path}, line 9, column 3: found duplicate key num_steps")
+
+
+def test_yaml_syntax_error_names_file_and_line(tmp_path: Path) -> None:
+    path = mini_with(tmp_path, "  max_turns: 3", "  max_turns: [3")
+    message = only_problem(path)
+    assert message.startswith(f"{path}, line ")
+    assert "\n" not in message
+
+
+def test_override_removes_a_key_so_its_default_applies() -> None:
+    config = load_config(MINI, ["~agentloop.max_turns", "~rollout.model_path", "~checkpoint"])
+    assert config.agentloop.max_turns is None
+    assert config.rollout.model_path == "smollm2-135m"
+    assert "rollout.model_path" in config.derived_keys
+    assert config.checkpoint.save_every_steps is None
+    assert "takes no value" in only_problem(MINI, "~runner.seed=1")
+    assert "unknown key `sed`" in only_problem(MINI, "~runner.sed")
+
+
+def test_a_mapping_override_replaces_the_section() -> None:
+    config = load_config(
+        MINI, ["runner.async_mode=false", "cluster.component_placement={'actor,rollout': 0}"]
+    )
+    assert config.cluster.component_placement == {"actor,rollout": "0"}
+
+
+def test_empty_section_takes_the_defaults(tmp_path: Path) -> None:
+    path = mini_with(tmp_path, "checkpoint:\n  save_every_steps: 10\n  keep_last: 2", "checkpoint:")
+    assert load_config(path).checkpoint.keep_last == 2
+    path = mini_with(tmp_path, "  name: searchr1-mini\n  async_mode: true\n  num_steps: 20\n  seed: 1\n", "")
+    assert only_problem(path) == "runner.num_steps: required key is missing"
+
+
+# Strict types: a value of the wrong type is refused, never converted.
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("runner.num_steps=true", "runner.num_steps"),
+        ("runner.seed='3'", "runner.seed"),
+        ("actor.lr=true", "actor.lr"),
+        ("actor.lr='0.001'", "actor.lr"),
+        ("logging.tensorboard='yes'", "logging.tensorboard"),
+        ("logging.tensorboard=1", "logging.tensorboard"),
+        ("rollout.max_running_requests=8.0", "rollout.max_running_requests"),
+    ],
+)
+def test_values_are_not_converted_between_types(override: str, key: str) -> None:
+    message = only_problem(MINI, override)
+    assert message.startswith(f"{key}: ")
+    assert "(got " in message
+
+
+@pytest.mark.parametrize("text", ["1e-6", "1.0e-6", "'1e-6'", '"1E-6"', "1e-06"])
+def test_exponent_form_is_a_float(tmp_path: Path, text: str) -> None:
+    path = mini_with(tmp_path, "  lr: 1.0e-6", f"  lr: {text}")
+    assert load_config(path).actor.lr == pytest.approx(1e-6)
+    assert load_config(MINI, [f"actor.lr={text}"]).actor.lr == pytest.approx(1e-6)
+    direct = yaml.safe_load(path.read_text())  # PyYAML alone reads `1e-6` as text
+    direct["rollout"]["model_path"] = "smollm2-135m"
+    assert AsyncRLConfig.model_validate(direct).actor.lr == pytest.approx(1e-6)
+
+
+def test_an_integer_is_a_float() -> None:
+    assert load_config(MINI, ["rollout.sampling.temperature=1"]).rollout.sampling.temperature == 1.0
+
+
+def test_nested_server_argument_is_one_problem() -> None:
+    message = only_problem(MINI, "rollout.sglang.extra_args={mem: {fraction: 0.8}}")
+    assert message.startswith("rollout.sglang.extra_args.mem: an extra server argument is text, a number")
 
 
 @pytest.mark.parametrize("text", ["- a\n- b\n", "just text", "runner: [1\n", "!!python/object:os.system {}"])
@@ -174,7 +262,9 @@ def test_render_marks_derived_values_and_round_trips(tmp_path: Path) -> None:
 
 def test_configuration_pickles_with_its_derived_keys_and_warnings() -> None:
     # Ray sends the configuration to every worker by pickling it.
-    config = load_config(MINI, ["agentloop.max_actor_accept_staleness=1"])
+    config = load_config(
+        MINI, ["agentloop.max_actor_accept_staleness=1", "rollout_buffer.max_buffered_groups=8"]
+    )
     copy = pickle.loads(pickle.dumps(config))
     assert copy == config
     assert copy.derived_keys == config.derived_keys

@@ -52,7 +52,8 @@ def test_derived_inflight_limit_of_the_issue() -> None:
     config = load_config(GPU, ["rollout_buffer.max_buffered_groups=null"])
     assert config.rollout.num_instances == 4
     assert config.rollout_buffer.max_inflight_groups == 77
-    assert config.rollout_buffer.max_buffered_groups == 64
+    # 2 x 32 is below the 77 groups in flight + 32: the derived limit leaves the engines busy.
+    assert config.rollout_buffer.max_buffered_groups == 77 + 32
     assert config.rollout_buffer.max_dropped_groups_per_step == 320
     assert {
         "rollout.num_instances",
@@ -120,10 +121,39 @@ def test_placement_must_hold_actor_and_rollout() -> None:
 
 
 def test_staleness_cap_below_buffer_age_is_a_warning() -> None:
-    config = load_config(MINI, ["agentloop.max_actor_accept_staleness=1"])
+    config = load_config(
+        MINI, ["agentloop.max_actor_accept_staleness=1", "rollout_buffer.max_buffered_groups=8"]
+    )
     message = warning_at("agentloop.max_actor_accept_staleness", config)
     assert "8/4" in message
     assert "raise it to 2" in message
+
+
+def test_staleness_cap_is_not_checked_in_sync_mode() -> None:
+    config = load_config(MINI, ["runner.async_mode=false", "agentloop.max_actor_accept_staleness=1"])
+    assert config.warnings == ()
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["rollout.max_running_requests=64"],
+        ["cluster.num_devices=8", "cluster.component_placement={actor: 0, rollout: 1-6}"],
+        ["agentloop.num_workers=3"],
+    ],
+)
+def test_derived_values_never_warn_about_themselves(overrides: list[str]) -> None:
+    # With a staleness cap, the derived buffer limit stays within it.
+    config = load_config(MINI, overrides)
+    assert config.warnings == ()
+    assert config.rollout_buffer.max_buffered_groups == 2 * config.data.rollout_batch_size
+    # Without one, it leaves room for every group in flight plus a batch.
+    config = load_config(MINI, [*overrides, "~agentloop.max_actor_accept_staleness"])
+    assert config.warnings == ()
+    buffer = config.rollout_buffer
+    assert buffer.max_inflight_groups is not None and buffer.max_buffered_groups is not None
+    batch = config.data.rollout_batch_size
+    assert buffer.max_buffered_groups == max(2 * batch, buffer.max_inflight_groups + batch)
 
 
 def test_buffer_below_inflight_plus_batch_is_a_warning() -> None:
@@ -248,10 +278,17 @@ def test_component_placed_twice() -> None:
 def test_gpu_placement_without_a_gpu_is_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     config = load_config(GPU)
-    assert "no GPU is visible" in warning_at("cluster.device_type", config)
+    assert config.actor.backend == "megatron"
+    message = warning_at("cluster.device_type", config)
+    assert message.startswith(
+        "`gpu` is asked for, but this machine has no visible GPU, so a launch here fails"
+    )
+    assert "device_type: cpu" not in message  # Megatron cannot train on CPU cores
     config = load_config(GPU, ["cluster.num_devices=null"])
     assert config.cluster.num_devices is None
-    assert "set `cluster.num_devices`" in warning_at("cluster.device_type", config)
+    assert "set `cluster.num_devices` to check it" in warning_at("cluster.device_type", config)
+    torch_on_gpu = load_config(MINI, ["cluster.device_type=gpu", "cluster.num_devices=2"])
+    assert "write `cluster.device_type: cpu`" in warning_at("cluster.device_type", torch_on_gpu)
 
 
 def test_auto_device_type_is_derived(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -413,3 +450,12 @@ def test_run_without_any_checkpoint_is_a_warning() -> None:
     config = load_config(MINI, ["checkpoint.save_at_end=false", "checkpoint.save_every_steps=50"])
     assert "set it to at most 20" in warning_at("checkpoint.save_every_steps", config)
     assert load_config(MINI, ["checkpoint.save_at_end=false"]).warnings == ()
+
+
+def test_resume_from_must_exist(tmp_path: Path) -> None:
+    absent = tmp_path / "checkpoints" / "step-10"
+    message = problem_at("checkpoint.resume_from", MINI, f"checkpoint.resume_from={absent}")
+    assert "is not a folder" in message
+    absent.mkdir(parents=True)
+    assert load_config(MINI, [f"checkpoint.resume_from={absent}"]).checkpoint.resume_from == str(absent)
+    assert load_config(MINI, ["checkpoint.resume_from=latest"]).checkpoint.resume_from == "latest"

@@ -140,7 +140,6 @@ def _report_invalid(problems: Sequence[ConfigProblem]) -> int:
 def _run(config_path: str | None, overrides: list[str], *, dry_run: bool) -> int:
     from asyncrl_core import plugins
     from asyncrl_core.config import load_config, render_yaml
-    from asyncrl_core.config.validate import check_launch_devices
     from asyncrl_core.errors import ConfigError, ConfigProblem, PluginError
 
     try:
@@ -160,7 +159,7 @@ def _run(config_path: str | None, overrides: list[str], *, dry_run: bool) -> int
         print("# resolved configuration; `# derived` marks values computed from other keys")
         print(render_yaml(config), end="")
         return EXIT_OK
-    problems = check_launch_devices(config)
+    problems = config.cluster.launch_problems(config)
     if problems:
         return _report_invalid(problems)
     try:

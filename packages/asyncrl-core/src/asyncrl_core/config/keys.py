@@ -9,20 +9,21 @@ from dataclasses import dataclass
 from typing import Annotated, Union, get_args, get_origin
 
 from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 
-def _section_models(annotation: object) -> list[type[BaseModel]]:
+def section_models(annotation: object) -> list[type[BaseModel]]:
     """The models an annotation may hold (several for a union such as the actor section)."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return [annotation]
     origin = get_origin(annotation)
     if origin is Annotated:
-        return _section_models(get_args(annotation)[0])
+        return section_models(get_args(annotation)[0])
     if origin is Union or origin is types.UnionType:
         found: list[type[BaseModel]] = []
         for member in get_args(annotation):
-            found.extend(_section_models(member))
+            found.extend(section_models(member))
         return found
     return []
 
@@ -58,6 +59,45 @@ def field_names(models: list[type[BaseModel]]) -> list[str]:
     return names
 
 
+def member_for(members: list[type[BaseModel]], backend: object) -> type[BaseModel]:
+    """The member of a union of sections (the actor section) that a `backend` value selects: the member
+    whose `backend` default it is, else the member whose `backend` is free text, else the first."""
+    for member in members:
+        info = member.model_fields.get("backend")
+        if info is not None and not info.is_required() and info.default == backend:
+            return member
+    for member in members:
+        info = member.model_fields.get("backend")
+        if info is not None and info.is_required() and isinstance(backend, str):
+            return member
+    return members[0]
+
+
+def field_names_at(root: type[BaseModel], parents: list[str], backend: str = "") -> list[str]:
+    """Field names of the section at `parents` below `root`; in a union of sections, the member that
+    `backend` selects (the default member when it is empty). Empty when `parents` names no section."""
+    models = [root]
+    for part in parents:
+        info = field_names_and_infos(models).get(part)
+        if info is None:
+            return []
+        models = section_models(info.annotation)
+        if not models:
+            return []
+        if len(models) > 1:
+            models = [member_for(models, backend or "torch")]
+    return field_names(models)
+
+
+def field_names_and_infos(models: list[type[BaseModel]]) -> dict[str, FieldInfo]:
+    """Fields of `models` by name (the first model that declares a name wins)."""
+    fields: dict[str, FieldInfo] = {}
+    for model in models:
+        for name, info in model.model_fields.items():
+            fields.setdefault(name, info)
+    return fields
+
+
 def suggest(word: str, choices: list[str]) -> str:
     """A `did you mean` clause for the closest of `choices`, or an empty string."""
     close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
@@ -77,7 +117,7 @@ def lookup(root: type[BaseModel], parts: list[str]) -> KeyLookup:
                 False,
                 f"unknown key `{part}` in {where}; {suggest(part, names)}known keys: {', '.join(names)}",
             )
-        nested = _section_models(info.annotation)
+        nested = section_models(info.annotation)
         if nested:
             models = nested
             continue

@@ -1,75 +1,97 @@
 """YAML in, a validated `AsyncRLConfig` out; and the resolved configuration back to YAML.
 
-Order of work: read the file (or the embedded default), apply the command-line overrides (`key=value`,
-the value read as YAML), resolve `${dotted.key}` interpolations, then validate (which fills derived
-defaults and checks every rule). Each step reports its problems as a `ConfigError` naming the key.
+OmegaConf reads the YAML and resolves interpolations; pydantic (`asyncrl_core.config.models`) checks types
+and rules. Order of work: read the file (or the embedded default), apply the command-line overrides, fill
+every key the file leaves out with its default (so `${...}` can refer to it), resolve the interpolations,
+then validate, which fills derived values and checks every rule. Each step reports all of its problems at
+once as a `ConfigError` naming the keys; YAML syntax errors name the file and the line.
 
-Interpolation: a string that is exactly `${a.b}` takes the value of key `a.b` with its type (a number stays
-a number); `${a.b}` inside a longer string is replaced by the text of that value. A key absent from the file
-resolves to its default where the model has one. `$${` writes a literal `${`.
+Override syntax (OmegaConf's dotted `key=value`, as in Hydra):
+
+- `key=value` sets one dotted key; the value is read as YAML (`runner.num_steps=5`, `actor.lr=1e-6`,
+  `rollout.sglang.urls=[http://a:30000]`, `'cluster.component_placement={actor: 0, rollout: 1}'`). A section
+  given as a mapping replaces the section of the file whole; `key=` and `key=null` set the value to null.
+- `~key` removes a key from the file, so its default, or its derived value, applies again.
+
+Interpolation (OmegaConf's): `${a.b}` alone takes the value of key `a.b` with its type (a number stays a
+number); inside a longer string it is replaced by the value's text. A key the file leaves out resolves to its
+default. `${oc.env:NAME}` reads an environment variable (`${oc.env:NAME,default}` with a fallback); `\\${`
+writes a literal `${`.
 """
 
 from __future__ import annotations
 
-import copy
+import io
 import re
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any, cast
 
 import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+from pydantic import BaseModel
 
-from asyncrl_core.config.keys import lookup
+from asyncrl_core.config.keys import lookup, member_for, section_models
 from asyncrl_core.config.models import AsyncRLConfig
 from asyncrl_core.errors import ConfigError, ConfigProblem
 
 DEFAULT_CONFIG = "searchr1-mini"
 """The configuration `asyncrl-run` uses when given none (embedded in the package)."""
 
-_REFERENCE = re.compile(r"\$(\$?)\{([^}]*)\}")
+OVERRIDE_SYNTAX = (
+    "`key=value` sets a dotted key, the value read as YAML (`runner.num_steps=5`, "
+    "`'cluster.component_placement={actor: 0, rollout: 1}'`); `~key` removes a key so its default applies; "
+    "`${a.b}` in a value refers to another key, `${oc.env:NAME}` to an environment variable"
+)
+"""One-line description of the override and interpolation syntax, for `--help` and `--schema`."""
+
 _KEY = re.compile(r"^[A-Za-z_][\w-]*(\.[\w,-]+)*$")
-_MAX_DEPTH = 64
+_REFERENCE = re.compile(r"\$\{\s*([A-Za-z_][\w.,-]*)\s*\}")
 
 Tree = dict[str, Any]
 
 
-# libyaml's parser where PyYAML was built with it (ten times faster); the constructor is Python either way.
-_SafeLoader: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+class _NamedText(io.StringIO):
+    """Text that YAML's error marks name as `name` (PyYAML reads the stream's `name` attribute)."""
+
+    def __init__(self, text: str, name: str) -> None:
+        super().__init__(text)
+        self.name = name
 
 
-class _UniqueKeyLoader(_SafeLoader):
-    """A safe loader that rejects a key written twice in one mapping (PyYAML would keep the last)."""
+def _yaml_problem(error: yaml.YAMLError, source: str) -> str:
+    """A YAML error in one line: the file, the line and column, and what is wrong there."""
+    if isinstance(error, yaml.MarkedYAMLError) and error.problem_mark is not None:
+        mark = error.problem_mark
+        text = f"{source}, line {mark.line + 1}, column {mark.column + 1}: {error.problem}"
+        if error.context and error.context_mark is not None:
+            text += f" ({error.context} at line {error.context_mark.line + 1})"
+        return text
+    return f"{source} is not valid YAML: {' '.join(str(error).split())}"
 
 
-def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[Hashable, Any]:
-    loader.flatten_mapping(node)
-    mapping: dict[Hashable, Any] = {}
-    for key_node, value_node in node.value:
-        key = loader.construct_object(key_node, deep=True)  # pyright: ignore[reportUnknownMemberType]
-        if not isinstance(key, Hashable):
-            raise yaml.constructor.ConstructorError(
-                None, None, "a mapping key must be a plain value", key_node.start_mark
-            )
-        if key in mapping:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"key {key!r} is written twice in one mapping", key_node.start_mark
-            )
-        mapping[key] = loader.construct_object(value_node, deep=True)  # pyright: ignore[reportUnknownMemberType]
-    return mapping
-
-
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-
-
-def read_yaml(text: str, source: str) -> object:
-    """Parse YAML text safely (no Python objects), rejecting repeated keys; errors name `source`."""
+def read_yaml(text: str, source: str) -> Tree:
+    """Parse a configuration file's text with OmegaConf's YAML loader (safe: no Python objects; a key
+    written twice in one mapping is an error) into plain data; errors name `source` and the line."""
     try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)
+        loaded = OmegaConf.load(_NamedText(text, source))
     except yaml.YAMLError as error:
-        raise ConfigError(f"{source} is not valid YAML: {error}") from None
+        raise ConfigError(_yaml_problem(error, source)) from None
     except RecursionError:
         raise ConfigError(f"{source} nests too deeply") from None
+    except (OmegaConfBaseException, ValueError, OSError) as error:
+        raise ConfigError(f"{source} cannot be read as a configuration: {_first_line(error)}") from None
+    if isinstance(loaded, ListConfig):
+        raise ConfigError(f"{source} must hold a mapping of sections (runner:, cluster:, ...) at the top")
+    tree = OmegaConf.to_container(loaded, resolve=False)
+    assert isinstance(tree, dict)
+    non_text = [key for key in tree if not isinstance(key, str)]
+    if non_text:
+        raise ConfigError([ConfigProblem(str(key), "section names must be text") for key in non_text])
+    return cast(Tree, tree)
 
 
 def default_config_text() -> str:
@@ -80,8 +102,8 @@ def default_config_text() -> str:
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> AsyncRLConfig:
     """Read, override, interpolate and validate a configuration.
 
-    `path` is a YAML file, or `None` for the embedded default. `overrides` are `key=value` strings whose
-    values are read as YAML (`rollout.pause_mode=drain`, `cluster.component_placement.actor=0-3`).
+    `path` is a YAML file, or `None` for the embedded default. `overrides` follow the syntax of the module
+    docstring (`rollout.pause_mode=drain`, `~rollout_buffer.max_buffered_groups`).
     Raises `ConfigError` listing every problem found at the first step that fails.
     """
     if path is None:
@@ -93,158 +115,197 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         except (OSError, UnicodeDecodeError) as error:
             raise ConfigError(f"cannot read the configuration file {source}: {error}") from None
     tree = read_yaml(text, source)
-    if tree is None:
-        tree = {}
-    if not isinstance(tree, dict):
-        raise ConfigError(f"{source} must hold a mapping of sections (runner:, cluster:, ...) at the top")
-    non_text = [key for key in cast(dict[object, object], tree) if not isinstance(key, str)]
-    if non_text:
-        raise ConfigError([ConfigProblem(str(key), "section names must be text") for key in non_text])
-    tree = cast(Tree, tree)
     apply_overrides(tree, parse_overrides(overrides))
+    fill_defaults(tree, AsyncRLConfig)
     return AsyncRLConfig.model_validate(interpolate(tree))
 
 
-def parse_overrides(overrides: Sequence[str]) -> list[tuple[list[str], object]]:
-    """`key=value` strings as (key parts, value) pairs; every malformed one is reported at once."""
-    parsed: list[tuple[list[str], object]] = []
+@dataclass(frozen=True, slots=True)
+class Override:
+    """One command-line override: set `parts` (a dotted key split at the dots) to `value`, or remove it."""
+
+    parts: tuple[str, ...]
+    value: object = None
+    remove: bool = False
+
+    @property
+    def key(self) -> str:
+        return ".".join(self.parts)
+
+
+def parse_overrides(overrides: Sequence[str]) -> list[Override]:
+    """`key=value` and `~key` strings as `Override`s; every malformed one is reported at once."""
+    parsed: list[Override] = []
     problems: list[ConfigProblem] = []
     for override in overrides:
-        key, equals, value_text = override.partition("=")
+        remove = override.startswith("~")
+        key, equals, value_text = override.removeprefix("~").partition("=")
         key = key.strip()
-        if not equals or not key:
+        if remove and equals:
+            problems.append(ConfigProblem(key, f"`{override}`: `~key` removes a key and takes no value"))
+            continue
+        if not remove and (not equals or not key):
             problems.append(
                 ConfigProblem(
-                    key or override, f"override {override!r} is not `key=value` (e.g. `runner.seed=1`)"
+                    key or override,
+                    f"override {override!r} is not `key=value` (e.g. `runner.seed=1`) or `~key`",
                 )
             )
             continue
         if not _KEY.match(key):
             problems.append(ConfigProblem(key, "not a dotted key such as `rollout.pause_mode`"))
             continue
-        parts = key.split(".")
-        found = lookup(AsyncRLConfig, parts)
+        parts = tuple(key.split("."))
+        found = lookup(AsyncRLConfig, list(parts))
         if not found.known:
             problems.append(ConfigProblem(key, found.problem))
             continue
-        try:
-            value = yaml.load(value_text, Loader=_UniqueKeyLoader) if value_text.strip() else None
-        except (yaml.YAMLError, RecursionError) as error:
-            problems.append(ConfigProblem(key, f"cannot read the value {value_text!r} as YAML: {error}"))
+        if remove:
+            parsed.append(Override(parts, remove=True))
             continue
-        parsed.append((parts, value))
+        try:
+            value = _read_value(value_text)
+        except (yaml.YAMLError, OmegaConfBaseException, ValueError, RecursionError) as error:
+            problems.append(
+                ConfigProblem(key, f"cannot read the value {value_text!r} as YAML: {_first_line(error)}")
+            )
+            continue
+        parsed.append(Override(parts, value))
     if problems:
         raise ConfigError(problems)
     return parsed
 
 
-def apply_overrides(tree: Tree, overrides: list[tuple[list[str], object]]) -> None:
-    """Set each override's value in `tree`, creating the sections it needs."""
+def _read_value(text: str) -> object:
+    """An override's value as OmegaConf reads a dotlist value (YAML; `1e-6` is a float)."""
+    if not text.strip():
+        return None
+    holder = OmegaConf.from_dotlist([f"value={text}"])
+    return cast(Tree, OmegaConf.to_container(holder, resolve=False))["value"]
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
+def apply_overrides(tree: Tree, overrides: Sequence[Override]) -> None:
+    """Set or remove each override's key in `tree`, creating the sections a value needs."""
     problems: list[ConfigProblem] = []
-    for parts, value in overrides:
+    for override in overrides:
         node: Tree = tree
+        parts = override.parts
         for index, part in enumerate(parts[:-1]):
-            child = node.setdefault(part, {})
+            child = node.get(part)
             if child is None:
+                if override.remove:
+                    break
                 child = node[part] = {}
             if not isinstance(child, dict):
                 problems.append(
                     ConfigProblem(
                         ".".join(parts[: index + 1]),
-                        f"holds {child!r} in the file, so `{'.'.join(parts)}` cannot be set; it must be a "
+                        f"holds {child!r} in the file, so `{override.key}` cannot be set; it must be a "
                         "section",
                     )
                 )
                 break
             node = cast(Tree, child)
         else:
-            node[parts[-1]] = value
+            if override.remove:
+                node.pop(parts[-1], None)
+            else:
+                node[parts[-1]] = override.value
     if problems:
         raise ConfigError(problems)
 
 
+def fill_defaults(tree: Tree, model: type[BaseModel]) -> None:
+    """Write into `tree` the default of every key of `model` it leaves out, in sections it holds as mappings
+    (an empty section, `null`, counts as an empty mapping), so that interpolations can refer to defaults.
+
+    Leaves required keys out (validation reports them) and anything that is not a mapping alone.
+    """
+    for name, info in model.model_fields.items():
+        members = section_models(info.annotation)
+        if members:
+            if name not in tree:
+                if info.is_required():
+                    continue
+                tree[name] = {}
+            elif tree[name] is None:
+                tree[name] = {}
+            section = tree[name]
+            if isinstance(section, dict):
+                section = cast(Tree, section)
+                backend = section.get("backend", "torch")
+                if len(members) > 1 and isinstance(backend, str) and "${" in backend:
+                    continue  # the member is known only once the reference is resolved
+                fill_defaults(section, member_for(members, backend))
+            continue
+        if name not in tree and not info.is_required():
+            default = info.get_default(call_default_factory=True)
+            tree[name] = default.model_dump(mode="json") if isinstance(default, BaseModel) else default
+
+
 def interpolate(tree: Tree) -> Tree:
-    """A copy of `tree` with every `${key}` resolved (see the module docstring)."""
-    resolver = _Interpolator(tree)
-    return cast(Tree, resolver.resolve_node(copy.deepcopy(tree), []))
+    """`tree` with every `${...}` resolved by OmegaConf; every key whose value cannot be resolved is
+    reported at once, with a `did you mean` where the reference names an unknown key."""
+    config = OmegaConf.create(tree)
+    problems: list[ConfigProblem] = []
+    _check_node(config, tree, [], problems)
+    if problems:
+        raise ConfigError(problems)
+    resolved = OmegaConf.to_container(config, resolve=True)
+    return cast(Tree, resolved)
 
 
-class _Interpolator:
-    def __init__(self, tree: Tree) -> None:
-        self.tree = tree
-        self.done: dict[str, object] = {}
-        self.active: list[str] = []
-
-    def resolve_node(self, node: object, path: list[str]) -> object:
-        if len(path) > _MAX_DEPTH:
-            raise ConfigError(ConfigProblem(".".join(path), "the configuration nests too deeply"))
-        if isinstance(node, dict):
-            mapping = cast(dict[object, object], node)
-            return {key: self.resolve_node(value, [*path, str(key)]) for key, value in mapping.items()}
-        if isinstance(node, list):
-            items = cast(list[object], node)
-            return [self.resolve_node(item, [*path, f"[{index}]"]) for index, item in enumerate(items)]
-        if isinstance(node, str) and "${" in node:
-            return self.resolve_text(node, ".".join(path))
-        return node
-
-    def resolve_text(self, text: str, where: str) -> object:
-        whole = _REFERENCE.fullmatch(text)
-        if whole is not None and not whole.group(1):
-            return copy.deepcopy(self.value_of(whole.group(2).strip(), where))
-
-        def replace(match: re.Match[str]) -> str:
-            if match.group(1):  # `$${...}` is a literal `${...}`
-                return match.group(0)[1:]
-            value = self.value_of(match.group(2).strip(), where)
-            if isinstance(value, dict | list):
-                raise ConfigError(
-                    ConfigProblem(
-                        where,
-                        f"`${{{match.group(2)}}}` is a section or list and cannot be part of a longer text",
-                    )
-                )
-            if value is None:
-                return "null"
-            if isinstance(value, bool):
-                return "true" if value else "false"
-            return str(value)
-
-        return _REFERENCE.sub(replace, text)
-
-    def value_of(self, key: str, where: str) -> object:
-        if key in self.done:
-            return self.done[key]
-        if not _KEY.match(key):
-            raise ConfigError(
-                ConfigProblem(where, f"`${{{key}}}` does not name a dotted key such as `actor.model_path`")
-            )
-        if key in self.active:
-            cycle = " -> ".join([*self.active[self.active.index(key) :], key])
-            raise ConfigError(
-                ConfigProblem(where, f"interpolation cycle: {cycle}; break it with a plain value")
-            )
-        parts = key.split(".")
-        node: object = self.tree
-        for part in parts:
-            if isinstance(node, dict) and part in node:
-                node = cast(dict[str, object], node)[part]
-                continue
-            found = lookup(AsyncRLConfig, parts)
-            if found.known and found.has_default:
-                node = found.default
-                break
-            reason = (
-                found.problem if not found.known else "it is not set in the configuration and has no default"
-            )
-            raise ConfigError(ConfigProblem(where, f"`${{{key}}}` cannot be resolved: {reason}"))
-        self.active.append(key)
+def _check_node(
+    node: DictConfig | ListConfig, raw: object, path: list[str], problems: list[ConfigProblem]
+) -> None:
+    keys: Sequence[Any] = list(node.keys()) if isinstance(node, DictConfig) else range(len(node))
+    for key in keys:
+        where = [*path, f"[{key}]" if isinstance(key, int) else str(key)]
+        raw_value = cast(Any, raw)[key]
         try:
-            value = self.resolve_node(copy.deepcopy(node), parts)
-        finally:
-            self.active.pop()
-        self.done[key] = value
-        return value
+            value = node[key]
+        except MissingMandatoryValue:
+            problems.append(ConfigProblem(_dotted(where), "`???` marks a value still to be given; give it"))
+            continue
+        except OmegaConfBaseException as error:
+            problems.append(ConfigProblem(_dotted(where), _interpolation_problem(str(raw_value), error)))
+            continue
+        except RecursionError:
+            problems.append(ConfigProblem(_dotted(where), "the configuration nests too deeply"))
+            continue
+        # A container that an interpolation produced was checked where it is written.
+        if isinstance(value, DictConfig | ListConfig) and isinstance(raw_value, dict | list):
+            _check_node(value, raw_value, where, problems)
+
+
+def _dotted(parts: list[str]) -> str:
+    return "".join(
+        part if part.startswith("[") or index == 0 else f".{part}" for index, part in enumerate(parts)
+    )
+
+
+def _interpolation_problem(text: str, error: OmegaConfBaseException) -> str:
+    reason = _first_line(error)
+    if "Recursive interpolation" in reason:
+        return (
+            f"`{text}` cannot be resolved: interpolation cycle (it refers back to itself through other "
+            "keys); break it with a plain value"
+        )
+    for reference in _REFERENCE.findall(text):
+        found = lookup(AsyncRLConfig, reference.split("."))
+        if not found.known:
+            return f"`${{{reference}}}` cannot be resolved: {found.problem}"
+        if "not found" in reason:
+            return (
+                f"`${{{reference}}}` cannot be resolved: it is not set in the configuration and has no "
+                "default"
+            )
+    return f"`{text}` cannot be resolved: {reason}"
 
 
 def render_yaml(config: AsyncRLConfig, *, mark_derived: bool = True) -> str:
@@ -259,7 +320,9 @@ def render_yaml(config: AsyncRLConfig, *, mark_derived: bool = True) -> str:
 
 def _scalar(value: object) -> str:
     text = yaml.safe_dump(value, default_flow_style=True, allow_unicode=True, width=1 << 30)
-    return text.removesuffix("\n").removesuffix("\n...").strip()
+    text = text.removesuffix("\n").removesuffix("\n...").strip()
+    # OmegaConf would read `${...}` in a value as an interpolation again: escape it.
+    return text.replace("${", "\\${") if isinstance(value, str) else text
 
 
 def _emit(node: dict[str, Any], path: list[str], lines: list[str], derived: frozenset[str]) -> None:

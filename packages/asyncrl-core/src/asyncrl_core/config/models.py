@@ -1,17 +1,27 @@
 """The configuration of a run, as frozen pydantic models: one section per component.
 
 Every field has a docstring, which is also its description in the JSON Schema (`asyncrl-run --schema`).
+Types are strict: `true` is never a number and a quoted string never a number, except the exponent form
+`1e-6` that YAML 1.1 reads as text (accepted as a float, since learning rates are written that way).
+
 Fields whose default is `None` and whose docstring says *derived* are computed once, when the root model
 is validated, from other keys; the resolved configuration holds the computed value and
-`AsyncRLConfig.derived_keys` names them (the dry run marks them `# derived`). The cross-field rules live in
-one validator on the root model (`AsyncRLConfig`), which reports every problem at once as a
-`asyncrl_core.errors.ConfigError` with dotted key paths.
+`AsyncRLConfig.derived_keys` names them (the dry run marks them `# derived`).
 
-This module imports only pydantic and the standard library.
+Each section holds its rules beside its fields: `derive` computes its derived values and `check` reports
+what is wrong, both writing to one `Validation` and both reading the whole configuration. The root
+validator of `AsyncRLConfig` runs them for every section and reports every problem at once as a
+`asyncrl_core.errors.ConfigError` with dotted key paths. Adding a key means adding the field, with its
+docstring, and its rule to its section's `check`.
+
+This module imports only pydantic, the standard library and asyncrl_core's light modules.
 """
 
 from __future__ import annotations
 
+import os
+import re
+from pathlib import Path
 from typing import Annotated, Any, Literal, Self
 
 from pydantic import (
@@ -25,15 +35,49 @@ from pydantic import (
     PrivateAttr,
     Tag,
     ValidationError,
+    ValidatorFunctionWrapHandler,
     WithJsonSchema,
+    WrapValidator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
-from asyncrl_core.config.placement import MAX_DEVICE_ID, parse_device_ids
+from asyncrl_core.config.keys import suggest
+from asyncrl_core.config.placement import (
+    MAX_DEVICE_ID,
+    detect_devices,
+    format_device_ids,
+    parse_device_ids,
+    visible_gpu_count,
+)
+from asyncrl_core.config.validate import (
+    COMPONENTS,
+    Validation,
+    components,
+    derived_max_inflight_groups,
+    devices_text,
+    divisors,
+    problems_from_validation_error,
+)
 from asyncrl_core.errors import ConfigError, ConfigProblem
 
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
+
+_EXPONENT = re.compile(r"^\s*[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+\s*$")
+_URL = re.compile(r"^https?://[^\s/:]+(:\d{1,5})?/?$")
+
+
+def _exponent_as_float(value: object) -> object:
+    """`1e-6` as a float: YAML 1.1 reads an exponent without a dot as text. Other text stays text (and the
+    strict float type refuses it)."""
+    if isinstance(value, str) and _EXPONENT.match(value):
+        return float(value)
+    return value
+
+
+Float = Annotated[float, BeforeValidator(_exponent_as_float)]
+"""A float field: a number, or text in exponent form such as `1e-6`; never `true` nor other text."""
 
 
 def _device_ids_as_text(value: object) -> object:
@@ -50,7 +94,18 @@ def _device_ids_as_text(value: object) -> object:
     return value
 
 
-ServerArgument = str | int | float | bool
+def _one_server_argument(value: object, handler: ValidatorFunctionWrapHandler) -> object:
+    """One error for a value that none of the scalar types accepts (pydantic would list one per type)."""
+    try:
+        return handler(value)
+    except ValidationError:
+        raise PydanticCustomError(
+            "server_argument",
+            "an extra server argument is text, a number or true/false, not a section or a list",
+        ) from None
+
+
+ServerArgument = Annotated[str | int | float | bool, WrapValidator(_one_server_argument)]
 """The value of one extra server argument."""
 
 _DEVICE_IDS_SCHEMA: dict[str, JsonValue] = {
@@ -76,7 +131,17 @@ class Section(BaseModel):
         use_attribute_docstrings=True,
         allow_inf_nan=False,
         validate_default=True,
+        strict=True,
     )
+
+    def derive(self, root: AsyncRLConfig, found: Validation) -> None:
+        """Record in `found` the derived values of this section's unset keys."""
+        del root, found
+
+    def check(self, root: AsyncRLConfig, found: Validation) -> None:
+        """Record in `found` what is wrong with this section, given the whole configuration (derived
+        values filled in)."""
+        del root, found
 
 
 class RunnerConfig(Section):
@@ -94,6 +159,10 @@ class RunnerConfig(Section):
     run_dir: Annotated[str, Field(min_length=1)] | None = None
     """Folder for `config.yaml`, `warnings.log`, metrics, TensorBoard events and checkpoints.
     Derived: `runs/<name>`, relative to the working directory."""
+
+    def derive(self, root: AsyncRLConfig, found: Validation) -> None:
+        if self.run_dir is None:
+            found.derive("runner.run_dir", f"runs/{self.name}")
 
 
 class ClusterConfig(Section):
@@ -119,6 +188,146 @@ class ClusterConfig(Section):
                 ids.update(parse_device_ids(text))
         return tuple(sorted(ids))
 
+    def placement(self) -> dict[str, tuple[int, ...]] | None:
+        """Device ids per placement key, or `None` when any key's ids cannot be read."""
+        parsed: dict[str, tuple[int, ...]] = {}
+        for key, text in self.component_placement.items():
+            try:
+                parsed[key] = parse_device_ids(text)
+            except ValueError:
+                return None
+        return parsed
+
+    def derive(self, root: AsyncRLConfig, found: Validation) -> None:
+        device_type = self.device_type
+        if device_type == "auto":
+            device_type = "gpu" if visible_gpu_count() > 0 else "cpu"
+            found.derive("cluster.device_type", device_type)
+        present = detect_devices(device_type)
+        if self.num_devices is None and present > 0:
+            found.derive("cluster.num_devices", present)
+        elif present == 0:
+            unchecked = (
+                "; the placement is checked against no device count (set `cluster.num_devices` to check it)"
+                if self.num_devices is None
+                else ""
+            )
+            cpu = (
+                ""
+                if root.actor.backend == "megatron"
+                else ", or write `cluster.device_type: cpu` to run here on CPU cores"
+            )
+            found.warn(
+                "cluster.device_type",
+                f"`gpu` is asked for, but this machine has no visible GPU, so a launch here fails"
+                f"{unchecked}. "
+                f"Fine when preparing a configuration for a machine with GPUs{cpu}",
+            )
+
+    def check(self, root: AsyncRLConfig, found: Validation) -> None:
+        where = "cluster.component_placement"
+        parsed: dict[str, tuple[int, ...]] = {}
+        owner: dict[str, str] = {}
+        for key, text in self.component_placement.items():
+            for name in components(key):
+                if name not in COMPONENTS:
+                    hint = suggest(name, list(COMPONENTS))
+                    found.error(
+                        f"{where}.{key}",
+                        f"unknown component {name!r}; {hint}components: {', '.join(COMPONENTS)}",
+                    )
+                elif name in owner:
+                    found.error(
+                        f"{where}.{key}",
+                        f"`{name}` is placed twice (also under `{owner[name]}`); list each component under "
+                        "one key",
+                    )
+                else:
+                    owner[name] = key
+            try:
+                parsed[key] = parse_device_ids(text)
+            except ValueError as error:
+                found.error(f"{where}.{key}", str(error))
+        if len(parsed) != len(self.component_placement):
+            return
+        if self.num_devices is not None:
+            ids_text = f"ids 0-{self.num_devices - 1}" if self.num_devices > 1 else "id 0"
+            for key, ids in parsed.items():
+                absent = tuple(device_id for device_id in ids if device_id >= self.num_devices)
+                if absent:
+                    found.error(
+                        f"{where}.{key}",
+                        f"{devices_text(absent)} not present: there are {self.num_devices} "
+                        f"{self.device_type} devices ({ids_text}); use ids below {self.num_devices} or set "
+                        "`cluster.num_devices`",
+                    )
+        async_mode = root.runner.async_mode
+        keys = list(parsed)
+        for index, first in enumerate(keys):
+            for second in keys[index + 1 :]:
+                shared = tuple(sorted(set(parsed[first]) & set(parsed[second])))
+                if not shared:
+                    continue
+                names = components(first) + components(second)
+                fix = "give each key its own devices"
+                if not (async_mode and {"actor", "rollout"} <= set(names)):
+                    fix += f", or list colocated components under one key (`{','.join(names)}: ...`)"
+                found.error(f"{where}.{second}", f"{devices_text(shared)} also placed under `{first}`; {fix}")
+        needed = ["actor"]
+        if root.rollout.sglang.launch != "external":
+            needed.append("rollout")
+        free = 0 if self.num_devices is None else self.num_devices
+        for component in needed:
+            if component not in owner:
+                example = f"{component}: {free - 1}" if free else f"{component}: 0"
+                found.error(where, f"no devices for `{component}`; add a key such as `{example}`")
+        # Under two keys, shared devices are already an overlap error; under one key they are colocated.
+        if async_mode and "actor" in owner and owner.get("rollout") == owner["actor"]:
+            found.error(
+                f"{where}.{owner['actor']}",
+                "async mode needs the actor and the rollout on different devices, but both use "
+                f"{format_device_ids(parsed[owner['actor']])}; place them apart (e.g. `actor: 0-3`, "
+                "`rollout: 4-7`) or set `runner.async_mode: false`",
+            )
+
+    def launch_problems(self, root: AsyncRLConfig) -> list[ConfigProblem]:
+        """Problems that only a launch on this machine has: placement ids beyond the devices present here.
+
+        A dry run skips this, so a cluster's configuration can be prepared on a laptop. With `RAY_ADDRESS`
+        set the run joins a Ray cluster whose devices are not all on this machine, and this check is left to
+        the runner, which sees the cluster's resources.
+        """
+        parsed = self.placement()
+        if os.environ.get("RAY_ADDRESS") or not parsed:
+            return []
+        used = [device_id for ids in parsed.values() for device_id in ids]
+        if not used:
+            return []
+        device_type = "gpu" if self.device_type == "gpu" else "cpu"
+        present = detect_devices(device_type)
+        needed = max(used) + 1
+        if present >= needed:
+            return []
+        where = "cluster.component_placement"
+        if present:
+            what = "GPUs are visible" if device_type == "gpu" else "CPU cores are present"
+            return [
+                ConfigProblem(
+                    where,
+                    f"the placement uses {device_type} ids up to {needed - 1}, but only {present} {what} on "
+                    f"this machine; place the components on ids below {present}, or join a Ray cluster "
+                    "(RAY_ADDRESS)",
+                )
+            ]
+        fix = (
+            "run it on a machine with GPUs, or join a Ray cluster that has them (RAY_ADDRESS)"
+            if root.actor.backend == "megatron"
+            else "write `cluster.device_type: cpu` to run on CPU cores, or join a Ray cluster (RAY_ADDRESS)"
+        )
+        return [
+            ConfigProblem(where, f"the placement asks for GPUs, but this machine has no visible GPU; {fix}")
+        ]
+
 
 class DataConfig(Section):
     """The prompts: how many per step, from which dataset, and how long prompt and response may be."""
@@ -139,6 +348,10 @@ class DataConfig(Section):
     skipped by the dataloader."""
     max_response_len: PositiveInt = 1024
     """Most response tokens of one trajectory, summed over all turns (model and tool tokens alike)."""
+
+    def derive(self, root: AsyncRLConfig, found: Validation) -> None:
+        if self.seed is None:
+            found.derive("data.seed", root.runner.seed)
 
 
 class SGLangConfig(Section):
@@ -163,18 +376,59 @@ class SGLangConfig(Section):
     """Extra server arguments for `launch: sglang`, e.g. `mem_fraction_static: 0.8` (`--mem-fraction-static
     0.8`); `true` passes a bare flag."""
 
+    def check(self, root: AsyncRLConfig, found: Validation) -> None:
+        if root.runner.async_mode and self.backend_type != "server":
+            found.error(
+                "rollout.sglang.backend_type",
+                "async mode needs the rollout behind the SGLang server protocol; write `server` "
+                "(or set `runner.async_mode: false`)",
+            )
+        if self.launch == "sglang" and root.cluster.device_type == "cpu":
+            found.error(
+                "rollout.sglang.launch",
+                "`sglang` starts real SGLang servers, which need GPUs; write `builtin` on CPU "
+                "(or set `cluster.device_type: gpu`)",
+            )
+        if self.launch == "external":
+            if not self.urls:
+                found.error(
+                    "rollout.sglang.urls",
+                    "`launch: external` needs the servers' base URLs, e.g. `urls: [http://10.0.0.2:30000]`",
+                )
+        elif self.urls:
+            found.error(
+                "rollout.sglang.urls",
+                f"URLs are used only with `launch: external` (launch is `{self.launch}`); remove them or "
+                "write `rollout.sglang.launch: external`",
+            )
+        for index, url in enumerate(self.urls):
+            if not _URL.match(url):
+                found.error(
+                    f"rollout.sglang.urls[{index}]", f"{url!r} is not a base URL; write `http://host:port`"
+                )
+        if len(set(self.urls)) != len(self.urls):
+            found.error("rollout.sglang.urls", "a URL is listed twice; list each server once")
+
 
 class SamplingConfig(Section):
     """Sampling of each model turn, as SGLang's `sampling_params` names it."""
 
-    temperature: Annotated[float, Field(ge=0.0)] = 1.0
+    temperature: Annotated[Float, Field(ge=0.0)] = 1.0
     """Softmax temperature; 0 samples greedily (RL normally keeps 1.0 so logprobs match the policy)."""
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_p: Annotated[Float, Field(gt=0.0, le=1.0)] = 1.0
     """Nucleus sampling mass; 1.0 keeps the whole distribution."""
     top_k: Annotated[int, Field(ge=-1)] = -1
     """Sample from the `top_k` most likely tokens; -1 keeps all (0 is not allowed)."""
     max_new_tokens: PositiveInt | None = None
     """Most tokens of one model turn. Derived: `data.max_response_len`."""
+
+    def derive(self, root: AsyncRLConfig, found: Validation) -> None:
+        if self.max_new_tokens is None:
+            found.derive("rollout.sampling.max_new_tokens", root.data.max_response_len)
+
+    def check(self, root: AsyncRLConfig, found: Validation) -> None:
+        if self.top_k == 0:
+            found.error("rollout.sampling.top_k", "0 keeps no token; write -1 to keep all")
 
 
 class RolloutConfig(Section):
@@ -205,8 +459,74 @@ class RolloutConfig(Section):
     `data.max_prompt_len + data.max_response_len`."""
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     """Sampling settings of every model turn."""
-    request_timeout_s: Annotated[float, Field(gt=0.0)] = 600.0
+    request_timeout_s: Annotated[Float, Field(gt=0.0)] = 600.0
     """Seconds one generation request may take, pauses for weight syncs included."""
+
+    def instances_from_placement(self, root: AsyncRLConfig) -> int | None:
+        """Instances the placement and parallel sizes give, or `None` when they give none."""
+        if self.sglang.launch == "external":
+            return len(self.sglang.urls) or None
+        if root.cluster.placement() is None:
+            return None
+        return len(root.cluster.devices_of("rollout")) // self.tensor_parallel_size or None
+
+    def derive(self, root: AsyncRLConfig, found: Validation) -> None:
+        data = root.data
+        if self.model_path is None:
+            found.derive("rollout.model_path", root.actor.model_path)
+        if self.context_length is None:
+            found.derive("rollout.context_length", data.max_prompt_len + data.max_response_len)
+        if self.num_instances is None:
+            num_instances = self.instances_from_placement(root)
+            if num_instances is not None:
+                found.derive("rollout.num_instances", num_instances)
+        self.sampling.derive(root, found)
+
+    def check(self, root: AsyncRLConfig, found: Validation) -> None:
+        self.sglang.check(root, found)
+        self.sampling.check(root, found)
+        launch = self.sglang.launch
+        placement = root.cluster.placement()
+        if launch != "external" and placement is not None:
+            num_devices = len(root.cluster.devices_of("rollout"))
+            if num_devices and num_devices % self.tensor_parallel_size:
+                found.error(
+                    "rollout.tensor_parallel_size",
+                    f"{self.tensor_parallel_size} does not divide the {num_devices} rollout devices; "
+                    f"choose one of {divisors(num_devices)}",
+                )
+        if launch == "external" and any("rollout" in components(key) for key in placement or {}):
+            found.warn(
+                "cluster.component_placement",
+                "`rollout` devices are unused with `rollout.sglang.launch: external`; remove them",
+            )
+        computed = self.instances_from_placement(root)
+        if self.num_instances is not None and computed is not None and self.num_instances != computed:
+            source = (
+                "the number of `rollout.sglang.urls`"
+                if launch == "external"
+                else "the rollout devices divided by `rollout.tensor_parallel_size`"
+            )
+            found.error(
+                "rollout.num_instances",
+                f"{self.num_instances} disagrees with {source}, which give {computed}; remove the key "
+                "(it is derived)",
+            )
+        data = root.data
+        wanted = data.max_prompt_len + data.max_response_len
+        if self.context_length is not None and wanted > self.context_length:
+            found.error(
+                "rollout.context_length",
+                f"{self.context_length} tokens cannot hold data.max_prompt_len {data.max_prompt_len} + "
+                f"data.max_response_len {data.max_response_len} = {wanted}; raise it or shorten those "
+                "lengths",
+            )
+        if self.rollout_backend != "sglang":
+            from asyncrl_core import plugins
+
+            problem = plugins.check_selectable("asyncrl.rollout_backends", self.rollout_backend)
+            if problem is not None:
+                found.error("rollout.rollout_backend", problem)
 
 
 class ActorCommon(Section):
@@ -222,17 +542,17 @@ class ActorCommon(Section):
     micro batches of a step."""
     optimizer: Literal["adamw", "sgd"] = "adamw"
     """Optimiser."""
-    lr: Annotated[float, Field(gt=0.0)] = 1e-6
+    lr: Annotated[Float, Field(gt=0.0)] = 1e-6
     """Learning rate."""
-    weight_decay: Annotated[float, Field(ge=0.0)] = 0.0
+    weight_decay: Annotated[Float, Field(ge=0.0)] = 0.0
     """Decoupled weight decay (AdamW) or L2 penalty (SGD)."""
-    adam_beta1: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.9
+    adam_beta1: Annotated[Float, Field(ge=0.0, lt=1.0)] = 0.9
     """Adam's first-moment decay."""
-    adam_beta2: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.999
+    adam_beta2: Annotated[Float, Field(ge=0.0, lt=1.0)] = 0.999
     """Adam's second-moment decay."""
-    adam_eps: Annotated[float, Field(gt=0.0)] = 1e-8
+    adam_eps: Annotated[Float, Field(gt=0.0)] = 1e-8
     """Adam's denominator epsilon."""
-    grad_clip: Annotated[float, Field(ge=0.0)] = 1.0
+    grad_clip: Annotated[Float, Field(ge=0.0)] = 1.0
     """Largest global gradient L2 norm; larger gradients are scaled down to it. 0 turns clipping off."""
     tensor_parallel_size: PositiveInt = 1
     """Devices a layer is split over (Megatron only; the torch actor needs 1)."""
@@ -243,12 +563,46 @@ class ActorCommon(Section):
     weight_export_bucket_mb: PositiveInt = 512
     """Size of one bucket of weights sent to the engines after each step, in MiB."""
 
+    def check(self, root: AsyncRLConfig, found: Validation) -> None:
+        """The rules of every backend: a step's trajectories split evenly into ranks and micro batches."""
+        if root.cluster.placement() is None or not root.cluster.devices_of("actor"):
+            return
+        batch, group_size = root.data.rollout_batch_size, root.algorithm.group_size
+        trajectories = batch * group_size
+        data_parallel = root.actor_data_parallel_size
+        per_rank, remainder = divmod(trajectories, data_parallel)
+        described = (
+            f"the {trajectories} trajectories of a step (data.rollout_batch_size {batch} x "
+            f"algorithm.group_size {group_size})"
+        )
+        if remainder:
+            found.error(
+                "data.rollout_batch_size",
+                f"{described} do not split evenly over the actor's {data_parallel} data-parallel ranks; "
+                f"make rollout_batch_size x group_size a multiple of {data_parallel}",
+            )
+        elif per_rank % self.micro_batch_size:
+            found.error(
+                "actor.micro_batch_size",
+                f"{described} give {per_rank} per data-parallel rank ({data_parallel} ranks), which micro "
+                f"batches of {self.micro_batch_size} do not divide; choose one of {divisors(per_rank)}",
+            )
+
 
 class TorchActorConfig(ActorCommon):
     """The PyTorch actor (asyncrl_core): data parallel over its devices, CPU or GPU."""
 
     backend: Literal["torch"] = "torch"
     """Training backend."""
+
+    def check(self, root: AsyncRLConfig, found: Validation) -> None:
+        super().check(root, found)
+        for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, key) != 1:
+                found.error(
+                    f"actor.{key}",
+                    "the torch actor is data parallel only; write 1, or `actor.backend: megatron`",
+                )
 
 
 class MegatronActorConfig(ActorCommon):
@@ -261,6 +615,22 @@ class MegatronActorConfig(ActorCommon):
     use_distributed_optimizer: bool = True
     """Shard optimiser state over the data-parallel group."""
 
+    def check(self, root: AsyncRLConfig, found: Validation) -> None:
+        super().check(root, found)
+        if root.cluster.device_type == "cpu":
+            found.error("actor.backend", "Megatron needs GPUs; write `torch` to train on CPU")
+        model_parallel = self.tensor_parallel_size * self.pipeline_parallel_size
+        num_devices = len(root.cluster.devices_of("actor")) if root.cluster.placement() else 0
+        if num_devices and num_devices % model_parallel:
+            found.error(
+                "actor.tensor_parallel_size",
+                f"tensor_parallel_size {self.tensor_parallel_size} x pipeline_parallel_size "
+                f"{self.pipeline_parallel_size} = {model_parallel} does not divide the {num_devices} actor "
+                f"devices; their product must be one of {divisors(num_devices)}",
+            )
+        if self.sequence_parallel and self.tensor_parallel_size == 1:
+            found.error("actor.sequence_parallel", "needs `actor.tensor_parallel_size` above 1; write false")
+
 
 class PluginActorConfig(ActorCommon):
     """An actor from the entry-point group `asyncrl.actors`, or `module:attr`."""
@@ -270,6 +640,14 @@ class PluginActorConfig(ActorCommon):
     """A name in the entry-point group `asyncrl.actors`, or `module:attr` of the actor factory."""
     backend_args: dict[str, JsonValue] = Field(default_factory=dict[str, JsonValue])
     """Arguments passed to the plugin actor's factory."""
+
+    def check(self, root: AsyncRLConfig, found: Validation) -> None:
+        super().check(root, found)
+        from asyncrl_core import plugins
+
+        problem = plugins.check_selectable("asyncrl.actors", self.backend)
+        if problem is not None:
+            found.error("actor.backend", problem)
 
 
 def _actor_tag(value: Any) -> str | None:
@@ -305,22 +683,30 @@ class AlgorithmConfig(Section):
     loss_aggregation: Literal["token_mean", "sequence_mean"] = "token_mean"
     """`token_mean`: average over all trained tokens of the batch; `sequence_mean`: average per trajectory
     first, then over trajectories."""
-    clip_eps_low: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.2
+    clip_eps_low: Annotated[Float, Field(ge=0.0, lt=1.0)] = 0.2
     """Lower clip of the importance ratio: `1 - clip_eps_low`."""
-    clip_eps_high: Annotated[float, Field(ge=0.0)] = 0.2
+    clip_eps_high: Annotated[Float, Field(ge=0.0)] = 0.2
     """Upper clip of the importance ratio: `1 + clip_eps_high` (raise it for clip-higher)."""
-    kl_coef: Annotated[float, Field(ge=0.0)] = 0.0
+    kl_coef: Annotated[Float, Field(ge=0.0)] = 0.0
     """Weight of the KL penalty against the initial (reference) model; 0 loads no reference model."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """Estimator of the KL divergence per token (Schulman's k1, k2, k3)."""
-    entropy_coef: Annotated[float, Field(ge=0.0)] = 0.0
+    entropy_coef: Annotated[Float, Field(ge=0.0)] = 0.0
     """Weight of the entropy bonus."""
     off_policy_correction: Literal["none", "decoupled"] = "none"
     """`decoupled`: decoupled PPO, which clips against a proximal logprob recomputed by the actor before the
     update and weights each token by the truncated ratio of proximal to behaviour probability.
     `none`: clip against the behaviour logprobs the engines returned."""
-    off_policy_max_weight: Annotated[float, Field(ge=1.0)] = 2.0
+    off_policy_max_weight: Annotated[Float, Field(ge=1.0)] = 2.0
     """Truncation of the decoupled importance weight (e.g. 2.0 or 5.0)."""
+
+    def check(self, root: AsyncRLConfig, found: Validation) -> None:
+        if self.group_size == 1:
+            found.warn(
+                "algorithm.group_size",
+                "1 trajectory per prompt makes every group-relative advantage 0, so nothing is learnt; "
+                "use 2 or more",
+            )
 
 
 class RolloutBufferConfig(Section):
@@ -331,10 +717,54 @@ class RolloutBufferConfig(Section):
     rollout.num_instances * 1.2 / algorithm.group_size)`."""
     max_buffered_groups: PositiveInt | None = None
     """Groups in flight plus finished and waiting for the actor (data age). Derived:
-    `2 * data.rollout_batch_size`."""
+    `2 * data.rollout_batch_size`, or `max_inflight_groups + data.rollout_batch_size` when that is larger (so
+    the buffer limit does not cap what the engines generate); in async mode at most
+    `agentloop.max_actor_accept_staleness * data.rollout_batch_size` (so a full buffer's last group is
+    trained within the staleness cap), and never below `data.rollout_batch_size`."""
     max_dropped_groups_per_step: NonNegativeInt | None = None
     """Groups one step may drop as too stale before the run stops with an error. Derived:
     `10 * data.rollout_batch_size`."""
+
+    def derive(self, root: AsyncRLConfig, found: Validation) -> None:
+        batch = root.data.rollout_batch_size
+        inflight = self.max_inflight_groups
+        num_instances = found.value("rollout.num_instances", root.rollout.num_instances)
+        if inflight is None and num_instances is not None:
+            inflight = derived_max_inflight_groups(
+                root.rollout.max_running_requests, num_instances, root.algorithm.group_size
+            )
+            found.derive("rollout_buffer.max_inflight_groups", inflight)
+        if self.max_buffered_groups is None:
+            buffered = max(2 * batch, (inflight or 0) + batch)
+            cap = root.agentloop.max_actor_accept_staleness
+            if root.runner.async_mode and cap is not None:
+                # A full buffer empties in buffered / batch steps: keep that within the staleness cap.
+                buffered = max(batch, min(buffered, cap * batch))
+            found.derive("rollout_buffer.max_buffered_groups", buffered)
+        if self.max_dropped_groups_per_step is None:
+            found.derive("rollout_buffer.max_dropped_groups_per_step", 10 * batch)
+
+    def check(self, root: AsyncRLConfig, found: Validation) -> None:
+        batch = root.data.rollout_batch_size
+        inflight, buffered = self.max_inflight_groups, self.max_buffered_groups
+        if buffered is not None and buffered < batch:
+            found.error(
+                "rollout_buffer.max_buffered_groups",
+                f"{buffered} is below data.rollout_batch_size {batch}, so a training batch could never fill; "
+                f"write at least {batch} (the default is {2 * batch})",
+            )
+        elif (
+            buffered is not None
+            and inflight is not None
+            and buffered < inflight + batch
+            and not found.is_derived("rollout_buffer.max_buffered_groups")
+        ):
+            found.warn(
+                "rollout_buffer.max_buffered_groups",
+                f"{buffered} is below max_inflight_groups {inflight} + data.rollout_batch_size {batch}, so "
+                f"the buffer limit, not the engines, caps generation; raise it to {inflight + batch} to keep "
+                "the engines busy",
+            )
 
 
 class AgentLoopConfig(Section):
@@ -354,6 +784,49 @@ class AgentLoopConfig(Section):
     """Agent-loop workers (processes); groups are spread over them."""
     max_concurrent_groups: PositiveInt | None = None
     """Groups one worker runs at once. Derived: `ceil(rollout_buffer.max_inflight_groups / num_workers)`."""
+
+    def derive(self, root: AsyncRLConfig, found: Validation) -> None:
+        inflight = found.value("rollout_buffer.max_inflight_groups", root.rollout_buffer.max_inflight_groups)
+        if self.max_concurrent_groups is None and inflight is not None:
+            found.derive("agentloop.max_concurrent_groups", -(-inflight // self.num_workers))
+
+    def check(self, root: AsyncRLConfig, found: Validation) -> None:
+        from asyncrl_core import plugins
+
+        if self.task_name is None:
+            names = plugins.names("asyncrl.tasks")
+            found.error(
+                "agentloop.task_name",
+                "no task selected; every run needs one (async mode included): write a name from "
+                f"`asyncrl-run --list-tasks` ({', '.join(names) or 'none is installed'}) or `module:attr`",
+            )
+        else:
+            problem = plugins.check_selectable("asyncrl.tasks", self.task_name)
+            if problem is not None:
+                found.error("agentloop.task_name", problem)
+        batch = root.data.rollout_batch_size
+        buffered = root.rollout_buffer.max_buffered_groups
+        cap = self.max_actor_accept_staleness
+        # Staleness exists only when rollout and training overlap.
+        if root.runner.async_mode and cap is not None and buffered is not None and cap * batch < buffered:
+            found.warn(
+                "agentloop.max_actor_accept_staleness",
+                f"{cap} is below max_buffered_groups / rollout_batch_size = {buffered}/{batch}, so groups "
+                f"the buffer admits can wait longer than the cap and be dropped; raise it to "
+                f"{-(-buffered // batch)} or lower rollout_buffer.max_buffered_groups",
+            )
+        inflight = root.rollout_buffer.max_inflight_groups
+        if (
+            inflight is not None
+            and self.max_concurrent_groups is not None
+            and self.max_concurrent_groups * self.num_workers < inflight
+            and not found.is_derived("agentloop.max_concurrent_groups")
+        ):
+            found.warn(
+                "agentloop.max_concurrent_groups",
+                f"{self.num_workers} worker(s) x {self.max_concurrent_groups} groups run fewer groups than "
+                f"rollout_buffer.max_inflight_groups {inflight}; raise it or remove it (it is derived)",
+            )
 
 
 class LoggingConfig(Section):
@@ -382,6 +855,22 @@ class CheckpointConfig(Section):
     """Checkpoints kept under `<run_dir>/checkpoints`; older ones are deleted."""
     resume_from: str | None = None
     """Resume from this checkpoint folder, or `latest` for the newest one under `<run_dir>/checkpoints`."""
+
+    def check(self, root: AsyncRLConfig, found: Validation) -> None:
+        num_steps = root.runner.num_steps
+        periodic = self.save_every_steps is not None and self.save_every_steps <= num_steps
+        if not periodic and not self.save_at_end:
+            found.warn(
+                "checkpoint.save_every_steps",
+                f"no checkpoint is saved in {num_steps} steps; set it to at most {num_steps}, or "
+                "`checkpoint.save_at_end: true`",
+            )
+        if self.resume_from not in (None, "latest") and not Path(self.resume_from).is_dir():
+            found.error(
+                "checkpoint.resume_from",
+                f"{self.resume_from!r} is not a folder; give a checkpoint folder "
+                "(`<run_dir>/checkpoints/...`) or `latest`",
+            )
 
 
 class AsyncRLConfig(Section):
@@ -430,38 +919,61 @@ class AsyncRLConfig(Section):
         model_parallel = self.actor.tensor_parallel_size * self.actor.pipeline_parallel_size
         return max(1, len(self.cluster.devices_of("actor")) // model_parallel)
 
+    def sections(self) -> tuple[Section, ...]:
+        """The sections, in the order their values are derived (a section may read values derived before
+        it)."""
+        return (
+            self.cluster,
+            self.runner,
+            self.data,
+            self.rollout,
+            self.actor,
+            self.algorithm,
+            self.rollout_buffer,
+            self.agentloop,
+            self.logging,
+            self.checkpoint,
+        )
+
     @model_validator(mode="wrap")
     @classmethod
     def _resolve_and_check(cls, data: Any, handler: ModelWrapValidatorHandler[Self]) -> Self:
-        """Validate fields, fill derived values, then apply every cross-field rule at once.
+        """Validate fields, fill derived values, then apply every section's rules at once.
 
         Raises `ConfigError` (never pydantic's `ValidationError`) listing every problem with its key path.
         """
-        from asyncrl_core.config.validate import derive, problems_from_validation_error, run_rules
-
         try:
             parsed = handler(data)
         except ValidationError as error:
-            raise ConfigError(problems_from_validation_error(error)) from None
-        errors: list[ConfigProblem] = []
-        warnings: list[ConfigProblem] = []
-        derived = derive(parsed, warnings)
+            raise ConfigError(problems_from_validation_error(error, cls)) from None
+        found = Validation()
+        for section in parsed.sections():
+            section.derive(parsed, found)
         resolved = parsed
-        if derived:
+        if found.derived:
             tree = parsed.model_dump(mode="python")
-            for key, value in derived.items():
-                section, _, leaf = key.rpartition(".")
+            for key, value in found.derived.items():
+                section_key, _, leaf = key.rpartition(".")
                 node = tree
-                for part in section.split("."):
+                for part in section_key.split("."):
                     node = node[part]
                 node[leaf] = value
             try:
                 resolved = handler(tree)
             except ValidationError as error:  # a derived value out of its field's range
-                raise ConfigError(problems_from_validation_error(error)) from None
-        run_rules(resolved, errors, warnings)
-        if errors:
-            raise ConfigError(errors)
-        resolved._derived_keys = frozenset(derived)
-        resolved._warnings = tuple(warnings)
+                raise ConfigError(problems_from_validation_error(error, cls)) from None
+        for section in resolved.sections():
+            section.check(resolved, found)
+        if not found.errors:
+            for key, value in (
+                ("rollout.num_instances", resolved.rollout.num_instances),
+                ("rollout_buffer.max_inflight_groups", resolved.rollout_buffer.max_inflight_groups),
+                ("agentloop.max_concurrent_groups", resolved.agentloop.max_concurrent_groups),
+            ):
+                if value is None:
+                    found.error(key, "could not be derived from the other keys; set it explicitly")
+        if found.errors:
+            raise ConfigError(found.errors)
+        resolved._derived_keys = frozenset(found.derived)
+        resolved._warnings = tuple(found.warnings)
         return resolved
