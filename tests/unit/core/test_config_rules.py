@@ -151,7 +151,8 @@ def test_derived_values_never_warn_about_themselves(overrides: list[str]) -> Non
     config = load_config(MINI, [*overrides, "~agentloop.max_actor_accept_staleness"])
     assert config.warnings == ()
     buffer = config.rollout_buffer
-    assert buffer.max_inflight_groups is not None and buffer.max_buffered_groups is not None
+    assert buffer.max_inflight_groups is not None
+    assert buffer.max_buffered_groups is not None
     batch = config.data.rollout_batch_size
     assert buffer.max_buffered_groups == max(2 * batch, buffer.max_inflight_groups + batch)
 
