@@ -30,22 +30,29 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def make_actor(model_dir: Path, **overrides: object) -> TorchActor:
     actor_fields: dict[str, object] = {"model_path": str(model_dir), "dtype": "float32", "lr": 1e-2}
     algorithm_fields: dict[str, object] = {"group_size": 2}
+    temperature = float(overrides.pop("temperature", 1.0))  # pyright: ignore[reportArgumentType]
     for key, value in overrides.items():
         (algorithm_fields if key in AlgorithmConfig.model_fields else actor_fields)[key] = value
     return TorchActor(
-        TorchActorConfig.model_validate(actor_fields), AlgorithmConfig.model_validate(algorithm_fields)
+        TorchActorConfig.model_validate(actor_fields),
+        AlgorithmConfig.model_validate(algorithm_fields),
+        temperature=temperature,
     )
 
 
-def sequence_logprobs(actor: TorchActor, token_ids: list[int], prompt_len: int) -> list[float]:
+def sequence_logprobs(
+    actor: TorchActor, token_ids: list[int], prompt_len: int, temperature: float = 1.0
+) -> list[float]:
     """The actor's own logprob of each response token (fresh data: the behaviour policy is the actor)."""
     ids = torch.tensor(token_ids)
     logits = actor.forward_logits(ids)
-    logprobs = torch.log_softmax(logits[:-1], dim=-1).gather(-1, ids[1:, None]).squeeze(-1)
+    logprobs = torch.log_softmax(logits[:-1] / temperature, dim=-1).gather(-1, ids[1:, None]).squeeze(-1)
     return logprobs[prompt_len - 1 :].tolist()
 
 
-def make_groups(actor: TorchActor, *, num_groups: int = 2, group_size: int = 3, seed: int = 0) -> list[Group]:
+def make_groups(
+    actor: TorchActor, *, num_groups: int = 2, group_size: int = 3, seed: int = 0, temperature: float = 1.0
+) -> list[Group]:
     """Groups of trajectories with a tool token in each response and different lengths and rewards."""
     generator = torch.Generator().manual_seed(seed)
     groups: list[Group] = []
@@ -57,7 +64,7 @@ def make_groups(actor: TorchActor, *, num_groups: int = 2, group_size: int = 3, 
             token_ids = torch.randint(10, 2000, (prompt_len + response_len,), generator=generator).tolist()
             mask = [1] * response_len
             mask[1] = 0  # a tool token
-            logprobs = sequence_logprobs(actor, token_ids, prompt_len)
+            logprobs = sequence_logprobs(actor, token_ids, prompt_len, temperature)
             trajectories.append(
                 Trajectory(
                     token_ids=token_ids,
@@ -84,15 +91,32 @@ def assert_weights_close(
         torch.testing.assert_close(left[name], right[name], rtol=rtol, atol=atol, msg=name)
 
 
-def test_sgd_step_equals_a_hand_written_policy_gradient_update(model_dir: Path) -> None:
-    """One SGD step moves every weight by `-lr * grad` of the GRPO loss written out independently."""
-    actor = make_actor(model_dir, optimizer="sgd", grad_clip=0.0, micro_batch_size=2)
-    groups = make_groups(actor)
+STEP_CASES = {
+    "ppo": {},
+    "entropy_and_kl": {"entropy_coef": 0.05, "kl_coef": 0.1, "kl_estimator": "k1"},
+}
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.3])
+@pytest.mark.parametrize("case", list(STEP_CASES))
+def test_sgd_step_equals_a_hand_written_policy_gradient_update(
+    model_dir: Path, case: str, temperature: float
+) -> None:
+    """One SGD step moves every weight by `-lr * grad` of the GRPO loss written out independently, at the
+    sampling temperature, with the entropy bonus and the KL penalty when they are on."""
+    terms = STEP_CASES[case]
+    actor = make_actor(
+        model_dir, optimizer="sgd", grad_clip=0.0, micro_batch_size=2, temperature=temperature, **terms
+    )
+    groups = make_groups(actor, temperature=temperature)
     lr = actor.config.lr
+    entropy_coef = float(terms.get("entropy_coef", 0.0))
+    kl_coef = float(terms.get("kl_coef", 0.0))
 
     from transformers import AutoModelForCausalLM
 
     reference = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    frozen = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     loss = torch.zeros(())
     num_tokens = sum(sum(t.loss_mask) for g in groups for t in g.trajectories)
     for group in groups:
@@ -100,12 +124,24 @@ def test_sgd_step_equals_a_hand_written_policy_gradient_update(model_dir: Path) 
         advantages = ((rewards - rewards.mean()) / (rewards.std() + 1e-6)).float()
         for trajectory, advantage in zip(group.trajectories, advantages, strict=True):
             ids = torch.tensor(trajectory.token_ids)
-            logits = reference(input_ids=ids[None]).logits[0]
-            logprobs = torch.log_softmax(logits[:-1], dim=-1).gather(-1, ids[1:, None]).squeeze(-1)
-            response = logprobs[trajectory.prompt_len - 1 :]
+            start = trajectory.prompt_len - 1
+            log_p = torch.log_softmax(
+                reference(input_ids=ids[None]).logits[0, start:-1] / temperature, dim=-1
+            )
+            response = log_p.gather(-1, ids[start + 1 :, None]).squeeze(-1)
             ratio = torch.exp(response - torch.tensor(trajectory.rollout_logprobs))
             clipped = ratio.clamp(0.8, 1.2)
             per_token = torch.maximum(-advantage * ratio, -advantage * clipped)
+            if entropy_coef:
+                per_token = per_token + entropy_coef * (log_p.exp() * log_p).sum(dim=-1)
+            if kl_coef:
+                with torch.no_grad():
+                    ref_log_p = torch.log_softmax(
+                        frozen(input_ids=ids[None]).logits[0, start:-1] / temperature, -1
+                    )
+                per_token = per_token + kl_coef * (
+                    response - ref_log_p.gather(-1, ids[start + 1 :, None]).squeeze(-1)
+                )
             loss = loss + (per_token * torch.tensor(trajectory.loss_mask)).sum() / num_tokens
     loss.backward()
     expected = {
@@ -126,6 +162,22 @@ def test_sgd_step_equals_a_hand_written_policy_gradient_update(model_dir: Path) 
     updated = dict(actor.module.named_parameters())
     for name, value in expected.items():
         torch.testing.assert_close(updated[name].detach(), value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_logged_entropy_is_the_entropy_at_the_sampling_temperature(model_dir: Path) -> None:
+    actor = make_actor(model_dir, temperature=0.7)
+    groups = make_groups(actor, temperature=0.7)
+    total, count = 0.0, 0
+    for group in groups:
+        for trajectory in group.trajectories:
+            logits = actor.forward_logits(torch.tensor(trajectory.token_ids))[trajectory.prompt_len - 1 : -1]
+            log_p = torch.log_softmax(logits.double() / 0.7, dim=-1)
+            entropy = -(log_p.exp() * log_p).sum(dim=-1)
+            mask = torch.tensor(trajectory.loss_mask, dtype=torch.float64)
+            total += float((entropy * mask).sum())
+            count += int(mask.sum())
+    metrics = actor.train_step(groups)
+    assert metrics["train/entropy"] == pytest.approx(total / count, rel=1e-5)
 
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean"])

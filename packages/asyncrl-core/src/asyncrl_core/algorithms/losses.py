@@ -116,11 +116,15 @@ def _chunk_rows(vocab_size: int) -> int:
 
 
 def _scaled_float(chunk: torch.Tensor, temperature: float) -> torch.Tensor | None:
-    """`chunk / temperature` in float32, or None when the softmax kernels can read `chunk` directly (no
-    temperature and no cast beyond the one they do on the fly)."""
+    """`chunk / temperature` in a new float32 tensor, or None when the softmax kernels can read `chunk`
+    directly (no temperature and no cast beyond the one they do on the fly).
+
+    The copy is explicit: `.float()` of a float32 tensor is the tensor itself, and dividing it in place
+    would change the caller's logits (and, in the backward pass, the saved ones a second time).
+    """
     if temperature == 1.0:
         return None
-    return chunk.float().div_(temperature)
+    return chunk.to(torch.float32, copy=True).div_(temperature)
 
 
 class _TokenLogprobs(torch.autograd.Function):
