@@ -170,9 +170,13 @@ def _run(config_path: str | None, overrides: list[str], *, dry_run: bool) -> int
 
 
 def _launch(config: AsyncRLConfig) -> int:
+    import importlib
     import importlib.util
 
-    if importlib.util.find_spec("asyncrl_core.runner") is None:
+    # The runner package also holds the run folder's tracking, which may be installed without `run`.
+    if importlib.util.find_spec("asyncrl_core.runner") is None or not hasattr(
+        importlib.import_module("asyncrl_core.runner"), "run"
+    ):
         print(
             f"{_PROGRAM}: this installation of asyncrl-core has no runner (`asyncrl_core.runner`), so the "
             "configuration is valid but cannot be run; `--dry-run` shows what would run",
@@ -185,7 +189,7 @@ def _launch(config: AsyncRLConfig) -> int:
         return _report_invalid([_run_dir_problem(str(error))])
     print(f"{_PROGRAM}: run folder {run_dir}", file=sys.stderr)
     from asyncrl_core.errors import AsyncRLError
-    from asyncrl_core.runner import run  # pyright: ignore[reportMissingImports, reportUnknownVariableType]
+    from asyncrl_core.runner import run  # pyright: ignore[reportAttributeAccessIssue, reportUnknownVariableType]
 
     try:
         run(config)

@@ -91,3 +91,8 @@ class DropLimitExceededError(GroupBufferError):
 
 class CorruptStateError(GroupBufferError):
     """Snapshot bytes that are truncated, damaged, of another format, or describe an impossible state."""
+
+
+class MetricsError(AsyncRLError, ValueError):
+    """A run folder without `metrics.jsonl`, a line of it that is not a metrics record (the message names the
+    file and line), or a metric asked for that no run logged."""
