@@ -178,6 +178,8 @@ def test_load_task_builds_registered_tasks_and_names_problems() -> None:
     assert (task.seed, task.topk) == (2, 5)
     with pytest.raises(PluginError, match=r"rejected agentloop\.task_args"):
         load_task("searchr1-mini", {"bogus": 1})
+    with pytest.raises(PluginError, match=r"agentloop\.task_args\.topk: Input should be a valid integer"):
+        load_task("searchr1-mini", {"topk": "5"})  # checked against the task's arguments model
     with pytest.raises(PluginError, match="no plugin named 'nope'"):
         load_task("nope")
     with pytest.raises(PluginError, match=r"not a Task \(missing: .*max_turns"):

@@ -21,16 +21,23 @@ HEAVY = ("torch", "transformers", "ray", "megatron", "sglang")
 
 
 def write_task_distribution(root: Path, module: str) -> None:
-    """A distribution on `root` offering the tasks `good` (importable), `broken` (raises on import) and
-    `missing` (its module does not exist)."""
+    """A distribution on `root` offering the tasks `good` (importable), `broken` (raises on import),
+    `missing` (its module does not exist) and `typed` (declares an arguments model)."""
     info = root / "cli_tasks-0.1.dist-info"
     info.mkdir(parents=True)
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: cli-tasks\nVersion: 0.1\n")
     (info / "entry_points.txt").write_text(
         f"[asyncrl.tasks]\ngood = {module}:Task\nbroken = {module}_broken:Task\n"
-        "missing = cli_task_absent_module:Task\n"
+        f"missing = cli_task_absent_module:Task\ntyped = {module}:TypedTask\n"
     )
-    (root / f"{module}.py").write_text("class Task:\n    pass\n")
+    (root / f"{module}.py").write_text(
+        "from asyncrl_core.config import TaskArguments\n"
+        "class Task:\n    pass\n"
+        "class TypedArguments(TaskArguments):\n"
+        '    corpus: str\n    """Corpus file."""\n'
+        '    topk: int = 3\n    """Passages per search."""\n'
+        "class TypedTask:\n    arguments_model = TypedArguments\n"
+    )
     (root / f"{module}_broken.py").write_text("raise ImportError('no corpus')\n")
 
 
@@ -79,6 +86,7 @@ def test_help_imports_nothing_heavy(tmp_path: Path) -> None:
     assert done.returncode == 0
     assert "usage: asyncrl-run" in done.stdout
     assert "--dry-run" in done.stdout
+    assert "~key" in done.stdout
     imported = imported_modules(done.stderr)
     assert "asyncrl_core" in imported  # the importtime listing works
     assert imported.isdisjoint(HEAVY)
@@ -98,6 +106,8 @@ def test_schema_is_json_schema(tmp_path: Path) -> None:
     schema = json.loads(done.stdout)
     assert schema["$schema"].endswith("2020-12/schema")
     assert set(schema["required"]) >= {"runner", "cluster", "data", "rollout", "actor", "algorithm"}
+    assert "`key=value`" in schema["$comment"]
+    assert "`~key`" in schema["$comment"]
     assert imported_modules(done.stderr).isdisjoint(HEAVY)
 
 
@@ -160,13 +170,17 @@ def test_invalid_configuration_exits_2_and_starts_nothing(tmp_path: Path) -> Non
     assert imported_modules(done.stderr).isdisjoint(HEAVY)
 
 
-def test_broken_selected_task_stops_the_launch(
-    tmp_path: Path, task_site: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("dry_run", [["--dry-run"], []], ids=["dry-run", "launch"])
+def test_broken_selected_task_stops_the_run(
+    tmp_path: Path,
+    task_site: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    dry_run: list[str],
 ) -> None:
     monkeypatch.chdir(tmp_path)
-    # The dry run finds the module without running it; the launch imports it and stops with status 2.
-    assert main(["--dry-run", str(MINI), "agentloop.task_name=broken"]) == 0
-    assert main([str(MINI), "agentloop.task_name=broken"]) == EXIT_INVALID
+    # The task is imported (to check its arguments) before anything starts, in a dry run too.
+    assert main([*dry_run, str(MINI), "agentloop.task_name=broken"]) == EXIT_INVALID
     error = capsys.readouterr().err
     assert "agentloop.task_name: `asyncrl.tasks`: plugin 'broken'" in error
     assert "ImportError: no corpus" in error
@@ -175,17 +189,61 @@ def test_broken_selected_task_stops_the_launch(
 
 def test_dry_run_finds_a_missing_task_module(task_site: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--dry-run", str(MINI), "agentloop.task_name=missing"]) == EXIT_INVALID
-    assert "module `cli_task_absent_module` is not installed" in capsys.readouterr().err
-    assert main(["--dry-run", str(MINI), "agentloop.task_name=json:no_such_attribute"]) == 0
+    assert "No module named 'cli_task_absent_module'" in capsys.readouterr().err
+    assert main(["--dry-run", str(MINI), "agentloop.task_name=json:no_such_attribute"]) == EXIT_INVALID
+    assert "`json` has no `no_such_attribute`" in capsys.readouterr().err
+
+
+def test_dry_run_checks_the_task_arguments(task_site: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["--dry-run", str(MINI), "agentloop.task_name=typed"]
+    assert main([*base, "agentloop.task_args={corpus: c.jsonl, topk: 5}"]) == 0
+    assert "agentloop.task_args" not in capsys.readouterr().err
+    assert main([*base, "agentloop.task_args={topk: 'five', tpk: 3}"]) == EXIT_INVALID
+    error = capsys.readouterr().err
+    assert "invalid (3 problems)" in error
+    assert "agentloop.task_args.corpus: required argument is missing" in error
+    assert "agentloop.task_args.topk: Input should be a valid integer (got 'five')" in error
+    assert "agentloop.task_args.tpk: unknown argument; did you mean `topk`?" in error
+    # A task without an arguments model runs with a warning that its arguments are checked later.
+    assert main(["--dry-run", str(MINI), "agentloop.task_name=good"]) == 0
+    assert "task 'good' declares no arguments model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("task_args", ["{seed: -1}", "{seed: 1, num_trian: 5}", "{max_turns: true}"])
+def test_shipped_tasks_check_their_arguments(task_args: str, capsys: pytest.CaptureFixture[str]) -> None:
+    for task_name in ("searchr1-mini", "arith"):
+        overrides = [f"agentloop.task_name={task_name}", f"agentloop.task_args={task_args}"]
+        assert main(["--dry-run", str(MINI), *overrides]) == EXIT_INVALID
+        assert "agentloop.task_args." in capsys.readouterr().err
 
 
 def test_list_tasks_warns_about_broken_ones(tmp_path: Path, task_site: Path) -> None:
     done = run_cli("--list-tasks", cwd=tmp_path, site=task_site)
     assert done.returncode == 0
-    lines = {line.split()[0]: line.split()[1] for line in done.stdout.splitlines()}
+    lines = {
+        line.split()[0]: line.split()[1] for line in done.stdout.splitlines() if not line.startswith(" ")
+    }
     assert lines["good"] == "ok"
     assert lines["broken"] == "broken"
     assert "warning: task 'broken' cannot be loaded" in done.stderr
+
+
+def test_list_tasks_shows_each_tasks_arguments(tmp_path: Path, task_site: Path) -> None:
+    done = run_cli("--list-tasks", cwd=tmp_path, site=task_site)
+    assert done.returncode == 0
+    listing = done.stdout
+    typed = listing[listing.index("typed ") :]
+    assert "    corpus: str  Corpus file.\n    topk: int = 3  Passages per search.\n" in typed
+    assert "    seed: int = 0  Seed of the generated world" in listing  # searchr1-mini
+
+
+def test_version(tmp_path: Path) -> None:
+    from importlib import metadata
+
+    done = run_cli("--version", cwd=tmp_path)
+    assert done.returncode == 0
+    assert done.stdout.strip() == f"asyncrl-run {metadata.version('asyncrl-core')}"
+    assert "pydantic" not in imported_modules(done.stderr)
 
 
 def runner_exists() -> bool:

@@ -1,5 +1,5 @@
 """asyncrl-task-arith: arithmetic word problems with a calculator tool, as a third-party asyncrl task."""
 
-from asyncrl_task_arith.task import ArithTask, Calculator, evaluate
+from asyncrl_task_arith.task import ArithArguments, ArithTask, Calculator, evaluate
 
-__all__ = ["ArithTask", "Calculator", "evaluate"]
+__all__ = ["ArithArguments", "ArithTask", "Calculator", "evaluate"]

@@ -14,7 +14,11 @@ import random
 import re
 from collections.abc import Callable, Generator, Mapping, Sequence
 from fractions import Fraction
+from typing import Annotated, ClassVar
 
+from pydantic import Field
+
+from asyncrl_core.config import TaskArguments
 from asyncrl_core.protocols import Tool
 from asyncrl_core.types import (
     ChatMessage,
@@ -108,10 +112,24 @@ _TEMPLATES = (
 _TAG = re.compile(r"<(calc|answer)>(.*?)</\1>", re.DOTALL)
 
 
+class ArithArguments(TaskArguments):
+    """Arguments of `arith` (`agentloop.task_args`), checked before a run starts."""
+
+    seed: Annotated[int, Field(ge=0)] = 0
+    """Seed of the generated problems."""
+    max_turns: Annotated[int, Field(ge=1)] = 3
+    """Most model turns: calculator calls plus the answer."""
+    num_train: Annotated[int, Field(ge=1)] = 2000
+    """Problems in the `train` split."""
+    num_test: Annotated[int, Field(ge=1)] = 200
+    """Problems in the `test` split."""
+
+
 class ArithTask:
     """Arithmetic word problems; `seed` fixes the problems, `max_turns` bounds calculator calls + answer."""
 
     name = "arith"
+    arguments_model: ClassVar[type[TaskArguments]] = ArithArguments
     stop = ("</calc>", "</answer>")
 
     def __init__(self, seed: int = 0, max_turns: int = 3, num_train: int = 2000, num_test: int = 200) -> None:

@@ -5,6 +5,9 @@ Nothing heavy is imported before the configuration is validated: `--help`, `--sc
 
 Exit status: 0 done, 1 the run stopped with an error, 2 invalid configuration or arguments (nothing was
 started), 3 this installation has no runner, 130 interrupted.
+
+Before anything starts, the selected task is imported and `agentloop.task_args` is checked against the
+arguments model it declares (`asyncrl_core.config.TaskArguments`), in a dry run too.
 """
 
 from __future__ import annotations
@@ -33,17 +36,22 @@ _PROGRAM = "asyncrl-run"
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=_PROGRAM,
-        usage=f"{_PROGRAM} [CONFIG] [key=value ...] [--dry-run] [--list-tasks] [--schema]",
+        usage=f"{_PROGRAM} [CONFIG] [key=value ...] [~key ...] [--dry-run] [--list-tasks] [--schema]",
         description=(
             "Train a language-model agent with asynchronous reinforcement learning.\n\n"
-            "CONFIG is a YAML file (default: the embedded `searchr1-mini`, sized for a laptop CPU); each\n"
-            "key=value overrides one dotted key, its value read as YAML."
+            "CONFIG is a YAML file (default: the embedded `searchr1-mini`, sized for a laptop CPU).\n"
+            "Overrides follow OmegaConf's dotted syntax: key=value sets one dotted key, its value read as\n"
+            "YAML (a mapping replaces the whole section); ~key removes a key so its default applies again.\n"
+            "Values may refer to other keys with ${section.key} and to environment variables with\n"
+            "${oc.env:NAME}."
         ),
         epilog=(
             "examples:\n"
             "  asyncrl-run --dry-run\n"
             "  asyncrl-run examples/searchr1-gpu.yaml rollout.pause_mode=drain runner.num_steps=50\n"
             "  asyncrl-run examples/searchr1-mini.yaml 'cluster.component_placement={actor: 0, rollout: 1}'\n"
+            "  asyncrl-run examples/searchr1-mini.yaml '~agentloop.max_actor_accept_staleness'\n"
+            "  asyncrl-run examples/searchr1-mini.yaml 'runner.run_dir=${oc.env:HOME}/runs/${runner.name}'\n"
             "\n"
             "exit status: 0 done, 1 the run failed, 2 invalid configuration (nothing started), 3 no runner"
         ),
@@ -66,7 +74,18 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--schema", action="store_true", help="print the JSON Schema of the configuration (for editors)"
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     return parser
+
+
+def _version() -> str:
+    """The installed asyncrl-core's version, read from its metadata (nothing is imported)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("asyncrl-core")
+    except metadata.PackageNotFoundError:
+        return "unknown (asyncrl-core is not installed as a distribution)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -102,11 +121,13 @@ def _print_schema() -> int:
     import json
 
     from asyncrl_core.config import AsyncRLConfig
+    from asyncrl_core.config.loader import OVERRIDE_SYNTAX
 
     schema = {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         **AsyncRLConfig.model_json_schema(),
     }
+    schema["$comment"] = f"Command-line overrides of `{_PROGRAM}`: {OVERRIDE_SYNTAX}."
     print(json.dumps(schema, indent=2))
     return EXIT_OK
 
@@ -118,10 +139,18 @@ def _list_tasks() -> int:
     if not infos:
         print("no tasks are installed; a task declares an entry point in the group `asyncrl.tasks`")
         return EXIT_OK
+    from asyncrl_core.config.task_args import arguments_model, describe_arguments
+
     width = max(len(info.name) for info in infos)
     for info in infos:
         status = "ok" if info.error is None else "broken"
         print(f"{info.name:<{width}}  {status:<6}  {info.target}  ({info.source})")
+        if info.error is None:
+            model = arguments_model(plugins.load("asyncrl.tasks", info.name))
+            if model is None:
+                print("    (declares no arguments model: agentloop.task_args is checked when it starts)")
+            for line in describe_arguments(model) if model is not None else ():
+                print(f"    {line}")
     for info in infos:
         if info.error is not None:
             print(f"{_PROGRAM}: warning: task {info.name!r} cannot be loaded: {info.error}", file=sys.stderr)
@@ -140,6 +169,7 @@ def _report_invalid(problems: Sequence[ConfigProblem]) -> int:
 def _run(config_path: str | None, overrides: list[str], *, dry_run: bool) -> int:
     from asyncrl_core import plugins
     from asyncrl_core.config import load_config, render_yaml
+    from asyncrl_core.config.task_args import arguments_model, validate_task_args
     from asyncrl_core.errors import ConfigError, ConfigProblem, PluginError
 
     try:
@@ -148,12 +178,27 @@ def _run(config_path: str | None, overrides: list[str], *, dry_run: bool) -> int
         return _report_invalid(error.problems)
     task_name = config.agentloop.task_name
     assert task_name is not None  # validation requires a task
-    # The dry run stays quick: it finds the task's module without running it (a task's imports can take
-    # seconds); a launch imports the task before anything starts.
-    problem = plugins.check_module_found("asyncrl.tasks", task_name)
-    if problem is not None:
-        return _report_invalid([ConfigProblem("agentloop.task_name", problem)])
-    for warning in config.warnings:
+    # The task is imported, in a dry run too, to check its arguments before anything starts.
+    try:
+        factory = plugins.load("asyncrl.tasks", task_name)
+    except PluginError as error:
+        return _report_invalid([ConfigProblem("agentloop.task_name", str(error))])
+    model = arguments_model(factory)
+    if model is not None:
+        try:
+            validate_task_args(model, config.agentloop.task_args)
+        except ConfigError as error:
+            return _report_invalid(error.problems)
+    warnings = list(config.warnings)
+    if model is None:
+        warnings.append(
+            ConfigProblem(
+                "agentloop.task_args",
+                f"task {task_name!r} declares no arguments model, so its arguments are checked only when it "
+                "starts",
+            )
+        )
+    for warning in warnings:
         print(f"{_PROGRAM}: warning: {warning}", file=sys.stderr)
     if dry_run:
         print("# resolved configuration; `# derived` marks values computed from other keys")
@@ -162,10 +207,6 @@ def _run(config_path: str | None, overrides: list[str], *, dry_run: bool) -> int
     problems = config.cluster.launch_problems(config)
     if problems:
         return _report_invalid(problems)
-    try:
-        plugins.load("asyncrl.tasks", task_name)
-    except PluginError as error:
-        return _report_invalid([ConfigProblem("agentloop.task_name", str(error))])
     return _launch(config)
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from asyncrl_core import plugins
-from asyncrl_core.errors import PluginError
+from asyncrl_core.config.task_args import arguments_model, validate_task_args
+from asyncrl_core.errors import ConfigError, PluginError
 from asyncrl_core.protocols import Task
 
 _TASK_MEMBERS = (
@@ -26,14 +27,23 @@ _TASK_MEMBERS = (
 def load_task(name: str, task_args: Mapping[str, object] | None = None) -> Task:
     """Build the task registered as `name` in `asyncrl.tasks` (or `module:attr`) with `task_args`.
 
+    A task that declares an arguments model (`asyncrl_core.config.TaskArguments`) gets `task_args` checked
+    against it and receives the checked values (defaults filled in).
     Raises `PluginError` when the name is unknown, the factory rejects the arguments, or what it builds
     lacks a member of the `Task` protocol (the message lists them).
     """
     factory = plugins.load("asyncrl.tasks", name)
     if not callable(factory):
         raise PluginError(f"`asyncrl.tasks`: {name!r} is {type(factory).__name__}, not a task factory")
+    arguments = dict(task_args or {})
+    model = arguments_model(factory)
+    if model is not None:
+        try:
+            arguments = dict(validate_task_args(model, arguments))
+        except ConfigError as error:
+            raise PluginError(f"`asyncrl.tasks`: {name!r} rejected agentloop.task_args: {error}") from None
     try:
-        task: object = factory(**dict(task_args or {}))
+        task: object = factory(**arguments)
     except TypeError as error:
         raise PluginError(f"`asyncrl.tasks`: {name!r} rejected agentloop.task_args: {error}") from error
     if not isinstance(task, Task):

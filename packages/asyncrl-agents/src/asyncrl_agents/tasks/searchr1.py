@@ -21,13 +21,15 @@ import re
 import string
 from collections.abc import Generator, Mapping, Sequence
 from pathlib import Path
-from typing import cast
+from typing import Annotated, ClassVar, Literal, cast
 
 import httpx
+from pydantic import Field
 
 from asyncrl_agents.parsing import TagParser
 from asyncrl_agents.retrieval import RetrievalServer, split_contents
 from asyncrl_agents.tasks import mini_world
+from asyncrl_core.config import TaskArguments
 from asyncrl_core.errors import AsyncRLError
 from asyncrl_core.models import cache_dir
 from asyncrl_core.protocols import Tool
@@ -229,6 +231,38 @@ def load_questions(path: Path) -> list[TaskSample]:
     return samples
 
 
+class _SearchArguments(TaskArguments):
+    retriever_url: str | None = None
+    """An already running `/retrieve` server (asyncrl's or Search-R1's); `serve()` then starts nothing."""
+    index: Literal["bm25", "lsa"] = "bm25"
+    """Index of the retrieval server `serve()` starts: `bm25`, or `lsa` (dense)."""
+    topk: Annotated[int, Field(ge=1)] = 3
+    """Passages per search."""
+    max_turns: Annotated[int, Field(ge=1)] = 4
+    """Most model turns (searches plus the answer)."""
+    format_score: float = 0.0
+    """Reward of a well-formed but wrong answer."""
+    search_timeout_s: Annotated[float, Field(gt=0.0)] = 30.0
+    """HTTP timeout of one search, in seconds."""
+
+
+class SearchR1Arguments(_SearchArguments):
+    """Arguments of `searchr1`."""
+
+    data_path: str | None = None
+    """Folder of `<split>.jsonl` question files (`train.jsonl`, `test.jsonl`, ...)."""
+    corpus_path: str | None = None
+    """Corpus JSONL (`{"id", "contents"}` rows) that `serve()` indexes and serves; needed unless
+    `retriever_url` is given."""
+
+
+class SearchR1MiniArguments(_SearchArguments):
+    """Arguments of `searchr1-mini`."""
+
+    seed: Annotated[int, Field(ge=0)] = 0
+    """Seed of the generated world (entities, corpus and questions)."""
+
+
 class SearchR1Task:
     """The Search-R1 task on your data: questions from `data_path`, passages from a retriever.
 
@@ -245,6 +279,7 @@ class SearchR1Task:
     """
 
     name = "searchr1"
+    arguments_model: ClassVar[type[TaskArguments]] = SearchR1Arguments
 
     def __init__(
         self,
@@ -339,6 +374,7 @@ class SearchR1MiniTask(SearchR1Task):
     """
 
     name = "searchr1-mini"
+    arguments_model: ClassVar[type[TaskArguments]] = SearchR1MiniArguments
 
     def __init__(
         self,

@@ -1,7 +1,7 @@
 """The configuration of an asyncrl run: pydantic models, YAML loading with interpolation and overrides,
 derived defaults and the validation that runs before any worker starts.
 
-Importing this package imports pydantic and PyYAML only (no torch, Ray, Megatron or SGLang).
+Importing this package imports pydantic, OmegaConf and PyYAML only (no torch, Ray, Megatron or SGLang).
 """
 
 from asyncrl_core.config.loader import load_config, parse_overrides, render_yaml
@@ -24,6 +24,7 @@ from asyncrl_core.config.models import (
     SGLangConfig,
     TorchActorConfig,
 )
+from asyncrl_core.config.task_args import TaskArguments
 from asyncrl_core.config.validate import derived_max_inflight_groups
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "RunnerConfig",
     "SGLangConfig",
     "SamplingConfig",
+    "TaskArguments",
     "TorchActorConfig",
     "derived_max_inflight_groups",
     "load_config",
