@@ -71,8 +71,8 @@ def prefilled(implementation: Implementation, in_flight: int) -> Any:
     generating = [try_admit(prompt_index) for prompt_index in range(in_flight)]
     if None in finished or None in generating:
         raise RuntimeError("the prefill must fit the limits")
-    for group_id in finished:
-        complete(group_id, VERSION, VERSION, VERSION)
+    for prompt_index, group_id in enumerate(finished):
+        complete(group_id, prompt_index, (VERSION, VERSION), VERSION)
     return buffer
 
 
@@ -96,8 +96,10 @@ def run_rounds_batched(buffer: Any, num_rounds: int) -> None:
         group_ids = try_admit_many(prompt_indices)
         complete_many(
             [
-                (group_id, earliest_version, VERSION, VERSION)
-                for group_id, earliest_version in zip(group_ids, earliest_versions, strict=True)
+                (group_id, prompt_index, (earliest_version, VERSION), VERSION)
+                for prompt_index, group_id, earliest_version in zip(
+                    prompt_indices, group_ids, earliest_versions, strict=True
+                )
             ]
         )
         take_batch(num_taken, VERSION)
@@ -111,8 +113,10 @@ def run_rounds(buffer: Any, num_rounds: int) -> None:
     num_taken = 3 * ROUND // 4
     for _ in range(num_rounds):
         group_ids = [try_admit(prompt_index) for prompt_index in prompt_indices]
-        for group_id, earliest_version in zip(group_ids, earliest_versions, strict=True):
-            complete(group_id, earliest_version, VERSION, VERSION)
+        for prompt_index, group_id, earliest_version in zip(
+            prompt_indices, group_ids, earliest_versions, strict=True
+        ):
+            complete(group_id, prompt_index, (earliest_version, VERSION), VERSION)
         take_batch(num_taken, VERSION)
 
 

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from asyncrl_core.errors import (
-    BatchTooLargeError,
     CorruptStateError,
     DropLimitExceededError,
     InvalidArgumentError,
@@ -53,13 +52,13 @@ class StepTotals:
 
 def _count_limit(key: str, value: int) -> int:
     if not 1 <= value <= _MAX_COUNT:
-        raise InvalidArgumentError(f"{key} must be between 1 and {_MAX_COUNT}, got {value}")
+        raise InvalidArgumentError(f"{key} must be between 1 and {_MAX_COUNT}, got {value}", argument=key)
     return value
 
 
 def _non_negative(name: str, value: int) -> int:
     if value < 0:
-        raise InvalidArgumentError(f"{name} must be 0 or more, got {value}")
+        raise InvalidArgumentError(f"{name} must be 0 or more, got {value}", argument=name)
     return value
 
 
@@ -79,12 +78,14 @@ class PyGroupBuffer:
         if max_dropped_groups_per_step < 0:
             raise InvalidArgumentError(
                 "rollout_buffer.max_dropped_groups_per_step must be 0 or more, got "
-                f"{max_dropped_groups_per_step}"
+                f"{max_dropped_groups_per_step}",
+                argument="rollout_buffer.max_dropped_groups_per_step",
             )
         if max_actor_accept_staleness is not None and max_actor_accept_staleness < 0:
             raise InvalidArgumentError(
                 "agentloop.max_actor_accept_staleness must be 0 or more (or unset), got "
-                f"{max_actor_accept_staleness}"
+                f"{max_actor_accept_staleness}",
+                argument="agentloop.max_actor_accept_staleness",
             )
         self.max_dropped_groups_per_step = max_dropped_groups_per_step
         self.max_actor_accept_staleness = max_actor_accept_staleness
@@ -168,7 +169,8 @@ class PyGroupBuffer:
         _non_negative("prompt_index", prompt_index)
         if not timeout_s >= 0 or timeout_s == float("inf"):
             raise InvalidArgumentError(
-                f"timeout_s must be a finite number of seconds, 0 or more, got {timeout_s}"
+                f"timeout_s must be a finite number of seconds, 0 or more, got {timeout_s}",
+                argument="timeout_s",
             )
         deadline = time.monotonic() + timeout_s
         with self._condition:
@@ -185,11 +187,13 @@ class PyGroupBuffer:
         if group_id >= self._next_group_id:
             return InvalidGroupError(
                 f"group {group_id} was never admitted by this buffer "
-                f"(ids so far are below {self._next_group_id})"
+                f"(ids so far are below {self._next_group_id})",
+                group_id=group_id,
             )
         return InvalidGroupError(
             f"group {group_id} is not in flight: it already finished, was abandoned, or was dropped "
-            "or handed out"
+            "or handed out",
+            group_id=group_id,
         )
 
     @staticmethod
@@ -198,16 +202,20 @@ class PyGroupBuffer:
     ) -> None:
         _non_negative("group_id", group_id)
         if earliest_version < 0:
-            raise VersionError(f"group {group_id}: earliest_version {earliest_version} is negative")
+            raise VersionError(
+                f"group {group_id}: earliest_version {earliest_version} is negative", group_id=group_id
+            )
         if latest_version < earliest_version:
             raise VersionError(
                 f"group {group_id}: latest_version {latest_version} is older than "
-                f"earliest_version {earliest_version}"
+                f"earliest_version {earliest_version}",
+                group_id=group_id,
             )
         if finish_version < latest_version:
             raise VersionError(
                 f"group {group_id}: finish_version {finish_version} is older than "
-                f"latest_version {latest_version}"
+                f"latest_version {latest_version}",
+                group_id=group_id,
             )
 
     def _check_completable_locked(self, group_id: int, finish_version: int) -> None:
@@ -216,7 +224,8 @@ class PyGroupBuffer:
         if self._last_actor_version is not None and finish_version < self._last_actor_version:
             raise VersionError(
                 f"group {group_id}: finish_version {finish_version} is older than actor version "
-                f"{self._last_actor_version}, which a batch was already handed out at"
+                f"{self._last_actor_version}, which a batch was already handed out at",
+                group_id=group_id,
             )
 
     def _finish_locked(
@@ -230,27 +239,28 @@ class PyGroupBuffer:
             self._max_finish_version = finish_version
 
     def complete(
-        self, group_id: int, earliest_version: int, latest_version: int, finish_version: int
-    ) -> None:
+        self, group_id: int, prompt_index: int, token_versions: tuple[int, int], finish_version: int
+    ) -> int | None:
+        earliest_version, latest_version = token_versions
         self._check_versions(group_id, earliest_version, latest_version, finish_version)
         with self._condition:
+            if group_id not in self._inflight and group_id < self._next_group_id:
+                return None
             self._check_completable_locked(group_id, finish_version)
             self._finish_locked(group_id, earliest_version, latest_version, finish_version)
             self._released_locked()
+        return finish_version
 
-    def complete_many(self, groups: Sequence[tuple[int, int, int, int]]) -> None:
-        for group in groups:
-            self._check_versions(*group)
+    def complete_many(self, groups: Sequence[tuple[int, int, tuple[int, int], int]]) -> list[int | None]:
+        for group_id, _, (earliest_version, latest_version), finish_version in groups:
+            self._check_versions(group_id, earliest_version, latest_version, finish_version)
         with self._condition:
-            seen: set[int] = set()
             for group_id, _, _, finish_version in groups:
                 self._check_completable_locked(group_id, finish_version)
-                if group_id in seen:
-                    raise InvalidGroupError(f"group {group_id} appears twice in one complete_many call")
-                seen.add(group_id)
-            for group in groups:
-                self._finish_locked(*group)
+            for group_id, _, (earliest_version, latest_version), finish_version in groups:
+                self._finish_locked(group_id, earliest_version, latest_version, finish_version)
             self._released_locked()
+        return [finish_version for _, _, _, finish_version in groups]
 
     def abandon(self, group_id: int) -> int:
         _non_negative("group_id", group_id)
@@ -261,21 +271,25 @@ class PyGroupBuffer:
             self._released_locked()
             return prompt_index
 
-    def take_batch(self, num_groups: int, actor_version: int) -> tuple[list[int], list[tuple[int, int]]]:
+    def take_batch(self, num_groups: int, actor_version: int) -> tuple[list[int], list[tuple[int, int]], int]:
         if num_groups < 1:
-            raise InvalidArgumentError(f"take_batch needs at least one group, got {num_groups}")
+            raise InvalidArgumentError(
+                f"take_batch needs at least one group, got {num_groups}", argument="num_groups"
+            )
         with self._condition:
             if actor_version < 0:
-                raise VersionError(f"actor_version {actor_version} is negative")
+                raise VersionError(f"actor_version {actor_version} is negative", group_id=None)
             if self._last_actor_version is not None and actor_version < self._last_actor_version:
                 raise VersionError(
                     f"actor_version {actor_version} is older than {self._last_actor_version}, "
-                    "the version of the previous batch"
+                    "the version of the previous batch",
+                    group_id=None,
                 )
             if self._max_finish_version is not None and actor_version < self._max_finish_version:
                 raise VersionError(
                     f"actor_version {actor_version} is older than {self._max_finish_version}, "
-                    "a group's finish_version"
+                    "a group's finish_version",
+                    group_id=None,
                 )
             dropped: list[tuple[int, int, int, int, int]] = []
             cap = self.max_actor_accept_staleness
@@ -283,21 +297,20 @@ class PyGroupBuffer:
                 while self._finished and actor_version - self._finished[0][0] > cap:
                     dropped.append(heapq.heappop(self._finished))
             dropped_this_step = self._step.dropped_groups
-            over_limit = dropped_this_step + len(dropped) > self.max_dropped_groups_per_step
-            available = len(self._finished)
-            if over_limit or available < num_groups:
+            if dropped_this_step + len(dropped) > self.max_dropped_groups_per_step:
                 for entry in dropped:
                     heapq.heappush(self._finished, entry)
-                if over_limit:
-                    raise DropLimitExceededError(
-                        f"dropping {len(dropped)} stale groups would make {dropped_this_step + len(dropped)} "
-                        "drops this step, more than rollout_buffer.max_dropped_groups_per_step="
-                        f"{self.max_dropped_groups_per_step}"
-                    )
-                raise BatchTooLargeError(
-                    f"take_batch asked for {num_groups} groups but only {available} are buffered"
+                raise DropLimitExceededError(
+                    f"dropping {len(dropped)} stale groups would make {dropped_this_step + len(dropped)} "
+                    "drops this step, more than rollout_buffer.max_dropped_groups_per_step="
+                    f"{self.max_dropped_groups_per_step}",
+                    dropped_this_step=dropped_this_step,
+                    would_drop=len(dropped),
+                    max_dropped_groups_per_step=self.max_dropped_groups_per_step,
                 )
-            taken = [heapq.heappop(self._finished) for _ in range(num_groups)]
+            num_ready = len(self._finished)
+            ready = num_ready >= num_groups
+            taken = [heapq.heappop(self._finished) for _ in range(num_groups if ready else 0)]
             step = self._step
             step.dropped_groups += len(dropped)
             for earliest_version, _, _, latest_version, _ in taken:
@@ -310,7 +323,7 @@ class PyGroupBuffer:
                 step.queue_steps_sum += actor_version - latest_version
             self._last_actor_version = actor_version
             self._released_locked()
-            return [entry[1] for entry in taken], [(entry[1], entry[2]) for entry in dropped]
+            return [entry[1] for entry in taken], [(entry[1], entry[2]) for entry in dropped], num_ready
 
     def _totals_at(self, now: float) -> StepTotals:
         step = self._step

@@ -27,14 +27,52 @@ use crate::limits::Limits;
 use crate::state::{self, BufferState};
 use crate::sync::{Condvar, Mutex, MutexGuard};
 
-/// What `take_batch` hands out.
+/// What `take_batch` did: the batch, if it was ready, and the stale groups it dropped.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TakenBatch {
-    /// The groups for the actor, oldest first.
+pub struct HandOff {
+    /// The `num_groups` oldest groups for the actor, oldest first; empty when fewer were ready.
     pub groups: Vec<FinishedGroup>,
-    /// The groups dropped by the staleness cap before the batch was taken, oldest first; their
-    /// prompts go back to the dataloader.
+    /// The groups dropped by the staleness cap, oldest first; their prompts go back to the
+    /// dataloader. Dropped whether or not the batch was ready.
     pub dropped: Vec<FinishedGroup>,
+    /// Groups buffered after the drops and before the hand-out: fewer than `num_groups` exactly when
+    /// the batch was not ready.
+    pub num_ready: usize,
+}
+
+impl HandOff {
+    /// Whether the batch was handed out.
+    pub fn is_ready(&self) -> bool {
+        !self.groups.is_empty()
+    }
+}
+
+/// A finished group as its producer reports it (the general form of `GroupBuffer::complete`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Completion {
+    pub group_id: u64,
+    /// The prompt the group was generated for; when given, it must be the prompt it was admitted
+    /// for.
+    pub prompt_index: Option<u64>,
+    /// `(earliest_version, latest_version)` of the group's model tokens, or `None` when the model
+    /// sampled none (the group is then attributed to its finish version).
+    pub token_versions: Option<(i64, i64)>,
+    /// The actor version current when the group finished, or `None` to let the buffer stamp it: the
+    /// `actor_version` of the last `take_batch` (0 before the first), or the group's latest version
+    /// when that is newer.
+    pub finish_version: Option<i64>,
+}
+
+impl Completion {
+    /// A completion with all three versions given and no prompt cross-check.
+    pub fn with_versions(group_id: u64, versions: GroupVersions) -> Self {
+        Self {
+            group_id,
+            prompt_index: None,
+            token_versions: Some((versions.earliest_version, versions.latest_version)),
+            finish_version: Some(versions.finish_version),
+        }
+    }
 }
 
 /// Hashes a group id to itself (plus a copy of its low bits on top). Ids are sequential integers
@@ -74,7 +112,7 @@ struct Records {
     ledger: Ledger,
     last_actor_version: Option<i64>,
     max_finish_version: Option<i64>,
-    /// Threads asleep in `wait_admit`. A notification is a system call, so releases skip it when
+    /// Threads asleep in `wait_admit` or `wait_batch`. A notification is a system call, so releases skip it when
     /// nobody waits.
     num_waiters: usize,
 }
@@ -98,7 +136,8 @@ pub struct GroupBuffer<C: Clock = MonotonicClock> {
     limits: Limits,
     admission: Admission,
     records: Mutex<Records>,
-    /// Notified after every change that may let a new prompt in.
+    /// Notified after every change that may let a new prompt in or make a batch ready (every
+    /// completion, abandon, drop and hand-out).
     capacity_changed: Condvar,
     clock: C,
 }
@@ -254,58 +293,72 @@ impl<C: Clock> GroupBuffer<C> {
             // Counted under the lock, so a release (also under the lock) that happens after the check
             // above sees this waiter and notifies it.
             records.num_waiters += 1;
-            records = match remaining {
-                Some(remaining) => {
-                    self.capacity_changed
-                        .wait_timeout(records, remaining)
-                        .unwrap_or_else(PoisonError::into_inner)
-                        .0
-                }
-                None => self
-                    .capacity_changed
-                    .wait(records)
-                    .unwrap_or_else(PoisonError::into_inner),
-            };
+            records = self.sleep(records, remaining);
             records.num_waiters -= 1;
         }
     }
 
     /// Move an in-flight group to the finished heap with the weight versions that generated it.
-    pub fn complete(&self, group_id: u64, versions: GroupVersions) -> Result<()> {
-        check_group_versions(group_id, versions)?;
-        let mut records = self.lock();
-        if !records.inflight.contains_key(&group_id) {
-            return Err(records.not_inflight(group_id));
-        }
-        check_finish_after_last_batch(&records, group_id, versions)?;
-        self.finish_validated(&mut records, group_id, versions);
-        self.release_done(records);
-        Ok(())
+    ///
+    /// `Ok(true)` when the group was accepted; `Ok(false)` when it was admitted but is no longer in
+    /// flight (a retried completion, or a group abandoned meanwhile): nothing changes, the first
+    /// completion stands. An id that was never admitted, or versions that go backwards, are errors
+    /// that change nothing.
+    pub fn complete(&self, group_id: u64, versions: GroupVersions) -> Result<bool> {
+        self.complete_group(Completion::with_versions(group_id, versions))
+            .map(|accepted| accepted.is_some())
     }
 
-    /// `complete` for several groups under one lock, all or nothing: if any group is not in flight,
-    /// appears twice, or has versions that go backwards, the error names it and nothing changes.
-    pub fn complete_many(&self, groups: &[(u64, GroupVersions)]) -> Result<()> {
-        for &(group_id, versions) in groups {
-            check_group_versions(group_id, versions)?;
-        }
-        let mut seen = IdSet::with_capacity_and_hasher(groups.len(), Default::default());
+    /// `complete` in its general form: the prompt index is cross-checked and the finish version may
+    /// be left to the buffer (see `Completion`). Returns the versions the group was buffered with, or
+    /// `None` when it is no longer in flight (nothing changes).
+    pub fn complete_group(&self, completion: Completion) -> Result<Option<GroupVersions>> {
         let mut records = self.lock();
-        for &(group_id, versions) in groups {
-            if !records.inflight.contains_key(&group_id) {
-                return Err(records.not_inflight(group_id));
-            }
-            check_finish_after_last_batch(&records, group_id, versions)?;
-            if !seen.insert(group_id) {
-                // Its second completion in this batch would find it finished already.
-                return Err(BufferError::GroupNotInflight { group_id });
-            }
+        let Some(versions) = resolve_completion(&records, &completion)? else {
+            return Ok(None);
+        };
+        self.finish_validated(&mut records, completion.group_id, versions);
+        self.release_done(records);
+        Ok(Some(versions))
+    }
+
+    /// `complete` for several groups under one lock: `true` for each group accepted, `false` for each
+    /// one no longer in flight (listed twice, the second is `false`). On any error (an unknown id, a
+    /// prompt mismatch, versions that go backwards) the error names the group and nothing changes.
+    pub fn complete_many(&self, groups: &[(u64, GroupVersions)]) -> Result<Vec<bool>> {
+        let completions: Vec<Completion> = groups
+            .iter()
+            .map(|&(group_id, versions)| Completion::with_versions(group_id, versions))
+            .collect();
+        Ok(self
+            .complete_groups(&completions)?
+            .iter()
+            .map(Option::is_some)
+            .collect())
+    }
+
+    /// `complete_group` for several groups under one lock, all or nothing on errors; one entry per
+    /// completion, `None` for the groups no longer in flight.
+    pub fn complete_groups(
+        &self,
+        completions: &[Completion],
+    ) -> Result<Vec<Option<GroupVersions>>> {
+        let mut seen = IdSet::with_capacity_and_hasher(completions.len(), Default::default());
+        let mut records = self.lock();
+        let mut accepted = Vec::with_capacity(completions.len());
+        for completion in completions {
+            let versions = resolve_completion(&records, completion)?;
+            // A group listed twice is finished by its first entry; the second is a retry.
+            let first = seen.insert(completion.group_id);
+            accepted.push(versions.filter(|_| first));
         }
-        for &(group_id, versions) in groups {
-            self.finish_validated(&mut records, group_id, versions);
+        for (completion, versions) in completions.iter().zip(&accepted) {
+            if let Some(versions) = *versions {
+                self.finish_validated(&mut records, completion.group_id, versions);
+            }
         }
         self.release_done(records);
-        Ok(())
+        Ok(accepted)
     }
 
     /// Give up on an in-flight group (its generation failed); frees its slot and returns its prompt
@@ -320,72 +373,66 @@ impl<C: Clock> GroupBuffer<C> {
         Ok(prompt_index)
     }
 
-    /// Hand the `num_groups` oldest finished groups to the actor, which trains at `actor_version`.
+    /// The hand-off to the actor, which trains at `actor_version`; never blocks on missing groups.
     ///
     /// First, when `max_actor_accept_staleness` is set, every buffered group with
-    /// `actor_version - earliest_version > max_actor_accept_staleness` is dropped (they are the
-    /// oldest, so they leave from the top of the heap). Errors, each changing nothing (no drop, no
-    /// hand-out): `num_groups == 0`, versions going backwards, more drops this step than
-    /// `max_dropped_groups_per_step`, or fewer than `num_groups` groups left after the drops.
-    pub fn take_batch(&self, num_groups: usize, actor_version: i64) -> Result<TakenBatch> {
-        if num_groups == 0 {
-            return Err(BufferError::InvalidArgument(
-                "take_batch needs at least one group, got 0".into(),
-            ));
-        }
+    /// `actor_version - earliest_version > max_actor_accept_staleness` is dropped, whether or not
+    /// `num_groups` fresh groups remain: each drop frees capacity at once and is returned in
+    /// `HandOff::dropped` so its prompt goes back to the dataloader. Then, if at least `num_groups`
+    /// groups are buffered, the `num_groups` oldest are handed out; otherwise none is, and
+    /// `HandOff::num_ready` says how many are.
+    ///
+    /// Errors, each changing nothing: `num_groups` of 0 or above `max_buffered_groups` (it could never
+    /// be ready), versions going backwards, or more drops this step than
+    /// `max_dropped_groups_per_step` (the drop guard).
+    pub fn take_batch(&self, num_groups: usize, actor_version: i64) -> Result<HandOff> {
+        self.check_batch_size(num_groups)?;
         let mut records = self.lock();
-        check_actor_version(&records, actor_version)?;
-        let mut dropped = Vec::new();
-        if let Some(cap) = self.limits.max_actor_accept_staleness {
-            // actor_version >= every finish_version >= every earliest_version >= 0 (checked above and
-            // on completion), so the difference is non-negative and fits u64.
-            while let Some(oldest) = records.finished.peek() {
-                if (actor_version - oldest.versions.earliest_version) as u64 <= cap {
-                    break;
-                }
-                dropped.extend(records.finished.pop());
-            }
-        }
-        let dropped_this_step = records.ledger.step().dropped_groups;
-        let would_drop = dropped.len() as u64;
-        let over_drop_limit =
-            dropped_this_step + would_drop > self.limits.max_dropped_groups_per_step;
-        let available = records.finished.len();
-        if over_drop_limit || available < num_groups {
-            // Put the stale groups back: keyed by (earliest version, group id), the heap is as it was.
-            for group in &dropped {
-                records.finished.push(*group);
-            }
-            return Err(if over_drop_limit {
-                BufferError::DropLimitExceeded {
-                    dropped_this_step,
-                    would_drop,
-                    max_dropped_groups_per_step: self.limits.max_dropped_groups_per_step,
-                }
-            } else {
-                BufferError::BatchTooLarge {
-                    requested: num_groups,
-                    available,
-                    stale: dropped.len(),
-                }
-            });
-        }
-        let mut groups = Vec::with_capacity(num_groups);
-        for _ in 0..num_groups {
-            groups.extend(records.finished.pop());
-        }
-        let step = records.ledger.step_mut();
-        step.dropped_groups += would_drop;
-        for group in &groups {
-            step.record_trained(group, actor_version);
-        }
-        records.last_actor_version = Some(actor_version);
-        // Both came off the heap, whose length equals the buffered count under the lock, and the
-        // buffered count is at most max_buffered_groups <= u32::MAX.
-        self.admission
-            .release_buffered((groups.len() + dropped.len()) as u32);
+        let hand_off = self.take_locked(&mut records, num_groups, actor_version)?;
         self.release_done(records);
-        Ok(TakenBatch { groups, dropped })
+        Ok(hand_off)
+    }
+
+    /// `take_batch`, waiting up to `timeout` for `num_groups` groups to be ready.
+    ///
+    /// Returns once the batch is handed out, once the timeout passes (not ready), or as soon as a
+    /// call dropped stale groups without handing out a batch, so that their prompts reach the caller
+    /// at once. Wakes on every completion. An error after drops of this call were committed is
+    /// reported by the next call instead (the drops are returned first, so nothing is lost).
+    pub fn wait_batch(
+        &self,
+        num_groups: usize,
+        actor_version: i64,
+        timeout: Duration,
+    ) -> Result<HandOff> {
+        self.check_batch_size(num_groups)?;
+        // A timeout too long to represent waits without a deadline.
+        let deadline = Instant::now().checked_add(timeout);
+        let mut records = self.lock();
+        loop {
+            let hand_off = self.take_locked(&mut records, num_groups, actor_version)?;
+            if hand_off.is_ready() || !hand_off.dropped.is_empty() {
+                self.release_done(records);
+                return Ok(hand_off);
+            }
+            let remaining = match deadline {
+                Some(deadline) => {
+                    let remaining = deadline.saturating_duration_since(Instant::now());
+                    if remaining.is_zero() {
+                        drop(records);
+                        return Ok(hand_off);
+                    }
+                    Some(remaining)
+                }
+                None => None,
+            };
+            // Nothing was released above (no drop, no hand-out), so there is nobody to wake. Counted
+            // under the lock, so a completion (also under the lock) after the check above sees this
+            // waiter and notifies it.
+            records.num_waiters += 1;
+            records = self.sleep(records, remaining);
+            records.num_waiters -= 1;
+        }
     }
 
     /// Close the running step: its totals (staleness, drops, admission waits, wall time) are returned
@@ -429,6 +476,92 @@ impl<C: Clock> GroupBuffer<C> {
     /// The finished groups waiting for the actor, oldest first.
     pub fn buffered_groups(&self) -> Vec<FinishedGroup> {
         self.lock().finished.sorted()
+    }
+
+    fn check_batch_size(&self, num_groups: usize) -> Result<()> {
+        let max = self.limits.max_buffered_groups as usize;
+        if num_groups == 0 || num_groups > max {
+            return Err(BufferError::invalid(
+                "num_groups",
+                format!(
+                    "a batch needs between 1 and rollout_buffer.max_buffered_groups={max} groups \
+                     (more could never be ready), got {num_groups}"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// One hand-off attempt under the lock (see `take_batch`); the caller ends with `release_done`.
+    fn take_locked(
+        &self,
+        records: &mut Records,
+        num_groups: usize,
+        actor_version: i64,
+    ) -> Result<HandOff> {
+        check_actor_version(records, actor_version)?;
+        // actor_version >= every finish_version >= every earliest_version >= 0 (checked above and on
+        // completion), so the difference below is non-negative and fits u64.
+        let stale = match self.limits.max_actor_accept_staleness {
+            Some(cap) => records
+                .finished
+                .count_older_than(actor_version.saturating_sub_unsigned(cap)),
+            None => 0,
+        };
+        let dropped_this_step = records.ledger.step().dropped_groups;
+        let would_drop = stale as u64;
+        if dropped_this_step + would_drop > self.limits.max_dropped_groups_per_step {
+            return Err(BufferError::DropLimitExceeded {
+                dropped_this_step,
+                would_drop,
+                max_dropped_groups_per_step: self.limits.max_dropped_groups_per_step,
+            });
+        }
+        records.last_actor_version = Some(actor_version);
+        let dropped: Vec<FinishedGroup> =
+            (0..stale).filter_map(|_| records.finished.pop()).collect();
+        records.ledger.step_mut().dropped_groups += dropped.len() as u64;
+        let num_ready = records.finished.len();
+        let mut groups = Vec::new();
+        if num_ready >= num_groups {
+            groups.reserve_exact(num_groups);
+            groups.extend((0..num_groups).filter_map(|_| records.finished.pop()));
+            let step = records.ledger.step_mut();
+            for group in &groups {
+                step.record_trained(group, actor_version);
+            }
+        }
+        // Both came off the heap, whose length equals the buffered count under the lock, and the
+        // buffered count is at most max_buffered_groups <= u32::MAX.
+        let released = (groups.len() + dropped.len()) as u32;
+        if released > 0 {
+            self.admission.release_buffered(released);
+        }
+        Ok(HandOff {
+            groups,
+            dropped,
+            num_ready,
+        })
+    }
+
+    /// Sleep on the condition variable until notified or `timeout` passes (`None`: no timeout).
+    fn sleep<'a>(
+        &self,
+        records: MutexGuard<'a, Records>,
+        timeout: Option<Duration>,
+    ) -> MutexGuard<'a, Records> {
+        match timeout {
+            Some(timeout) => {
+                self.capacity_changed
+                    .wait_timeout(records, timeout)
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .0
+            }
+            None => self
+                .capacity_changed
+                .wait(records)
+                .unwrap_or_else(PoisonError::into_inner),
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, Records> {
@@ -489,45 +622,79 @@ impl<C: Clock> GroupBuffer<C> {
     }
 }
 
-fn check_group_versions(group_id: u64, versions: GroupVersions) -> Result<()> {
-    let GroupVersions {
+/// Check a completion against the records: `Ok(None)` when the group is no longer in flight (a
+/// retry), else the versions to buffer it with.
+fn resolve_completion(records: &Records, completion: &Completion) -> Result<Option<GroupVersions>> {
+    let group_id = completion.group_id;
+    let Some(&admitted_prompt_index) = records.inflight.get(&group_id) else {
+        if group_id >= records.next_group_id {
+            return Err(records.not_inflight(group_id));
+        }
+        return Ok(None);
+    };
+    if let Some(prompt_index) = completion
+        .prompt_index
+        .filter(|&prompt_index| prompt_index != admitted_prompt_index)
+    {
+        return Err(BufferError::PromptMismatch {
+            group_id,
+            admitted_prompt_index,
+            prompt_index,
+        });
+    }
+    let floor = records.last_actor_version.unwrap_or(0);
+    let version_error = |problem: String| BufferError::Version {
+        group_id: Some(group_id),
+        message: format!("group {group_id}: {problem}"),
+    };
+    let (earliest_version, latest_version) = match completion.token_versions {
+        Some((earliest_version, latest_version)) => {
+            if earliest_version < 0 {
+                return Err(version_error(format!(
+                    "earliest_version {earliest_version} is negative: versions start at 0, and \
+                     tokens that no model sampled (NO_VERSION) must not be counted"
+                )));
+            }
+            if latest_version < earliest_version {
+                return Err(version_error(format!(
+                    "latest_version {latest_version} is older than earliest_version \
+                     {earliest_version}"
+                )));
+            }
+            (earliest_version, latest_version)
+        }
+        None => {
+            let version = completion.finish_version.unwrap_or(floor);
+            (version, version)
+        }
+    };
+    let finish_version = match completion.finish_version {
+        None => latest_version.max(floor),
+        Some(finish_version) if finish_version < latest_version => {
+            return Err(version_error(format!(
+                "finish_version {finish_version} is older than latest_version {latest_version}: no \
+                 token can come from weights newer than the actor's (leave finish_version unset \
+                 for the buffer to stamp it)"
+            )));
+        }
+        Some(finish_version) if finish_version < floor => {
+            return Err(version_error(format!(
+                "finish_version {finish_version} is older than actor version {floor}, which a batch \
+                 was already handed out at (leave finish_version unset for the buffer to stamp it)"
+            )));
+        }
+        Some(finish_version) => finish_version,
+    };
+    if earliest_version < 0 {
+        return Err(version_error(format!(
+            "finish_version {finish_version} is negative: versions start at 0"
+        )));
+    }
+    Ok(Some(GroupVersions {
         earliest_version,
         latest_version,
         finish_version,
-    } = versions;
-    let problem = if earliest_version < 0 {
-        format!(
-            "earliest_version {earliest_version} is negative: versions start at 0, and tokens that no \
-             model sampled (NO_VERSION) must not be counted"
-        )
-    } else if latest_version < earliest_version {
-        format!("latest_version {latest_version} is older than earliest_version {earliest_version}")
-    } else if finish_version < latest_version {
-        format!(
-            "finish_version {finish_version} is older than latest_version {latest_version}: no token \
-             can come from weights newer than the actor's"
-        )
-    } else {
-        return Ok(());
-    };
-    Err(BufferError::Version(format!("group {group_id}: {problem}")))
-}
-
-fn check_finish_after_last_batch(
-    records: &Records,
-    group_id: u64,
-    versions: GroupVersions,
-) -> Result<()> {
-    match records.last_actor_version {
-        Some(last_actor_version) if versions.finish_version < last_actor_version => {
-            Err(BufferError::Version(format!(
-                "group {group_id}: finish_version {} is older than actor version {last_actor_version}, \
-                 which a batch was already handed out at",
-                versions.finish_version
-            )))
-        }
-        _ => Ok(()),
-    }
+    }))
 }
 
 fn check_actor_version(records: &Records, actor_version: i64) -> Result<()> {
@@ -548,5 +715,8 @@ fn check_actor_version(records: &Records, actor_version: i64) -> Result<()> {
     } else {
         return Ok(());
     };
-    Err(BufferError::Version(problem))
+    Err(BufferError::Version {
+        group_id: None,
+        message: problem,
+    })
 }

@@ -9,20 +9,27 @@ use std::fmt;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum BufferError {
     /// A limit or argument is out of range (limits below one, a batch of zero groups, a negative
-    /// prompt index or timeout).
-    InvalidArgument(String),
+    /// prompt index or timeout). `argument` is the argument's or configuration key's name.
+    InvalidArgument {
+        argument: &'static str,
+        message: String,
+    },
     /// The group id was never handed out by this buffer.
     UnknownGroup { group_id: u64, next_group_id: u64 },
-    /// The group was admitted but is no longer in flight: it finished, was abandoned, dropped or
-    /// handed out already.
+    /// The group was admitted but is no longer in flight (it finished or was abandoned), so it cannot
+    /// be abandoned. (Completing it again is not an error: see `GroupBuffer::complete`.)
     GroupNotInflight { group_id: u64 },
-    /// A version is negative or the versions of a group or of the actor go backwards.
-    Version(String),
-    /// `take_batch` asked for more groups than are buffered once stale groups are dropped.
-    BatchTooLarge {
-        requested: usize,
-        available: usize,
-        stale: usize,
+    /// The group was admitted for another prompt than the one its completion names.
+    PromptMismatch {
+        group_id: u64,
+        admitted_prompt_index: u64,
+        prompt_index: u64,
+    },
+    /// A version is negative or the versions of a group or of the actor go backwards. `group_id` is
+    /// the group whose versions are wrong, or `None` for the actor's version.
+    Version {
+        group_id: Option<u64>,
+        message: String,
     },
     /// Dropping the stale groups would exceed `rollout_buffer.max_dropped_groups_per_step`.
     DropLimitExceeded {
@@ -38,10 +45,11 @@ impl BufferError {
     /// The name of the Python exception class (in `asyncrl_core.errors`) this error becomes.
     pub fn python_class(&self) -> &'static str {
         match self {
-            Self::InvalidArgument(_) => "InvalidArgumentError",
-            Self::UnknownGroup { .. } | Self::GroupNotInflight { .. } => "InvalidGroupError",
-            Self::Version(_) => "VersionError",
-            Self::BatchTooLarge { .. } => "BatchTooLargeError",
+            Self::InvalidArgument { .. } => "InvalidArgumentError",
+            Self::UnknownGroup { .. }
+            | Self::GroupNotInflight { .. }
+            | Self::PromptMismatch { .. } => "InvalidGroupError",
+            Self::Version { .. } => "VersionError",
             Self::DropLimitExceeded { .. } => "DropLimitExceededError",
             Self::CorruptState(_) => "CorruptStateError",
         }
@@ -51,7 +59,9 @@ impl BufferError {
 impl fmt::Display for BufferError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Self::InvalidArgument(message) | Self::Version(message) => f.write_str(message),
+            Self::InvalidArgument { message, .. } | Self::Version { message, .. } => {
+                f.write_str(message)
+            }
             Self::UnknownGroup {
                 group_id,
                 next_group_id,
@@ -61,26 +71,17 @@ impl fmt::Display for BufferError {
             ),
             Self::GroupNotInflight { group_id } => write!(
                 f,
-                "group {group_id} is not in flight: it already finished, was abandoned, or was dropped \
-                 or handed out"
+                "group {group_id} is not in flight: it already finished or was abandoned"
             ),
-            Self::BatchTooLarge {
-                requested,
-                available,
-                stale,
-            } => {
-                write!(
-                    f,
-                    "take_batch asked for {requested} groups but only {available} are buffered"
-                )?;
-                if *stale > 0 {
-                    write!(
-                        f,
-                        " after dropping {stale} stale groups (nothing was dropped)"
-                    )?;
-                }
-                Ok(())
-            }
+            Self::PromptMismatch {
+                group_id,
+                admitted_prompt_index,
+                prompt_index,
+            } => write!(
+                f,
+                "group {group_id} was admitted for prompt {admitted_prompt_index}, but its completion \
+                 names prompt {prompt_index}"
+            ),
             Self::DropLimitExceeded {
                 dropped_this_step,
                 would_drop,
@@ -99,5 +100,15 @@ impl fmt::Display for BufferError {
 }
 
 impl std::error::Error for BufferError {}
+
+impl BufferError {
+    /// An `InvalidArgument` error about `argument`.
+    pub fn invalid(argument: &'static str, message: impl Into<String>) -> Self {
+        Self::InvalidArgument {
+            argument,
+            message: message.into(),
+        }
+    }
+}
 
 pub type Result<T> = std::result::Result<T, BufferError>;

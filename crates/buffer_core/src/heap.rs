@@ -60,6 +60,11 @@ impl FinishedHeap {
             .map(|(&key, &value)| unpack(key, value))
     }
 
+    /// How many groups have an earliest version below `version` (they are the oldest ones).
+    pub fn count_older_than(&self, version: i64) -> usize {
+        self.groups.range(..(version, 0)).count()
+    }
+
     /// Remove and return the oldest group.
     pub fn pop(&mut self) -> Option<FinishedGroup> {
         self.groups

@@ -17,7 +17,7 @@ pub mod workload;
 mod python;
 
 pub use admission::{Admission, Blocked, Counts};
-pub use buffer::{GroupBuffer, TakenBatch};
+pub use buffer::{Completion, GroupBuffer, HandOff};
 pub use clock::{Clock, ManualClock, MonotonicClock};
 pub use error::BufferError;
 pub use heap::{FinishedGroup, GroupVersions};

@@ -38,18 +38,25 @@ impl Limits {
             )?,
             max_dropped_groups_per_step: u64::try_from(max_dropped_groups_per_step).map_err(
                 |_| {
-                    BufferError::InvalidArgument(format!(
-                        "rollout_buffer.max_dropped_groups_per_step must be 0 or more, got \
-                         {max_dropped_groups_per_step}"
-                    ))
+                    BufferError::invalid(
+                        "rollout_buffer.max_dropped_groups_per_step",
+                        format!(
+                            "rollout_buffer.max_dropped_groups_per_step must be 0 or more, got \
+                             {max_dropped_groups_per_step}"
+                        ),
+                    )
                 },
             )?,
             max_actor_accept_staleness: max_actor_accept_staleness
                 .map(|cap| {
                     u64::try_from(cap).map_err(|_| {
-                        BufferError::InvalidArgument(format!(
-                            "agentloop.max_actor_accept_staleness must be 0 or more (or unset), got {cap}"
-                        ))
+                        BufferError::invalid(
+                            "agentloop.max_actor_accept_staleness",
+                            format!(
+                                "agentloop.max_actor_accept_staleness must be 0 or more (or unset), \
+                                 got {cap}"
+                            ),
+                        )
                     })
                 })
                 .transpose()?,
@@ -58,12 +65,12 @@ impl Limits {
 }
 
 /// The counters are 32-bit halves of one atomic word, so a count limit is in `1..=u32::MAX`.
-fn count_limit(key: &str, value: i64) -> Result<u32> {
+fn count_limit(key: &'static str, value: i64) -> Result<u32> {
     match u32::try_from(value) {
         Ok(limit) if limit >= 1 => Ok(limit),
-        _ => Err(BufferError::InvalidArgument(format!(
-            "{key} must be between 1 and {}, got {value}",
-            u32::MAX
-        ))),
+        _ => Err(BufferError::invalid(
+            key,
+            format!("{key} must be between 1 and {}, got {value}", u32::MAX),
+        )),
     }
 }

@@ -9,11 +9,10 @@ use std::time::{Duration, Instant};
 
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyType};
+use pyo3::types::{PyBytes, PyDict};
 
-use crate::buffer::GroupBuffer;
+use crate::buffer::{Completion, GroupBuffer, HandOff};
 use crate::error::BufferError;
-use crate::heap::GroupVersions;
 use crate::ledger::StepStats;
 use crate::limits::Limits;
 use crate::workload::{self, WorkloadCounts};
@@ -24,15 +23,18 @@ const SIGNAL_CHECK_INTERVAL: Duration = Duration::from_millis(100);
 impl From<BufferError> for PyErr {
     fn from(error: BufferError) -> Self {
         Python::attach(|py| {
-            let class = py
+            let exception = py
                 .import("asyncrl_core.errors")
                 .and_then(|module| module.getattr(error.python_class()))
-                .and_then(|class| class.cast_into::<PyType>().map_err(PyErr::from));
-            match class {
-                Ok(class) => PyErr::from_type(class, error.to_string()),
+                .and_then(|class| {
+                    let fields = error_fields(py, &error)?;
+                    class.call((error.to_string(),), Some(&fields))
+                });
+            match exception {
+                Ok(exception) => PyErr::from_value(exception),
                 // Only if asyncrl_core itself is broken; keep the message rather than lose it.
                 Err(import_error) => PyRuntimeError::new_err(format!(
-                    "{error} (and asyncrl_core.errors.{} could not be loaded: {import_error})",
+                    "{error} (and asyncrl_core.errors.{} could not be built: {import_error})",
                     error.python_class()
                 )),
             }
@@ -40,9 +42,65 @@ impl From<BufferError> for PyErr {
     }
 }
 
-fn non_negative(name: &str, value: i64) -> Result<u64, BufferError> {
+/// The typed fields of the exception `error` becomes, as keyword arguments of its class.
+fn error_fields<'py>(py: Python<'py>, error: &BufferError) -> PyResult<Bound<'py, PyDict>> {
+    let fields = PyDict::new(py);
+    match error {
+        BufferError::InvalidArgument { argument, .. } => fields.set_item("argument", argument)?,
+        BufferError::UnknownGroup { group_id, .. }
+        | BufferError::GroupNotInflight { group_id }
+        | BufferError::PromptMismatch { group_id, .. } => fields.set_item("group_id", group_id)?,
+        BufferError::Version { group_id, .. } => fields.set_item("group_id", group_id)?,
+        BufferError::DropLimitExceeded {
+            dropped_this_step,
+            would_drop,
+            max_dropped_groups_per_step,
+        } => {
+            fields.set_item("dropped_this_step", dropped_this_step)?;
+            fields.set_item("would_drop", would_drop)?;
+            fields.set_item("max_dropped_groups_per_step", max_dropped_groups_per_step)?;
+        }
+        BufferError::CorruptState(_) => {}
+    }
+    Ok(fields)
+}
+
+fn non_negative(name: &'static str, value: i64) -> Result<u64, BufferError> {
     u64::try_from(value)
-        .map_err(|_| BufferError::InvalidArgument(format!("{name} must be 0 or more, got {value}")))
+        .map_err(|_| BufferError::invalid(name, format!("{name} must be 0 or more, got {value}")))
+}
+
+fn timeout(timeout_s: f64) -> Result<Duration, BufferError> {
+    Duration::try_from_secs_f64(timeout_s).map_err(|_| {
+        BufferError::invalid(
+            "timeout_s",
+            format!("timeout_s must be a finite number of seconds, 0 or more, got {timeout_s}"),
+        )
+    })
+}
+
+fn batch_size(num_groups: i64) -> Result<usize, BufferError> {
+    usize::try_from(num_groups).map_err(|_| {
+        BufferError::invalid(
+            "num_groups",
+            format!("num_groups must be 1 or more, got {num_groups}"),
+        )
+    })
+}
+
+/// A completion as the facade passes it: `(group_id, prompt_index, (earliest_version,
+/// latest_version) or None, finish_version or None)`.
+type CompletionArgs = (i64, i64, Option<(i64, i64)>, Option<i64>);
+
+fn completion(
+    (group_id, prompt_index, token_versions, finish_version): CompletionArgs,
+) -> Result<Completion, BufferError> {
+    Ok(Completion {
+        group_id: non_negative("group_id", group_id)?,
+        prompt_index: Some(non_negative("prompt_index", prompt_index)?),
+        token_versions,
+        finish_version,
+    })
 }
 
 /// The totals of one step, as `GroupBuffer.end_step` returns them.
@@ -85,7 +143,21 @@ struct PyGroupBuffer {
     inner: GroupBuffer,
 }
 
-type TakenIds = (Vec<u64>, Vec<(u64, u64)>);
+/// A hand-off as the facade reads it: the handed-out group ids, `(group_id, prompt_index)` of each
+/// dropped group, and the number of groups ready.
+type HandOffIds = (Vec<u64>, Vec<(u64, u64)>, usize);
+
+fn hand_off_ids(hand_off: HandOff) -> HandOffIds {
+    (
+        hand_off.groups.iter().map(|group| group.group_id).collect(),
+        hand_off
+            .dropped
+            .iter()
+            .map(|group| (group.group_id, group.prompt_index))
+            .collect(),
+        hand_off.num_ready,
+    )
+}
 type BufferedRow = (u64, u64, i64, i64, i64);
 
 #[pymethods]
@@ -170,63 +242,35 @@ impl PyGroupBuffer {
         timeout_s: f64,
     ) -> PyResult<Option<u64>> {
         let prompt_index = non_negative("prompt_index", prompt_index)?;
-        let timeout = Duration::try_from_secs_f64(timeout_s).map_err(|_| {
-            BufferError::InvalidArgument(format!(
-                "timeout_s must be a finite number of seconds, 0 or more, got {timeout_s}"
-            ))
-        })?;
-        // A timeout too long to represent waits without a deadline (still interruptible).
-        let deadline = Instant::now().checked_add(timeout);
-        loop {
-            let slice = match deadline {
-                Some(deadline) => deadline
-                    .saturating_duration_since(Instant::now())
-                    .min(SIGNAL_CHECK_INTERVAL),
-                None => SIGNAL_CHECK_INTERVAL,
-            };
-            // Without the GIL: other Python threads complete groups and take batches meanwhile.
-            let inner = &self.inner;
-            if let Some(group_id) = py.detach(|| inner.wait_admit(prompt_index, slice)) {
-                return Ok(Some(group_id));
-            }
-            if deadline.is_some_and(|deadline| Instant::now() >= deadline) {
-                return Ok(None);
-            }
-            py.check_signals()?;
-        }
+        let inner = &self.inner;
+        // Without the GIL: other Python threads complete groups and take batches meanwhile.
+        wait_in_slices(py, timeout(timeout_s)?, |slice| {
+            Ok(py.detach(|| inner.wait_admit(prompt_index, slice)))
+        })
     }
 
     fn complete(
         &self,
         group_id: i64,
-        earliest_version: i64,
-        latest_version: i64,
-        finish_version: i64,
-    ) -> PyResult<()> {
-        let group_id = non_negative("group_id", group_id)?;
-        let versions = GroupVersions {
-            earliest_version,
-            latest_version,
-            finish_version,
-        };
-        Ok(self.inner.complete(group_id, versions)?)
+        prompt_index: i64,
+        token_versions: Option<(i64, i64)>,
+        finish_version: Option<i64>,
+    ) -> PyResult<Option<i64>> {
+        let completion = completion((group_id, prompt_index, token_versions, finish_version))?;
+        let versions = self.inner.complete_group(completion)?;
+        Ok(versions.map(|versions| versions.finish_version))
     }
 
-    fn complete_many(&self, groups: Vec<(i64, i64, i64, i64)>) -> PyResult<()> {
-        let groups = groups
+    fn complete_many(&self, groups: Vec<CompletionArgs>) -> PyResult<Vec<Option<i64>>> {
+        let completions = groups
             .into_iter()
-            .map(
-                |(group_id, earliest_version, latest_version, finish_version)| {
-                    let versions = GroupVersions {
-                        earliest_version,
-                        latest_version,
-                        finish_version,
-                    };
-                    Ok((non_negative("group_id", group_id)?, versions))
-                },
-            )
+            .map(completion)
             .collect::<Result<Vec<_>, BufferError>>()?;
-        Ok(self.inner.complete_many(&groups)?)
+        let accepted = self.inner.complete_groups(&completions)?;
+        Ok(accepted
+            .into_iter()
+            .map(|versions| versions.map(|versions| versions.finish_version))
+            .collect())
     }
 
     fn abandon(&self, group_id: i64) -> PyResult<u64> {
@@ -234,19 +278,34 @@ impl PyGroupBuffer {
         Ok(self.inner.abandon(group_id)?)
     }
 
-    fn take_batch(&self, num_groups: i64, actor_version: i64) -> PyResult<TakenIds> {
-        let num_groups = usize::try_from(num_groups).map_err(|_| {
-            BufferError::InvalidArgument(format!("num_groups must be 1 or more, got {num_groups}"))
+    #[pyo3(signature = (num_groups, actor_version, timeout_s=0.0))]
+    fn take_batch(
+        &self,
+        py: Python<'_>,
+        num_groups: i64,
+        actor_version: i64,
+        timeout_s: f64,
+    ) -> PyResult<HandOffIds> {
+        let num_groups = batch_size(num_groups)?;
+        let timeout = timeout(timeout_s)?;
+        let inner = &self.inner;
+        if timeout.is_zero() {
+            return Ok(hand_off_ids(inner.take_batch(num_groups, actor_version)?));
+        }
+        let mut last = None;
+        let hand_off = wait_in_slices(py, timeout, |slice| {
+            let hand_off = py.detach(|| inner.wait_batch(num_groups, actor_version, slice))?;
+            if hand_off.is_ready() || !hand_off.dropped.is_empty() {
+                return Ok(Some(hand_off));
+            }
+            last = Some(hand_off);
+            Ok(None)
         })?;
-        let batch = self.inner.take_batch(num_groups, actor_version)?;
-        Ok((
-            batch.groups.iter().map(|group| group.group_id).collect(),
-            batch
-                .dropped
-                .iter()
-                .map(|group| (group.group_id, group.prompt_index))
-                .collect(),
-        ))
+        Ok(hand_off_ids(hand_off.or(last).unwrap_or(HandOff {
+            groups: Vec::new(),
+            dropped: Vec::new(),
+            num_ready: 0,
+        })))
     }
 
     fn end_step(&self) -> StepTotals {
@@ -271,6 +330,32 @@ impl PyGroupBuffer {
                 )
             })
             .collect()
+    }
+}
+
+/// Call `attempt` with slices of at most `SIGNAL_CHECK_INTERVAL` until it returns `Some` or `timeout`
+/// passes (then `None`), checking for signals (Ctrl-C) between slices. A timeout too long to
+/// represent waits without a deadline, still interruptible.
+fn wait_in_slices<T>(
+    py: Python<'_>,
+    timeout: Duration,
+    mut attempt: impl FnMut(Duration) -> PyResult<Option<T>>,
+) -> PyResult<Option<T>> {
+    let deadline = Instant::now().checked_add(timeout);
+    loop {
+        let slice = match deadline {
+            Some(deadline) => deadline
+                .saturating_duration_since(Instant::now())
+                .min(SIGNAL_CHECK_INTERVAL),
+            None => SIGNAL_CHECK_INTERVAL,
+        };
+        if let Some(value) = attempt(slice)? {
+            return Ok(Some(value));
+        }
+        if deadline.is_some_and(|deadline| Instant::now() >= deadline) {
+            return Ok(None);
+        }
+        py.check_signals()?;
     }
 }
 
@@ -312,7 +397,10 @@ fn run_admission_workload(
 ) -> PyResult<PyWorkloadCounts> {
     let rounds_per_thread = non_negative("rounds_per_thread", rounds_per_thread)?;
     let num_threads = usize::try_from(num_threads).map_err(|_| {
-        BufferError::InvalidArgument(format!("num_threads must be 1 or more, got {num_threads}"))
+        BufferError::invalid(
+            "num_threads",
+            format!("num_threads must be 1 or more, got {num_threads}"),
+        )
     })?;
     let inner = &buffer.get().inner;
     let counts = py.detach(|| workload::run_rounds(inner, rounds_per_thread, num_threads))?;

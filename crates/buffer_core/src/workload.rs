@@ -88,10 +88,13 @@ pub fn run_round<C: Clock>(
     group_ids.clear();
     for prompt_index in 0..ROUND as u64 {
         let group_id = buffer.try_admit(prompt_index).ok_or_else(|| {
-            BufferError::InvalidArgument(format!(
-                "the admission workload needs room for {ROUND} more groups per thread, but a limit \
-                 refused admission"
-            ))
+            BufferError::invalid(
+                "num_threads",
+                format!(
+                    "the admission workload needs room for {ROUND} more groups per thread, but a \
+                     limit refused admission"
+                ),
+            )
         })?;
         group_ids.push(group_id);
     }
@@ -127,8 +130,9 @@ pub fn run_rounds<C: Clock + Sync>(
     num_threads: usize,
 ) -> Result<WorkloadCounts> {
     if num_threads == 0 {
-        return Err(BufferError::InvalidArgument(
-            "the admission workload needs at least one thread, got 0".into(),
+        return Err(BufferError::invalid(
+            "num_threads",
+            "the admission workload needs at least one thread, got 0",
         ));
     }
     let limits = buffer.limits();
@@ -139,11 +143,14 @@ pub fn run_rounds<C: Clock + Sync>(
     let buffered_room = u64::from(limits.max_buffered_groups)
         .saturating_sub(u64::from(counts.inflight) + u64::from(counts.buffered));
     if inflight_room < needed || buffered_room < needed {
-        return Err(BufferError::InvalidArgument(format!(
-            "the admission workload on {num_threads} threads needs room for {needed} more groups; \
-             the buffer's limits leave room for {inflight_room} more in flight and {buffered_room} \
-             more in flight or buffered"
-        )));
+        return Err(BufferError::invalid(
+            "num_threads",
+            format!(
+                "the admission workload on {num_threads} threads needs room for {needed} more \
+                 groups; the buffer's limits leave room for {inflight_room} more in flight and \
+                 {buffered_room} more in flight or buffered"
+            ),
+        ));
     }
     let run = || -> Result<WorkloadCounts> {
         let mut total = WorkloadCounts::default();
@@ -216,11 +223,14 @@ mod tests {
     fn no_room_is_refused_before_anything_changes() {
         let buffer = prefilled(0, 1);
         let error = run_rounds(&buffer, 1, 2).unwrap_err();
-        assert!(matches!(error, BufferError::InvalidArgument(_)), "{error}");
+        assert!(
+            matches!(error, BufferError::InvalidArgument { .. }),
+            "{error}"
+        );
         assert_eq!(buffer.counts().inflight, 0);
         assert!(matches!(
             run_rounds(&buffer, 1, 0),
-            Err(BufferError::InvalidArgument(_))
+            Err(BufferError::InvalidArgument { .. })
         ));
     }
 }

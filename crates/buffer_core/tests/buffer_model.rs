@@ -21,7 +21,11 @@ enum Op {
         age: i64,
         span: i64,
     },
-    /// Complete with versions that go backwards or an id that is not in flight.
+    /// Complete a group again that is no longer in flight (a retried call): a no-op.
+    Retry {
+        pick: u64,
+    },
+    /// Complete with versions that go backwards or an id that was never admitted.
     CompleteInvalid {
         pick: usize,
         kind: u8,
@@ -52,6 +56,7 @@ fn op() -> impl Strategy<Value = Op> {
         4 => (0u64..1000).prop_map(|prompt_index| Op::Admit { prompt_index }),
         4 => (0usize..16, 0i64..4, 0i64..3).prop_map(|(pick, age, span)| Op::Complete { pick, age, span }),
         1 => (0usize..16, 0u8..4).prop_map(|(pick, kind)| Op::CompleteInvalid { pick, kind }),
+        1 => (0u64..64).prop_map(|pick| Op::Retry { pick }),
         1 => (0usize..16).prop_map(|pick| Op::Abandon { pick }),
         2 => prop::collection::vec(0u64..1000, 0..6).prop_map(|prompt_indices| Op::AdmitMany { prompt_indices }),
         2 => (1usize..4, 0i64..3, prop::bool::weighted(0.2))
@@ -90,16 +95,19 @@ impl Model {
         Some(group_id)
     }
 
-    fn complete(&mut self, group_id: u64, versions: GroupVersions) -> Result<(), ()> {
+    /// `Ok(true)`: buffered; `Ok(false)`: admitted before but no longer in flight, nothing changes.
+    fn complete(&mut self, group_id: u64, versions: GroupVersions) -> Result<bool, ()> {
+        let Some(&prompt_index) = self.inflight.get(&group_id) else {
+            return if group_id < self.next_group_id {
+                Ok(false)
+            } else {
+                Err(())
+            };
+        };
         let ordered = 0 <= versions.earliest_version
             && versions.earliest_version <= versions.latest_version
             && versions.latest_version <= versions.finish_version
-            && self
-                .last_actor_version
-                .map_or(true, |last| versions.finish_version >= last);
-        let Some(&prompt_index) = self.inflight.get(&group_id) else {
-            return Err(());
-        };
+            && versions.finish_version >= self.last_actor_version.unwrap_or(0);
         if !ordered {
             return Err(());
         }
@@ -110,16 +118,19 @@ impl Model {
             versions,
         });
         self.max_finish_version = self.max_finish_version.max(Some(versions.finish_version));
-        Ok(())
+        Ok(true)
     }
 
+    /// `(handed out, dropped, ready)`: stale groups are dropped whether or not the batch is ready.
     fn take(
         &mut self,
         limits: &Limits,
         num_groups: usize,
         actor_version: i64,
-    ) -> Result<(Vec<u64>, Vec<u64>), ()> {
+    ) -> Result<(Vec<u64>, Vec<u64>, usize), ()> {
         if num_groups == 0
+            || num_groups > limits.max_buffered_groups as usize
+            || actor_version < 0
             || self
                 .last_actor_version
                 .is_some_and(|last| actor_version < last)
@@ -137,12 +148,17 @@ impl Model {
                     (actor_version - group.versions.earliest_version) as u64 > cap
                 })
             });
-        if self.step.dropped_groups + stale.len() as u64 > limits.max_dropped_groups_per_step
-            || fresh.len() < num_groups
-        {
+        if self.step.dropped_groups + stale.len() as u64 > limits.max_dropped_groups_per_step {
             return Err(());
         }
-        let taken = &fresh[..num_groups];
+        self.step.dropped_groups += stale.len() as u64;
+        self.last_actor_version = Some(actor_version);
+        let num_ready = fresh.len();
+        let taken = if num_ready >= num_groups {
+            &fresh[..num_groups]
+        } else {
+            &[]
+        };
         for group in taken {
             let v = group.versions;
             let staleness = (actor_version - v.earliest_version) as u64;
@@ -153,12 +169,11 @@ impl Model {
             self.step.version_span_sum += (v.latest_version - v.earliest_version) as u64;
             self.step.queue_steps_sum += (actor_version - v.latest_version) as u64;
         }
-        self.step.dropped_groups += stale.len() as u64;
-        self.finished = fresh[num_groups..].to_vec();
-        self.last_actor_version = Some(actor_version);
+        self.finished = fresh[taken.len()..].to_vec();
         Ok((
             taken.iter().map(|group| group.group_id).collect(),
             stale.iter().map(|group| group.group_id).collect(),
+            num_ready,
         ))
     }
 }
@@ -215,7 +230,21 @@ proptest! {
                         latest_version: (earliest_version + span).min(version),
                         finish_version: version,
                     };
-                    prop_assert_eq!(buffer.complete(group_id, versions).is_ok(), model.complete(group_id, versions).is_ok());
+                    prop_assert_eq!(buffer.complete(group_id, versions).ok(), model.complete(group_id, versions).ok());
+                }
+                Op::Retry { pick } => {
+                    if model.next_group_id == 0 {
+                        continue;
+                    }
+                    let group_id = pick % model.next_group_id;
+                    if model.inflight.contains_key(&group_id) {
+                        continue;
+                    }
+                    let versions = GroupVersions { earliest_version: 0, latest_version: 0, finish_version: version };
+                    let before = buffer.state();
+                    prop_assert_eq!(buffer.complete(group_id, versions), Ok(false));
+                    prop_assert_eq!(model.complete(group_id, versions), Ok(false));
+                    prop_assert_eq!(buffer.state(), before);
                 }
                 Op::CompleteInvalid { pick, kind } => {
                     let group_id = model.inflight.keys().nth(pick % model.inflight.len().max(1)).copied();
@@ -227,7 +256,7 @@ proptest! {
                     };
                     let before = buffer.state();
                     let result = buffer.complete(group_id, versions);
-                    let typed = matches!(result, Err(BufferError::Version(_) | BufferError::UnknownGroup { .. }));
+                    let typed = matches!(result, Err(BufferError::Version { .. } | BufferError::UnknownGroup { .. }));
                     prop_assert!(typed, "{:?}", result);
                     prop_assert_eq!(model.complete(group_id, versions), Err(()));
                     prop_assert_eq!(buffer.state(), before);
@@ -257,15 +286,12 @@ proptest! {
                     }
                     if duplicate {
                         groups.push(groups[0]);
-                        let before = buffer.state();
-                        prop_assert!(buffer.complete_many(&groups).is_err());
-                        prop_assert_eq!(buffer.state(), before);
-                    } else {
-                        // The model has no batch call: a valid batch is the same as one call per group.
-                        let expected: Result<Vec<()>, ()> =
-                            groups.iter().map(|&(id, v)| model.complete(id, v)).collect();
-                        prop_assert_eq!(buffer.complete_many(&groups).is_ok(), expected.is_ok());
                     }
+                    // The model has no batch call: a valid batch is the same as one call per group
+                    // (a group listed twice is a retry the second time).
+                    let expected: Result<Vec<bool>, ()> =
+                        groups.iter().map(|&(id, v)| model.complete(id, v)).collect();
+                    prop_assert_eq!(buffer.complete_many(&groups).ok(), expected.ok());
                 }
                 Op::Take { num_groups, behind } => {
                     let actor_version = version - behind;
@@ -275,7 +301,7 @@ proptest! {
                         Ok(batch) => {
                             let taken: Vec<u64> = batch.groups.iter().map(|g| g.group_id).collect();
                             let dropped: Vec<u64> = batch.dropped.iter().map(|g| g.group_id).collect();
-                            prop_assert_eq!(Ok((taken, dropped)), expected);
+                            prop_assert_eq!(Ok((taken, dropped, batch.num_ready)), expected);
                         }
                         Err(_) => {
                             prop_assert_eq!(expected, Err(()));

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use buffer_core::{
-    BufferError, Counts, GroupBuffer, GroupVersions, Limits, ManualClock, StepStats,
+    BufferError, Completion, Counts, GroupBuffer, GroupVersions, Limits, ManualClock, StepStats,
 };
 
 const SECOND_NS: u64 = 1_000_000_000;
@@ -42,7 +42,7 @@ fn limits_below_one_or_negative_are_rejected_by_name() {
         (2, 4, 1, Some(-1), "agentloop.max_actor_accept_staleness"),
     ] {
         let error = Limits::new(inflight, buffered, dropped, cap).unwrap_err();
-        assert!(matches!(error, BufferError::InvalidArgument(_)));
+        assert!(matches!(error, BufferError::InvalidArgument { .. }));
         assert!(error.to_string().contains(key), "{error}");
     }
     // A buffer limit below the in-flight limit is valid: the in-flight limit then never binds.
@@ -123,28 +123,80 @@ fn take_batch_drops_groups_past_the_staleness_cap_and_frees_their_capacity() {
 }
 
 #[test]
-fn a_batch_larger_than_the_buffer_after_drops_changes_nothing() {
+fn stale_groups_are_dropped_even_when_fewer_than_requested_remain() {
     let (buffer, _) = buffer(limits(4, 4, 10, Some(0)));
     let stale = admit(&buffer, 0);
     let fresh = admit(&buffer, 1);
     buffer.complete(stale, versions(0, 0, 1)).unwrap();
     buffer.complete(fresh, versions(1, 1, 1)).unwrap();
-    let before = buffer.state();
-    let error = buffer.take_batch(2, 1).unwrap_err();
+    let hand_off = buffer.take_batch(2, 1).unwrap();
+    assert!(!hand_off.is_ready());
+    assert!(hand_off.groups.is_empty());
+    assert_eq!(hand_off.num_ready, 1);
+    let dropped: Vec<(u64, u64)> = hand_off
+        .dropped
+        .iter()
+        .map(|group| (group.group_id, group.prompt_index))
+        .collect();
+    assert_eq!(dropped, [(stale, 0)]);
+    // The drop freed its capacity: only the fresh group is left.
     assert_eq!(
-        error,
-        BufferError::BatchTooLarge {
-            requested: 2,
-            available: 1,
-            stale: 1
+        buffer.counts(),
+        Counts {
+            inflight: 0,
+            buffered: 1
         }
     );
-    assert!(error.to_string().contains("nothing was dropped"));
-    assert_eq!(buffer.state(), before);
-    assert!(matches!(
-        buffer.take_batch(0, 1),
-        Err(BufferError::InvalidArgument(_))
-    ));
+    assert_eq!(buffer.end_step().dropped_groups, 1);
+    for num_groups in [0, 5] {
+        assert!(matches!(
+            buffer.take_batch(num_groups, 1),
+            Err(BufferError::InvalidArgument {
+                argument: "num_groups",
+                ..
+            })
+        ));
+    }
+}
+
+#[test]
+fn a_zero_cap_in_async_mode_never_deadlocks() {
+    // Groups keep finishing one version behind the actor: with cap 0 each is stale at the next
+    // hand-off. The buffer must keep freeing capacity instead of filling up with stale groups.
+    let (buffer, _) = buffer(limits(2, 2, i64::MAX, Some(0)));
+    let mut prompt = 0;
+    for actor_version in 1..20 {
+        while let Some(group_id) = buffer.try_admit(prompt) {
+            buffer
+                .complete(
+                    group_id,
+                    versions(actor_version - 1, actor_version - 1, actor_version - 1),
+                )
+                .unwrap();
+            prompt += 1;
+        }
+        let hand_off = buffer.take_batch(1, actor_version).unwrap();
+        assert!(!hand_off.is_ready());
+        assert_eq!(hand_off.dropped.len(), 2);
+        assert_eq!(buffer.counts(), Counts::default());
+    }
+}
+
+#[test]
+fn a_waiting_hand_off_is_woken_by_a_completion() {
+    let (buffer, _) = buffer(limits(2, 4, 0, None));
+    let group_id = admit(&buffer, 3);
+    let hand_off = std::thread::scope(|scope| {
+        let trainer = scope.spawn(|| buffer.wait_batch(1, 0, Duration::from_secs(600)));
+        buffer.complete(group_id, versions(0, 0, 0)).unwrap();
+        trainer.join().unwrap().unwrap()
+    });
+    assert_eq!(hand_off.groups.len(), 1);
+    assert_eq!(hand_off.groups[0].prompt_index, 3);
+    // Nothing ready and a timeout of zero: returns at once, not ready.
+    let empty = buffer.wait_batch(1, 0, Duration::ZERO).unwrap();
+    assert!(!empty.is_ready());
+    assert_eq!(empty.num_ready, 0);
 }
 
 #[test]
@@ -164,15 +216,14 @@ fn the_drop_guard_names_its_setting_and_changes_nothing() {
 }
 
 #[test]
-fn completing_twice_or_an_unknown_group_is_an_error_that_changes_nothing() {
+fn completing_twice_is_a_no_op_and_an_unknown_group_an_error() {
     let (buffer, _) = buffer(limits(2, 4, 0, None));
     let group_id = admit(&buffer, 7);
-    buffer.complete(group_id, versions(0, 0, 0)).unwrap();
+    assert_eq!(buffer.complete(group_id, versions(0, 0, 0)), Ok(true));
     let before = buffer.state();
-    assert_eq!(
-        buffer.complete(group_id, versions(0, 0, 0)),
-        Err(BufferError::GroupNotInflight { group_id })
-    );
+    // A retried completion, even with other versions, changes nothing: the first one stands.
+    assert_eq!(buffer.complete(group_id, versions(0, 0, 0)), Ok(false));
+    assert_eq!(buffer.complete(group_id, versions(2, 1, 0)), Ok(false));
     assert_eq!(
         buffer.complete(5, versions(0, 0, 0)),
         Err(BufferError::UnknownGroup {
@@ -180,8 +231,83 @@ fn completing_twice_or_an_unknown_group_is_an_error_that_changes_nothing() {
             next_group_id: 1
         })
     );
-    assert!(buffer.abandon(group_id).is_err());
+    assert_eq!(
+        buffer.abandon(group_id),
+        Err(BufferError::GroupNotInflight { group_id })
+    );
     assert_eq!(buffer.state(), before);
+    // Still a no-op once the group was handed out.
+    buffer.take_batch(1, 0).unwrap();
+    let after = buffer.state();
+    assert_eq!(buffer.complete(group_id, versions(0, 0, 0)), Ok(false));
+    assert_eq!(buffer.state(), after);
+}
+
+#[test]
+fn a_completion_must_name_the_admitted_prompt() {
+    let (buffer, _) = buffer(limits(2, 4, 0, None));
+    let group_id = admit(&buffer, 7);
+    let before = buffer.state();
+    let completion = Completion {
+        group_id,
+        prompt_index: Some(8),
+        token_versions: Some((0, 0)),
+        finish_version: None,
+    };
+    assert_eq!(
+        buffer.complete_group(completion),
+        Err(BufferError::PromptMismatch {
+            group_id,
+            admitted_prompt_index: 7,
+            prompt_index: 8
+        })
+    );
+    assert_eq!(buffer.state(), before);
+}
+
+#[test]
+fn the_buffer_stamps_a_missing_finish_version() {
+    let (buffer, _) = buffer(limits(4, 4, 0, None));
+    let ids: Vec<u64> = (0..4).map(|prompt| admit(&buffer, prompt)).collect();
+    let completion = |group_id: u64, token_versions| Completion {
+        group_id,
+        prompt_index: Some(group_id),
+        token_versions,
+        finish_version: None,
+    };
+    // Before any hand-off the floor is 0; the group's latest version wins when newer.
+    assert_eq!(
+        buffer.complete_group(completion(ids[0], Some((1, 2)))),
+        Ok(Some(versions(1, 2, 2)))
+    );
+    buffer.take_batch(1, 3).unwrap();
+    // After a hand-off at 3, the floor is 3; a group without model tokens sits at the floor.
+    assert_eq!(
+        buffer.complete_group(completion(ids[1], Some((1, 2)))),
+        Ok(Some(versions(1, 2, 3)))
+    );
+    assert_eq!(
+        buffer.complete_group(completion(ids[2], None)),
+        Ok(Some(versions(3, 3, 3)))
+    );
+    // A finish version given explicitly below the floor names the remedy.
+    let error = buffer
+        .complete_group(Completion {
+            finish_version: Some(2),
+            ..completion(ids[3], Some((1, 2)))
+        })
+        .unwrap_err();
+    assert!(matches!(
+        error,
+        BufferError::Version {
+            group_id: Some(3),
+            ..
+        }
+    ));
+    assert!(
+        error.to_string().contains("leave finish_version unset"),
+        "{error}"
+    );
 }
 
 #[test]
@@ -191,10 +317,8 @@ fn abandon_frees_the_slot_and_returns_the_prompt() {
     assert_eq!(buffer.try_admit(43), None);
     assert_eq!(buffer.abandon(group_id), Ok(42));
     assert_eq!(buffer.try_admit(43), Some(1));
-    assert_eq!(
-        buffer.complete(group_id, versions(0, 0, 0)),
-        Err(BufferError::GroupNotInflight { group_id })
-    );
+    // A late completion of the abandoned group is ignored.
+    assert_eq!(buffer.complete(group_id, versions(0, 0, 0)), Ok(false));
 }
 
 #[test]
@@ -206,7 +330,7 @@ fn versions_that_go_backwards_are_errors_that_change_nothing() {
     for bad in [versions(-1, 0, 0), versions(2, 1, 3), versions(1, 3, 2)] {
         assert!(matches!(
             buffer.complete(first, bad),
-            Err(BufferError::Version(_))
+            Err(BufferError::Version { .. })
         ));
     }
     assert_eq!(buffer.state(), before);
@@ -214,22 +338,22 @@ fn versions_that_go_backwards_are_errors_that_change_nothing() {
     // The actor cannot be older than a version a group saw as current.
     assert!(matches!(
         buffer.take_batch(1, 4),
-        Err(BufferError::Version(_))
+        Err(BufferError::Version { .. })
     ));
     buffer.take_batch(1, 6).unwrap();
     // Nor go back, nor can a group finish before a version already handed out.
     assert!(matches!(
         buffer.complete(second, versions(5, 5, 5)),
-        Err(BufferError::Version(_))
+        Err(BufferError::Version { .. })
     ));
     buffer.complete(second, versions(5, 5, 6)).unwrap();
     assert!(matches!(
         buffer.take_batch(1, 5),
-        Err(BufferError::Version(_))
+        Err(BufferError::Version { .. })
     ));
     assert!(matches!(
         buffer.take_batch(1, -1),
-        Err(BufferError::Version(_))
+        Err(BufferError::Version { .. })
     ));
 }
 
@@ -354,7 +478,7 @@ fn state_round_trips_exactly_and_the_restored_buffer_continues() {
     assert_eq!(restored.try_admit(62), Some(5));
     assert!(matches!(
         restored.take_batch(1, 1),
-        Err(BufferError::Version(_))
+        Err(BufferError::Version { .. })
     ));
 }
 
@@ -403,15 +527,22 @@ fn batch_admission_admits_the_prefix_that_fits_and_batch_completion_is_all_or_no
     let before = buffer.state();
     for bad in [
         vec![(0, versions(0, 0, 0)), (5, versions(0, 0, 0))],
-        vec![(0, versions(0, 0, 0)), (0, versions(0, 0, 0))],
         vec![(0, versions(0, 0, 0)), (1, versions(1, 0, 1))],
     ] {
         assert!(buffer.complete_many(&bad).is_err());
         assert_eq!(buffer.state(), before);
     }
-    buffer
-        .complete_many(&[(2, versions(0, 0, 0)), (0, versions(1, 1, 1))])
-        .unwrap();
+    // Listed twice: the second entry is a retry.
+    assert_eq!(
+        buffer
+            .complete_many(&[
+                (2, versions(0, 0, 0)),
+                (0, versions(1, 1, 1)),
+                (2, versions(0, 0, 0))
+            ])
+            .unwrap(),
+        [true, true, false]
+    );
     assert_eq!(
         buffer.counts(),
         Counts {

@@ -13,7 +13,7 @@
 
 use std::time::Duration;
 
-use buffer_core::{Admission, BufferError, Clock, Counts, GroupBuffer, GroupVersions, Limits};
+use buffer_core::{Admission, Clock, Counts, GroupBuffer, GroupVersions, Limits};
 use loom::model::Builder;
 use loom::sync::Arc;
 use loom::thread;
@@ -113,10 +113,13 @@ fn admit_complete_take_model(num_agents: u64) {
             .collect();
         let trainer = {
             let buffer = Arc::clone(&buffer);
-            thread::spawn(move || match buffer.take_batch(1, 0) {
-                Ok(batch) => batch.groups.iter().map(|group| group.group_id).collect(),
-                Err(BufferError::BatchTooLarge { .. }) => Vec::new(),
-                Err(error) => panic!("{error}"),
+            thread::spawn(move || {
+                let batch = buffer.take_batch(1, 0).unwrap();
+                batch
+                    .groups
+                    .iter()
+                    .map(|group| group.group_id)
+                    .collect::<Vec<u64>>()
             })
         };
         let admitted: Vec<u64> = agents
@@ -187,4 +190,24 @@ fn a_waiting_admission_is_woken_by_every_kind_of_release() {
             );
         });
     }
+}
+
+#[test]
+fn a_waiting_hand_off_is_woken_by_a_completion() {
+    explore(None, || {
+        let limits = Limits::new(1, 2, 0, None).unwrap();
+        let buffer = Arc::new(GroupBuffer::with_clock(limits, FrozenClock));
+        let group_id = buffer.try_admit(5).unwrap();
+        let trainer = {
+            let buffer = Arc::clone(&buffer);
+            // loom's condition variable never times out, so a lost wake-up is a deadlock, which loom
+            // reports.
+            thread::spawn(move || buffer.wait_batch(1, 0, Duration::from_secs(3600)))
+        };
+        assert!(buffer.complete(group_id, VERSIONS).unwrap());
+        let hand_off = trainer.join().unwrap().unwrap();
+        assert_eq!(hand_off.groups.len(), 1);
+        assert_eq!(hand_off.groups[0].prompt_index, 5);
+        assert_eq!(buffer.counts(), Counts::default());
+    });
 }

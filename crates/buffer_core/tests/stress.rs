@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::Duration;
 
-use buffer_core::{Admission, BufferError, Counts, GroupBuffer, GroupVersions, Limits};
+use buffer_core::{Admission, Counts, GroupBuffer, GroupVersions, Limits};
 
 const THREADS: usize = 12;
 
@@ -111,13 +111,20 @@ fn group_buffer_keeps_its_limits_and_every_group_with_many_threads() {
                 let (buffer, done, trained) = (&buffer, &done, &trained);
                 scope.spawn(move || {
                     while !done.load(Ordering::Relaxed) {
-                        match buffer.take_batch(1 + trainer, 0) {
-                            Ok(batch) => trained
+                        // Trainer 0 polls; trainer 1 waits for completions.
+                        let batch = if trainer == 0 {
+                            buffer.take_batch(1, 0)
+                        } else {
+                            buffer.wait_batch(2, 0, Duration::from_millis(5))
+                        };
+                        let batch = batch.unwrap_or_else(|error| panic!("{error}"));
+                        if batch.is_ready() {
+                            trained
                                 .lock()
                                 .unwrap()
-                                .extend(batch.groups.iter().map(|group| group.group_id)),
-                            Err(BufferError::BatchTooLarge { .. }) => thread::yield_now(),
-                            Err(error) => panic!("{error}"),
+                                .extend(batch.groups.iter().map(|group| group.group_id));
+                        } else {
+                            thread::yield_now();
                         }
                     }
                 })

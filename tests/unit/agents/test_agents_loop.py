@@ -110,7 +110,9 @@ async def test_version_spans_become_per_token_versions(task: SearchR1MiniTask) -
     (trajectory,) = group.trajectories
     check_alignment(trajectory, engine.calls, worker(task, engine).prompt_ids(sample))
     assert trajectory.version_range() == (4, 5)
-    assert group.finish_version == 5
+    assert (trajectory.earliest_version, trajectory.latest_version) == (4, 5)
+    assert group.version_range() == (4, 5)
+    assert group.finish_version == NO_VERSION, "the buffer stamps it"
     model_versions = [v for v, m in zip(trajectory.versions, trajectory.loss_mask, strict=True) if m]
     assert model_versions[:4] == [4, 4, 4, 5]
 
@@ -241,6 +243,7 @@ async def test_engine_refusal_ends_the_trajectory_not_the_group(task: SearchR1Mi
     group = await loop.run_group(0)
     assert [t.finish_reason for t in group.trajectories] == ["error", "error"]
     assert all(t.response_len == 0 for t in group.trajectories)
+    assert group.version_range() is None
     assert group.finish_version == NO_VERSION
 
 

@@ -4,15 +4,17 @@ snapshots, and many Python threads against small limits."""
 from __future__ import annotations
 
 import math
+import pickle
 import threading
 import time
 
 import pytest
 
 from asyncrl_core.buffer import Batch, BufferSnapshot, GroupBuffer, StepStats
+from asyncrl_core.config import load_config
 from asyncrl_core.errors import (
     AsyncRLError,
-    BatchTooLargeError,
+    ConfigError,
     CorruptStateError,
     DropLimitExceededError,
     GroupBufferError,
@@ -23,7 +25,9 @@ from asyncrl_core.errors import (
 from asyncrl_core.types import NO_VERSION, Group, Trajectory
 
 
-def make_group(group_id: int, prompt_index: int, versions: list[int], finish_version: int) -> Group:
+def make_group(
+    group_id: int, prompt_index: int, versions: list[int], finish_version: int = NO_VERSION
+) -> Group:
     """A group of one trajectory whose model tokens were sampled at `versions` (plus one tool token)."""
     trajectory = Trajectory(
         token_ids=[1, 2, *range(10, 10 + len(versions)), 99],
@@ -69,7 +73,10 @@ def test_groups_leave_oldest_first_with_their_payloads() -> None:
     older = admit_and_complete(buffer, 11, [1, 3], 3)
     same_age_later = admit_and_complete(buffer, 12, [1], 3)
     batch = buffer.take_batch(3, actor_version=4)
-    assert batch == Batch(groups=[older, same_age_later, newer], dropped_prompt_indices=[], actor_version=4)
+    assert batch == Batch(
+        groups=[older, same_age_later, newer], dropped_prompt_indices=[], actor_version=4, num_ready=3
+    )
+    assert batch.ready
     assert batch.groups[0] is older
     assert buffer.num_buffered == 0
 
@@ -172,7 +179,6 @@ def test_every_buffer_error_is_an_asyncrl_error() -> None:
         InvalidArgumentError,
         InvalidGroupError,
         VersionError,
-        BatchTooLargeError,
         DropLimitExceededError,
         CorruptStateError,
     ):
@@ -192,14 +198,14 @@ def test_each_typed_error_leaves_the_buffer_unchanged() -> None:
         (InvalidArgumentError, lambda: buffer.wait_admit(2, timeout_s=-1.0)),
         (InvalidArgumentError, lambda: buffer.wait_admit(2, timeout_s=math.nan)),
         (InvalidArgumentError, lambda: buffer.take_batch(0, 1)),
-        (InvalidGroupError, lambda: buffer.complete(make_group(buffered.group_id, 0, [1], 1))),
+        (InvalidArgumentError, lambda: buffer.take_batch(4, 1)),
+        (InvalidArgumentError, lambda: buffer.take_batch(1, 1, timeout_s=-1.0)),
         (InvalidGroupError, lambda: buffer.complete(make_group(99, 0, [1], 1))),
+        (InvalidGroupError, lambda: buffer.complete(make_group(inflight_id, 2, [1]))),
         (InvalidGroupError, lambda: buffer.abandon(buffered.group_id)),
         (InvalidGroupError, lambda: buffer.abandon(99)),
-        (VersionError, lambda: buffer.complete(make_group(inflight_id, 1, [2, 1], 1))),
-        (VersionError, lambda: buffer.complete(make_group(inflight_id, 1, [], NO_VERSION))),
+        (VersionError, lambda: buffer.complete(make_group(inflight_id, 1, [2], 1))),
         (VersionError, lambda: buffer.take_batch(1, 0)),
-        (BatchTooLargeError, lambda: buffer.take_batch(2, 1)),
         # At actor version 3 the buffered group is stale, and no drop is allowed per step.
         (DropLimitExceededError, lambda: buffer.take_batch(1, 3)),
     ]
@@ -212,6 +218,163 @@ def test_each_typed_error_leaves_the_buffer_unchanged() -> None:
     assert buffer.buffered_groups()[0] is buffered
 
 
+def test_every_error_carries_typed_fields_and_survives_pickling() -> None:
+    buffer = make_buffer(inflight=2, buffered=3, max_dropped=0, cap=0)
+    admit_and_complete(buffer, 0, [1], 1)
+    inflight_id = buffer.try_admit(1)
+    assert inflight_id is not None
+    with pytest.raises(InvalidArgumentError) as invalid:
+        buffer.take_batch(4, 1)
+    assert invalid.value.argument == "num_groups"
+    with pytest.raises(InvalidArgumentError) as invalid_limit:
+        make_buffer(inflight=0)
+    assert invalid_limit.value.argument == "rollout_buffer.max_inflight_groups"
+    with pytest.raises(InvalidGroupError) as mismatch:
+        buffer.complete(make_group(inflight_id, 5, [1]))
+    assert mismatch.value.group_id == inflight_id
+    assert "admitted for prompt 1" in str(mismatch.value)
+    with pytest.raises(VersionError) as group_version:
+        buffer.complete(make_group(inflight_id, 1, [2], 1))
+    assert group_version.value.group_id == inflight_id
+    with pytest.raises(VersionError) as actor_version:
+        buffer.take_batch(1, 0)
+    assert actor_version.value.group_id is None
+    with pytest.raises(DropLimitExceededError) as guard:
+        buffer.take_batch(1, 2)
+    assert (
+        guard.value.dropped_this_step,
+        guard.value.would_drop,
+        guard.value.max_dropped_groups_per_step,
+    ) == (
+        0,
+        1,
+        0,
+    )
+    for error in (invalid.value, mismatch.value, actor_version.value, guard.value):
+        copy = pickle.loads(pickle.dumps(error))
+        assert type(copy) is type(error)
+        assert str(copy) == str(error)
+        assert vars(copy) == vars(error)
+
+
+def test_a_retried_completion_is_a_no_op_that_loses_nothing() -> None:
+    buffer = make_buffer(inflight=2, buffered=4)
+    group = admit_and_complete(buffer, 3, [1], 1)
+    before = observed(buffer)
+    # The same object again (an in-process retry), and an equal copy (a retried remote call).
+    assert buffer.complete(group) is False
+    assert buffer.complete(make_group(group.group_id, 3, [1], 1)) is False
+    assert buffer.complete_many([group]) == [False]
+    assert observed(buffer) == before
+    assert buffer.buffered_groups() == [group]
+    batch = buffer.take_batch(1, actor_version=1)
+    assert batch.groups == [group]
+    assert batch.groups[0] is group
+    # Once handed out, a late retry is still a no-op.
+    assert buffer.complete(make_group(group.group_id, 3, [1], 1)) is False
+    assert (buffer.num_inflight, buffer.num_buffered, buffer.buffered_groups()) == (0, 0, [])
+
+
+def test_a_late_completion_of_an_abandoned_group_is_ignored() -> None:
+    buffer = make_buffer(inflight=1, buffered=2)
+    group_id = buffer.try_admit(4)
+    assert group_id is not None
+    assert buffer.abandon(group_id) == 4
+    assert buffer.complete(make_group(group_id, 4, [0])) is False
+    assert (buffer.num_inflight, buffer.num_buffered) == (0, 0)
+
+
+@pytest.mark.parametrize("cap", [0, 1, 2, 3])
+def test_stale_groups_never_hold_capacity_whatever_the_cap(cap: int) -> None:
+    """The async loop with groups that finish `cap + 1` versions behind the actor: every one is stale at
+    the hand-off. Drops must free capacity so admission continues, and every prompt comes back."""
+    buffer = make_buffer(inflight=2, buffered=3, max_dropped=1000, cap=cap)
+    issued: list[int] = []
+    returned: list[int] = []
+    for actor_version in range(cap + 1, cap + 30):
+        while (group_id := buffer.try_admit(len(issued))) is not None:
+            issued.append(len(issued))
+            assert buffer.complete(make_group(group_id, issued[-1], [actor_version - cap - 1]))
+        batch = buffer.take_batch(2, actor_version)
+        assert not batch.ready
+        assert batch.num_ready == 0
+        returned.extend(batch.dropped_prompt_indices)
+        assert (buffer.num_inflight, buffer.num_buffered) == (0, 0)
+    assert returned == issued
+    assert len(issued) > 3, "admission kept going"
+
+
+def test_stale_groups_are_dropped_even_when_fewer_than_requested_remain() -> None:
+    buffer = make_buffer(inflight=3, buffered=3, cap=0)
+    admit_and_complete(buffer, 0, [0], 1)
+    fresh = admit_and_complete(buffer, 1, [1], 1)
+    assert buffer.try_admit(2) is not None
+    batch = buffer.take_batch(2, actor_version=1)
+    assert batch == Batch(groups=[], dropped_prompt_indices=[0], actor_version=1, num_ready=1)
+    assert not batch.ready
+    assert buffer.buffered_groups() == [fresh]
+    assert buffer.try_admit(3) is not None, "the drop freed capacity"
+    assert buffer.end_step().dropped_groups == 1
+
+
+def test_a_waiting_hand_off_is_woken_by_completions() -> None:
+    buffer = make_buffer(inflight=2, buffered=4)
+    ids = buffer.try_admit_many([10, 11])
+    assert buffer.take_batch(2, 0, timeout_s=0.01).num_ready == 0
+    result: list[Batch] = []
+    trainer = threading.Thread(target=lambda: result.append(buffer.take_batch(2, 0, timeout_s=60.0)))
+    trainer.start()
+    groups = [make_group(group_id, 10 + index, [0]) for index, group_id in enumerate(ids)]
+    for group in groups:
+        time.sleep(0.02)
+        assert buffer.complete(group)
+    trainer.join(timeout=60.0)
+    assert not trainer.is_alive()
+    (batch,) = result
+    assert batch.ready
+    assert batch.groups == groups
+
+
+def test_the_buffer_stamps_finish_version() -> None:
+    buffer = make_buffer(inflight=4, buffered=4)
+    first = admit_and_complete(buffer, 0, [1, 2], NO_VERSION)
+    assert first.finish_version == 2, "the group's latest version, before any hand-off"
+    buffer.take_batch(1, actor_version=5)
+    second = admit_and_complete(buffer, 1, [3], NO_VERSION)
+    assert second.finish_version == 5, "the actor version of the last hand-off"
+    no_tokens = admit_and_complete(buffer, 2, [], NO_VERSION)
+    assert (no_tokens.finish_version, no_tokens.version_range()) == (5, None)
+    assert [group.finish_version for group in buffer.buffered_groups()] == [5, 5]
+    group_id = buffer.try_admit(3)
+    assert group_id is not None
+    with pytest.raises(VersionError, match="leave finish_version unset"):
+        buffer.complete(make_group(group_id, 3, [3], 4))
+
+
+def test_from_config_reads_both_sections() -> None:
+    config = load_config(
+        None,
+        [
+            "rollout_buffer.max_inflight_groups=5",
+            "rollout_buffer.max_buffered_groups=9",
+            "rollout_buffer.max_dropped_groups_per_step=4",
+            "agentloop.max_actor_accept_staleness=2",
+        ],
+    )
+    buffer = GroupBuffer.from_config(config)
+    assert (
+        buffer.max_inflight_groups,
+        buffer.max_buffered_groups,
+        buffer.max_dropped_groups_per_step,
+        buffer.max_actor_accept_staleness,
+    ) == (5, 9, 4, 2)
+    unresolved = config.model_copy(
+        update={"rollout_buffer": config.rollout_buffer.model_copy(update={"max_inflight_groups": None})}
+    )
+    with pytest.raises(ConfigError, match=r"rollout_buffer\.max_inflight_groups"):
+        GroupBuffer.from_config(unresolved)
+
+
 def test_batch_admission_and_completion() -> None:
     buffer = make_buffer(inflight=3, buffered=4)
     group_ids = buffer.try_admit_many([7, 8, 9, 10])
@@ -222,10 +385,9 @@ def test_batch_admission_and_completion() -> None:
         buffer.complete_many([*groups[:2], make_group(99, 0, [0], 2)])
     with pytest.raises(VersionError):
         buffer.complete_many([groups[0], make_group(group_ids[2], 9, [3], 2)])
-    with pytest.raises(InvalidGroupError):
-        buffer.complete_many([groups[0], groups[0]])
     assert observed(buffer) == before, "all or nothing"
-    buffer.complete_many(groups)
+    assert buffer.complete_many([groups[0], groups[0], groups[1]]) == [True, False, True]
+    assert buffer.complete_many([groups[2], groups[0]]) == [True, False]
     assert buffer.take_batch(3, actor_version=2).groups == groups
 
 
@@ -283,10 +445,7 @@ def test_eight_threads_admit_and_complete_against_small_limits() -> None:
     def trainer() -> None:
         try:
             while not (agents_done.is_set() and buffer.num_buffered == 0):
-                try:
-                    trained.extend(buffer.take_batch(1, actor_version=0).groups)
-                except BatchTooLargeError:
-                    time.sleep(0.0005)
+                trained.extend(buffer.take_batch(1, actor_version=0, timeout_s=0.01).groups)
         except BaseException as error:
             failures.append(error)
 

@@ -25,7 +25,7 @@ def make_buffer(num_threads: int, num_finished: int = 0) -> _buffer_core.GroupBu
     for prompt_index in range(num_finished):
         group_id = buffer.try_admit(prompt_index)
         assert group_id is not None
-        buffer.complete(group_id, VERSION, VERSION, VERSION)
+        buffer.complete(group_id, prompt_index, (VERSION, VERSION), VERSION)
     return buffer
 
 

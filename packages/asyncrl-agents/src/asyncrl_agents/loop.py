@@ -86,6 +86,7 @@ class _Episode:
     num_tool_errors: int = 0
     num_invalid_turns: int = 0
     num_observations_cut: int = 0
+    earliest_version: int = NO_VERSION
     latest_version: int = NO_VERSION
 
     @property
@@ -107,8 +108,12 @@ class _Episode:
         self.loss_mask.extend([1] * len(ids))
         self.logprobs.extend(generation.logprobs)
         self.versions.extend(versions)
-        if versions:
-            self.latest_version = max(self.latest_version, *versions)
+        # The range follows from the spans; the tokens need not be read again.
+        for span in generation.version_spans:
+            if span.end > span.start:
+                if self.earliest_version == NO_VERSION or span.version < self.earliest_version:
+                    self.earliest_version = span.version
+                self.latest_version = max(self.latest_version, span.version)
 
     def add_observation_tokens(self, ids: Sequence[int]) -> None:
         self.token_ids.extend(ids)
@@ -255,8 +260,9 @@ class AgentLoopWorker:
         """Run `group_size` trajectories of one prompt and score them.
 
         `sample` defaults to `dataset(split)[prompt_index]`; `group_id` (the buffer's admission id) defaults
-        to a counter of this worker. `Group.finish_version` is the latest weight version that sampled any of
-        the group's tokens (`NO_VERSION` if none); the buffer replaces it with the actor's version.
+        to a counter of this worker. Each trajectory carries the earliest and latest weight version of its
+        tokens (from the engine's version spans); `Group.finish_version` is left `NO_VERSION`: the buffer,
+        which knows the actor's version, stamps it when it accepts the group.
         """
         if sample is None:
             sample = self.dataset(split)[prompt_index]
@@ -277,8 +283,7 @@ class AgentLoopWorker:
             # (an `EngineUnavailableError`, say), not an exception group.
             raise failures.exceptions[0] from None
         trajectories = [trajectory.result() for trajectory in running]
-        finish_version = max((t.metrics["latest_version"] for t in trajectories), default=NO_VERSION)
-        return Group(group_id, prompt_index, trajectories, int(finish_version))
+        return Group(group_id, prompt_index, trajectories)
 
     async def _run_trajectory(self, sample: TaskSample, prompt: list[int], rid: str) -> Trajectory:
         started = time.perf_counter()
@@ -300,7 +305,6 @@ class AgentLoopWorker:
             "num_tool_errors": float(episode.num_tool_errors),
             "num_invalid_turns": float(episode.num_invalid_turns),
             "num_observations_cut": float(episode.num_observations_cut),
-            "latest_version": float(episode.latest_version),
         }
         return Trajectory(
             token_ids=episode.token_ids,
@@ -312,6 +316,8 @@ class AgentLoopWorker:
             num_turns=episode.num_turns,
             finish_reason=episode.finish_reason,
             metrics=metrics,
+            earliest_version=episode.earliest_version,
+            latest_version=episode.latest_version,
         )
 
     def _budget(self, episode: _Episode) -> int:

@@ -103,19 +103,35 @@ class GroupBuffer:
         """The new group id once both limits allow admission, or None after `timeout_s` seconds.
         Releases the GIL while waiting and checks for signals every 0.1 s."""
     def complete(
-        self, group_id: int, earliest_version: int, latest_version: int, finish_version: int
-    ) -> None:
-        """Move an in-flight group to the finished heap with its weight versions."""
-    def complete_many(self, groups: Sequence[tuple[int, int, int, int]]) -> None:
-        """`complete` for each `(group_id, earliest_version, latest_version, finish_version)` under one
-        lock, all or nothing."""
+        self,
+        group_id: int,
+        prompt_index: int,
+        token_versions: tuple[int, int] | None,
+        finish_version: int | None,
+    ) -> int | None:
+        """Move an in-flight group to the finished heap.
+
+        `token_versions` is `(earliest_version, latest_version)` of its model tokens, or None when the
+        model sampled none; `finish_version` None lets the buffer stamp it. Returns the group's finish
+        version, or None when the group was admitted but is no longer in flight (a retry; nothing
+        changes). `prompt_index` must be the one the group was admitted for.
+        """
+    def complete_many(
+        self, groups: Sequence[tuple[int, int, tuple[int, int] | None, int | None]]
+    ) -> list[int | None]:
+        """`complete` for each `(group_id, prompt_index, token_versions, finish_version)` under one lock;
+        one result per entry. All or nothing on errors."""
     def abandon(self, group_id: int) -> int:
         """Release an in-flight group that failed; returns its prompt index."""
-    def take_batch(self, num_groups: int, actor_version: int) -> tuple[list[int], list[tuple[int, int]]]:
-        """Drop the groups past the staleness cap, then hand out the `num_groups` oldest.
+    def take_batch(
+        self, num_groups: int, actor_version: int, timeout_s: float = 0.0
+    ) -> tuple[list[int], list[tuple[int, int]], int]:
+        """Drop the groups past the staleness cap, then hand out the `num_groups` oldest if that many
+        are ready, waiting up to `timeout_s` seconds (without the GIL) for them.
 
-        Returns the handed-out group ids (oldest first) and `(group_id, prompt_index)` of each dropped
-        group (oldest first).
+        Returns the handed-out group ids (oldest first; empty when not ready), `(group_id,
+        prompt_index)` of each dropped group (oldest first), and the number of groups ready after the
+        drops. Returns early, not ready, as soon as it dropped groups.
         """
     def end_step(self) -> StepTotals:
         """Return the running step's totals and start the next step now."""

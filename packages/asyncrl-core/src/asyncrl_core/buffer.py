@@ -7,18 +7,26 @@ counters, ids, prompt indices and versions; this facade keeps each finished grou
 keyed by its group id and turns the core's results into typed values.
 
 Every method may be called from several threads at once. Each error is an `asyncrl_core.errors`
-`GroupBufferError` subclass, raised before anything changes.
+`GroupBufferError` subclass with typed fields, raised before anything changes.
+
+Versions (ARCHITECTURE.md section 3): a group's earliest and latest version are those of its model tokens,
+which each `Trajectory` records when it is built. Its `finish_version`, the actor version current when it
+finished, is stamped by the buffer when it accepts the group: the `actor_version` of the last `take_batch`
+(0 before the first), or the group's latest version when that is newer. A producer that knows the actor's
+version may set `Group.finish_version` itself; the buffer then checks it instead.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from asyncrl_core import _buffer_core
 from asyncrl_core.errors import (
-    BatchTooLargeError,
+    ConfigError,
+    ConfigProblem,
     CorruptStateError,
     DropLimitExceededError,
     GroupBufferError,
@@ -26,11 +34,13 @@ from asyncrl_core.errors import (
     InvalidGroupError,
     VersionError,
 )
-from asyncrl_core.types import Group
+from asyncrl_core.types import NO_VERSION, Group
+
+if TYPE_CHECKING:
+    from asyncrl_core.config import AsyncRLConfig
 
 __all__ = [
     "Batch",
-    "BatchTooLargeError",
     "BufferSnapshot",
     "CorruptStateError",
     "DropLimitExceededError",
@@ -71,14 +81,24 @@ class StepTotals(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Batch:
-    """What `GroupBuffer.take_batch` hands to the actor."""
+    """What `GroupBuffer.take_batch` did: the batch for the actor if it was ready, and the stale groups it
+    dropped (whether or not the batch was ready)."""
 
     groups: list[Group]
-    """The oldest finished groups, oldest first (by earliest version, then admission order)."""
+    """The `num_groups` oldest finished groups, oldest first (by earliest version, then admission order);
+    empty when fewer than `num_groups` were ready."""
     dropped_prompt_indices: list[int]
     """Prompts of the groups dropped by the staleness cap, oldest first, for the dataloader to re-issue."""
     actor_version: int
     """The actor version the batch was taken at; staleness is measured against it."""
+    num_ready: int
+    """Groups buffered after the drops and before the hand-out: below `num_groups` exactly when the batch
+    was not ready."""
+
+    @property
+    def ready(self) -> bool:
+        """Whether the batch was handed out (`groups` holds `num_groups` groups)."""
+        return bool(self.groups)
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,12 +196,12 @@ class GroupBuffer:
     limit then never binds.
 
     Versions: every version is 0 or more; a group's `earliest <= latest <= finish_version`, its
-    `finish_version` is at least the `actor_version` of the last batch, and `take_batch`'s
-    `actor_version` never decreases and is at least every `finish_version` seen. Anything else is a
-    `VersionError`.
+    `finish_version` (stamped by the buffer unless the group sets it) is at least the `actor_version` of
+    the last batch, and `take_batch`'s `actor_version` never decreases and is at least every
+    `finish_version` seen. Anything else is a `VersionError`.
     """
 
-    __slots__ = ("_core", "_groups")
+    __slots__ = ("_completing", "_core", "_groups")
 
     def __init__(
         self,
@@ -198,6 +218,40 @@ class GroupBuffer:
             max_actor_accept_staleness=max_actor_accept_staleness,
         )
         self._groups: dict[int, Group] = {}
+        # Serialises completions, so that a retried completion can never remove the payload of the one
+        # it repeats. Hand-offs do not take it: they only remove payloads of groups the core accepted.
+        self._completing = threading.Lock()
+
+    @classmethod
+    def from_config(cls, config: AsyncRLConfig) -> GroupBuffer:
+        """The buffer a resolved configuration describes: the limits of `rollout_buffer` and
+        `agentloop.max_actor_accept_staleness`.
+
+        Raises `ConfigError` naming each limit still unset (a configuration from `load_config` has them
+        derived, except `max_inflight_groups` when the rollout instances are unknown).
+        """
+        limits = config.rollout_buffer
+        max_inflight_groups = limits.max_inflight_groups
+        max_buffered_groups = limits.max_buffered_groups
+        max_dropped_groups_per_step = limits.max_dropped_groups_per_step
+        if max_inflight_groups is None or max_buffered_groups is None or max_dropped_groups_per_step is None:
+            raise ConfigError(
+                [
+                    ConfigProblem(f"rollout_buffer.{key}", "is unset and could not be derived; set it")
+                    for key, value in (
+                        ("max_inflight_groups", max_inflight_groups),
+                        ("max_buffered_groups", max_buffered_groups),
+                        ("max_dropped_groups_per_step", max_dropped_groups_per_step),
+                    )
+                    if value is None
+                ]
+            )
+        return cls(
+            max_inflight_groups=max_inflight_groups,
+            max_buffered_groups=max_buffered_groups,
+            max_dropped_groups_per_step=max_dropped_groups_per_step,
+            max_actor_accept_staleness=config.agentloop.max_actor_accept_staleness,
+        )
 
     @classmethod
     def restore(cls, snapshot: BufferSnapshot) -> GroupBuffer:
@@ -223,6 +277,7 @@ class GroupBuffer:
         buffer = cls.__new__(cls)
         buffer._core = core
         buffer._groups = dict(snapshot.groups)
+        buffer._completing = threading.Lock()
         return buffer
 
     @property
@@ -265,59 +320,103 @@ class GroupBuffer:
         timeout. Releases the GIL while it waits; Ctrl-C interrupts it."""
         return self._core.wait_admit(prompt_index, timeout_s)
 
-    def complete(self, group: Group) -> None:
-        """Buffer a finished group: `group.group_id` must be in flight.
+    def complete(self, group: Group) -> bool:
+        """Buffer a finished group: True when it is accepted, False when its id is no longer in flight (a
+        retried completion, or a group abandoned meanwhile), in which case nothing changes and the first
+        completion stands.
 
-        Its earliest and latest versions come from the per-token versions (`Group.version_range`), and
-        `group.finish_version` must be the actor version current when it finished.
+        `group.group_id` and `group.prompt_index` must be those `try_admit` returned and was given
+        (`InvalidGroupError` otherwise). Its earliest and latest version come from its trajectories'
+        ranges (`Group.version_range`, which reads no token). On acceptance the buffer stamps
+        `group.finish_version` when it is `NO_VERSION` (see the module docs).
         """
-        earliest_version, latest_version = group.version_range()
-        existing = self._groups.setdefault(group.group_id, group)
-        if existing is not group:
-            raise InvalidGroupError(f"group {group.group_id} already finished and is buffered")
-        try:
-            self._core.complete(group.group_id, earliest_version, latest_version, group.finish_version)
-        except BaseException:
-            del self._groups[group.group_id]
-            raise
-
-    def complete_many(self, groups: Sequence[Group]) -> None:
-        """`complete` for several groups, all or nothing: on any error no group is buffered."""
-        added: list[int] = []
-        try:
-            for group in groups:
-                if self._groups.setdefault(group.group_id, group) is not group:
-                    raise InvalidGroupError(f"group {group.group_id} already finished and is buffered")
-                added.append(group.group_id)
-            self._core.complete_many(
-                [(group.group_id, *group.version_range(), group.finish_version) for group in groups]
-            )
-        except BaseException:
-            # A group listed twice was added once.
-            for group_id in set(added):
+        group_id = group.group_id
+        with self._completing:
+            if group_id in self._groups:
+                return False  # buffered already: this repeats an accepted completion
+            # The payload goes in first: the core may hand the group out as soon as it accepts it.
+            self._groups[group_id] = group
+            try:
+                finish_version = self._core.complete(
+                    group_id,
+                    group.prompt_index,
+                    group.version_range(),
+                    None if group.finish_version == NO_VERSION else group.finish_version,
+                )
+            except BaseException:
                 del self._groups[group_id]
-            raise
+                raise
+            if finish_version is None:
+                del self._groups[group_id]
+                return False
+        group.finish_version = finish_version
+        return True
+
+    def complete_many(self, groups: Sequence[Group]) -> list[bool]:
+        """`complete` for several groups under one lock: one flag per group, True when accepted (a group
+        listed twice is a retry the second time). On any error no group is buffered."""
+        with self._completing:
+            added: dict[int, Group] = {}
+            for group in groups:
+                if group.group_id not in self._groups and group.group_id not in added:
+                    added[group.group_id] = group
+            self._groups.update(added)
+            try:
+                finish_versions = self._core.complete_many(
+                    [
+                        (
+                            group.group_id,
+                            group.prompt_index,
+                            group.version_range(),
+                            None if group.finish_version == NO_VERSION else group.finish_version,
+                        )
+                        for group in groups
+                    ]
+                )
+            except BaseException:
+                for group_id in added:
+                    del self._groups[group_id]
+                raise
+            # The core accepts a group id at most once, in its first listing: the payload registered above.
+            accepted_ids: set[int] = set()
+            for group, finish_version in zip(groups, finish_versions, strict=True):
+                if finish_version is not None:
+                    group.finish_version = finish_version
+                    accepted_ids.add(group.group_id)
+            for group_id in added.keys() - accepted_ids:
+                del self._groups[group_id]
+        return [finish_version is not None for finish_version in finish_versions]
 
     def abandon(self, group_id: int) -> int:
         """Give up on an in-flight group (its generation failed): frees its slot and returns its prompt
         index for the dataloader to re-issue."""
         return self._core.abandon(group_id)
 
-    def take_batch(self, num_groups: int, actor_version: int) -> Batch:
-        """Hand the `num_groups` oldest groups to the actor training at `actor_version`.
+    def take_batch(self, num_groups: int, actor_version: int, *, timeout_s: float = 0.0) -> Batch:
+        """The hand-off to the actor training at `actor_version`, waiting up to `timeout_s` seconds for
+        `num_groups` groups (0: do not wait).
 
-        First, groups with `actor_version - earliest_version > max_actor_accept_staleness` are dropped
-        and their prompts returned. Raises `BatchTooLargeError` when fewer than `num_groups` remain,
-        `DropLimitExceededError` past `max_dropped_groups_per_step`; then nothing is dropped.
+        First, groups with `actor_version - earliest_version > max_actor_accept_staleness` are dropped,
+        whether or not `num_groups` fresh ones remain: each drop frees capacity at once and its prompt is
+        in `Batch.dropped_prompt_indices`, for the dataloader. Then the `num_groups` oldest groups are
+        handed out if that many are ready; otherwise `Batch.ready` is False and `Batch.num_ready` says
+        how many are. The wait releases the GIL, wakes on every completion, and Ctrl-C interrupts it; it
+        returns early, not ready, as soon as it dropped groups, so their prompts are never held back.
+
+        Raises, changing nothing: `InvalidArgumentError` for `num_groups` outside
+        `1..=max_buffered_groups` or a negative timeout, `VersionError` when `actor_version` goes
+        backwards, `DropLimitExceededError` past `max_dropped_groups_per_step`.
         """
-        taken_ids, dropped = self._core.take_batch(num_groups, actor_version)
-        groups = [self._groups.pop(group_id) for group_id in taken_ids]
+        taken_ids, dropped, num_ready = self._core.take_batch(num_groups, actor_version, timeout_s)
+        payloads = self._groups
+        groups = [payloads.pop(group_id) for group_id in taken_ids]
         for group_id, _ in dropped:
-            del self._groups[group_id]
+            del payloads[group_id]
         return Batch(
             groups=groups,
             dropped_prompt_indices=[prompt_index for _, prompt_index in dropped],
             actor_version=actor_version,
+            num_ready=num_ready,
         )
 
     def end_step(self) -> StepStats:

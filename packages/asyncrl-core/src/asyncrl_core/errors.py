@@ -66,27 +66,61 @@ class EngineControlError(AsyncRLError):
 
 
 class GroupBufferError(AsyncRLError):
-    """The group buffer refused an operation; the buffer is exactly as it was before the call."""
+    """The group buffer refused an operation; the buffer is exactly as it was before the call.
+
+    Each subclass carries typed fields besides its message, and pickles with them (Ray ships exceptions
+    between processes).
+    """
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild_buffer_error, (type(self), str(self), dict(vars(self))))
+
+
+def _rebuild_buffer_error(
+    cls: type[GroupBufferError], message: str, fields: dict[str, object]
+) -> GroupBufferError:
+    return cls(message, **fields)
 
 
 class InvalidArgumentError(GroupBufferError, ValueError):
     """A limit or argument is out of range: a limit below 1, a batch of 0 groups, a negative index."""
 
+    def __init__(self, message: str, *, argument: str) -> None:
+        super().__init__(message)
+        self.argument = argument
+        """The argument's name, or the configuration key that set the limit."""
+
 
 class InvalidGroupError(GroupBufferError):
-    """The group id was never admitted, or the group is no longer in flight (finished twice, ...)."""
+    """The group id was never admitted, the group is no longer in flight (for `abandon`), or its completion
+    names another prompt than the one it was admitted for."""
+
+    def __init__(self, message: str, *, group_id: int) -> None:
+        super().__init__(message)
+        self.group_id = group_id
 
 
 class VersionError(GroupBufferError):
     """A weight version is negative, or the versions of a group or of the actor go backwards."""
 
-
-class BatchTooLargeError(GroupBufferError):
-    """`take_batch` asked for more groups than are buffered after the stale ones are dropped."""
+    def __init__(self, message: str, *, group_id: int | None) -> None:
+        super().__init__(message)
+        self.group_id = group_id
+        """The group whose versions are wrong, or None when the actor's version is."""
 
 
 class DropLimitExceededError(GroupBufferError):
     """More stale groups would be dropped in one step than `rollout_buffer.max_dropped_groups_per_step`."""
+
+    def __init__(
+        self, message: str, *, dropped_this_step: int, would_drop: int, max_dropped_groups_per_step: int
+    ) -> None:
+        super().__init__(message)
+        self.dropped_this_step = dropped_this_step
+        """Groups already dropped in the running step."""
+        self.would_drop = would_drop
+        """Stale groups the refused hand-off would have dropped."""
+        self.max_dropped_groups_per_step = max_dropped_groups_per_step
 
 
 class CorruptStateError(GroupBufferError):

@@ -87,6 +87,18 @@ class Trajectory:
     finish_reason: str = ""
     """Why the episode ended: `answer`, `max_turns`, `context`, `length`, `abort`, ..."""
     metrics: dict[str, float] = field(default_factory=dict[str, float])
+    earliest_version: int = NO_VERSION
+    """The oldest weight version that sampled any token; `NO_VERSION` when the model sampled none."""
+    latest_version: int = NO_VERSION
+    """The newest weight version that sampled any token; `NO_VERSION` when the model sampled none."""
+
+    def __post_init__(self) -> None:
+        # The builder usually knows the range from the engine's version spans and passes it; otherwise it
+        # is read off `versions` once here, so that nobody scans the tokens again.
+        if self.earliest_version == NO_VERSION and self.latest_version == NO_VERSION:
+            model_versions = [version for version in self.versions if version != NO_VERSION]
+            if model_versions:
+                self.earliest_version, self.latest_version = min(model_versions), max(model_versions)
 
     @property
     def response_len(self) -> int:
@@ -94,10 +106,9 @@ class Trajectory:
 
     def version_range(self) -> tuple[int, int] | None:
         """(earliest, latest) version of the model tokens, or None if the model produced no token."""
-        model_versions = [v for v in self.versions if v != NO_VERSION]
-        if not model_versions:
+        if self.latest_version == NO_VERSION:
             return None
-        return min(model_versions), max(model_versions)
+        return self.earliest_version, self.latest_version
 
 
 @dataclass(slots=True)
@@ -110,16 +121,18 @@ class Group:
     """Index of the prompt in the task's dataset (returned to the dataloader if the group is dropped)."""
     trajectories: list[Trajectory]
     finish_version: int = NO_VERSION
-    """The actor version current when the group finished."""
+    """The actor version current when the group finished. Left `NO_VERSION` by its producer, the buffer
+    stamps it on acceptance: the actor version of the last batch handed out (0 before the first), or the
+    group's latest version when that is newer. A producer that knows the actor's version may set it; the
+    buffer then checks it."""
 
-    def version_range(self) -> tuple[int, int]:
-        """(earliest, latest) weight version over all model tokens of the group.
-
-        A group whose trajectories sampled no token at all is attributed to `finish_version`.
-        """
+    def version_range(self) -> tuple[int, int] | None:
+        """(earliest, latest) weight version over all model tokens of the group, or None if the model
+        produced no token (the buffer then attributes the group to its finish version). Reads each
+        trajectory's range, never its tokens."""
         ranges = [r for t in self.trajectories if (r := t.version_range()) is not None]
         if not ranges:
-            return self.finish_version, self.finish_version
+            return None
         return min(r[0] for r in ranges), max(r[1] for r in ranges)
 
 
