@@ -2,7 +2,9 @@
 UV := $(shell command -v uv 2>/dev/null || echo python3 -m uv)
 CARGO ?= cargo
 
-.PHONY: install run test lint typecheck bench
+DIST ?= dist
+
+.PHONY: install run test lint typecheck bench wheels
 
 install:  ## create .venv with every package, extra and dev tool, building the Rust extension
 	@command -v uv >/dev/null 2>&1 || python3 -m uv --version >/dev/null 2>&1 || python3 -m pip install --quiet uv
@@ -18,6 +20,10 @@ test: install lint typecheck  ## the whole suite, as CI runs it
 	RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom CARGO_PROFILE_RELEASE_LTO=false \
 	  CARGO_PROFILE_RELEASE_CODEGEN_UNITS=16 $(CARGO) test -p buffer_core --release --test loom
 	$(UV) run pytest
+
+wheels:  ## build the wheel of every distribution into $(DIST)/ (the Rust extension is in asyncrl-core's, abi3)
+	@command -v uv >/dev/null 2>&1 || python3 -m uv --version >/dev/null 2>&1 || python3 -m pip install --quiet uv
+	$(UV) build --all-packages --wheel --out-dir $(DIST)
 
 lint:  ## ruff, rustfmt and clippy, warnings as errors
 	$(UV) run ruff check .

