@@ -317,3 +317,11 @@ def test_missing_model_packages_are_named_with_the_install_command(
     assert not (tmp_path / "runs").exists()
     # A model folder needs no extra package.
     assert models.model_install_problem(str(tmp_path)) is None
+
+
+def test_dry_run_of_the_default_imports_its_task_but_nothing_heavy(tmp_path: Path) -> None:
+    done = run_cli("--dry-run", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    imported = imported_modules(done.stderr)
+    assert "asyncrl_agents" in imported  # the task, imported to check its arguments
+    assert imported.isdisjoint({*HEAVY, "httpx", "aiohttp", "bm25s"})

@@ -21,13 +21,11 @@ import re
 import string
 from collections.abc import Generator, Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, ClassVar, Literal, cast
+from typing import TYPE_CHECKING, Annotated, ClassVar, Literal, cast
 
-import httpx
 from pydantic import Field
 
 from asyncrl_agents.parsing import TagParser
-from asyncrl_agents.retrieval import RetrievalServer, split_contents
 from asyncrl_agents.tasks import mini_world
 from asyncrl_core.config import TaskArguments
 from asyncrl_core.errors import AsyncRLError
@@ -43,6 +41,11 @@ from asyncrl_core.types import (
     ToolResult,
     TurnAction,
 )
+
+# The HTTP client and the retrieval server are imported where they are used, so that importing the task
+# (which `asyncrl-run --dry-run` does to check its arguments) stays quick.
+if TYPE_CHECKING:
+    import httpx
 
 PROMPT = (
     "Answer the given question. You must conduct reasoning inside <think> and </think> first every time you "
@@ -93,6 +96,8 @@ def format_passages(result: Sequence[object]) -> str:
         contents = document.get("contents") if document is not None else None
         if not isinstance(contents, str):
             raise AsyncRLError(f"retrieval result {number} has no `contents` string: {str(item)[:200]}")
+        from asyncrl_agents.retrieval import split_contents
+
         title, text = split_contents(contents)
         lines.append(f"Doc {number}(Title: {title}) {text}")
     return "\n".join(lines)
@@ -138,6 +143,8 @@ class SearchTool:
     def _session(self) -> httpx.AsyncClient:
         loop = asyncio.get_running_loop()
         if self._client is None or self._loop is not loop:
+            import httpx
+
             self._client = httpx.AsyncClient(
                 timeout=self.timeout_s, trust_env=False, transport=self._transport
             )
@@ -357,6 +364,8 @@ class SearchR1Task:
         if self.retriever_url is not None:
             yield {"retriever_url": self.retriever_url}
             return
+        from asyncrl_agents.retrieval import RetrievalServer
+
         with RetrievalServer(self._corpus(), index=self.index, topk=self.topk) as server:
             yield {"retriever_url": server.url}
 
@@ -421,6 +430,8 @@ class SearchR1MiniTask(SearchR1Task):
 
     def demonstrations(self) -> Sequence[Demonstration]:
         """Two worked train questions (one and two hops), searching for the passages that answer them."""
+        from asyncrl_agents.retrieval import split_contents
+
         examples = [
             next(q for q in self.world.split("train") if q.num_hops == hops and q.question.startswith(prefix))
             for hops, prefix in ((1, "Who founded"), (2, "In which city was the founder"))
