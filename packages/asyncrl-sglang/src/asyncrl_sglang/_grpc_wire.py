@@ -1,0 +1,170 @@
+"""The gRPC wire format of generation, shared by the client (`asyncrl_sglang.grpc_client`) and the built-in
+engine's service (`asyncrl_sglang.builtin.grpc_service`).
+
+The messages are SGLang's `SglangScheduler` service as published in `smg-grpc-proto` (never regenerated
+here). What this module adds is the part both sides must agree on beyond the `.proto`:
+
+- `sampling_message` / `sampling_fields`: proto3 has no presence for most sampling fields, so a zero means
+  "0", not "unset" (SGLang's servicer reads them literally). The client therefore always writes every value
+  whose SGLang default is not zero (temperature, top_p, top_k, repetition_penalty, n, skip_special_tokens);
+  the service reads the message into the same `sampling_params` object `/generate` takes, so one validation
+  serves both transports.
+- The trailing metadata of `Generate`. The service has no weight-version field; the built-in engine sends,
+  after the last `GenerateComplete`, `asyncrl-weight-versions` (per completion index, the request's
+  half-open spans over output positions, `[[{"version": "3", "start": 0, "end": 12}, ...], ...]`, the
+  shape of `/generate`'s `meta_info.weight_versions`) and `asyncrl-num-retractions` (per index, an int).
+  A server that does not send them is handled by the client (it derives spans from its own syncs).
+- The API key travels in call metadata as `authorization: Bearer KEY`, as on HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from typing import cast
+
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+
+from asyncrl_core.types import SamplingParams
+
+WEIGHT_VERSIONS_KEY = "asyncrl-weight-versions"
+"""Trailing-metadata key of the per-token version spans (JSON, one list of spans per completion index)."""
+NUM_RETRACTIONS_KEY = "asyncrl-num-retractions"
+"""Trailing-metadata key of the retraction counts (JSON, one int per completion index)."""
+AUTHORIZATION_KEY = "authorization"
+"""Call-metadata key of the API key (`Bearer KEY`)."""
+DUPLICATE_RID = "Duplicate request ID"
+"""The start of the message that refuses a request id already in flight (HTTP 400, gRPC INVALID_ARGUMENT)."""
+FINISH_REASONS = ("stop", "length", "abort")
+"""`GenerateComplete.finish_reason` values."""
+
+Span = tuple[str, int, int]
+"""(version label, start, end): a half-open range of output positions generated under one version."""
+
+MetadataItems = Iterable[tuple[str, str | bytes]]
+
+
+def authorization(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    """Call metadata carrying `api_key` (nothing when there is no key)."""
+    return ((AUTHORIZATION_KEY, f"Bearer {api_key}"),) if api_key else ()
+
+
+def sampling_message(sampling: SamplingParams) -> pb.SamplingParams:
+    """The proto `SamplingParams` of `sampling`, every non-zero SGLang default written out."""
+    message = pb.SamplingParams(
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        repetition_penalty=1.0,
+        max_new_tokens=sampling.max_new_tokens,
+        stop=list(sampling.stop),
+        stop_token_ids=list(sampling.stop_token_ids),
+        skip_special_tokens=True,
+        spaces_between_special_tokens=True,
+        n=1,
+        ignore_eos=sampling.ignore_eos,
+        no_stop_trim=sampling.no_stop_trim,
+    )
+    return message
+
+
+def sampling_fields(message: pb.SamplingParams) -> dict[str, object]:
+    """The `/generate` `sampling_params` object a proto `SamplingParams` means, as SGLang's servicer reads it:
+    values literally (a zero is a zero), except `repetition_penalty` and `n`, whose zero means unset, and
+    the optional fields, absent when not set (`max_new_tokens` absent: no limit but the context)."""
+    fields: dict[str, object] = {
+        "temperature": message.temperature,
+        "top_p": message.top_p,
+        "top_k": message.top_k,
+        "min_p": message.min_p,
+        "frequency_penalty": message.frequency_penalty,
+        "presence_penalty": message.presence_penalty,
+        "repetition_penalty": message.repetition_penalty or 1.0,
+        "max_new_tokens": message.max_new_tokens if message.HasField("max_new_tokens") else None,
+        "stop": list(message.stop) or None,
+        "stop_token_ids": list(message.stop_token_ids) or None,
+        "skip_special_tokens": message.skip_special_tokens,
+        "spaces_between_special_tokens": message.spaces_between_special_tokens,
+        "n": message.n or 1,
+        "min_new_tokens": message.min_new_tokens,
+        "ignore_eos": message.ignore_eos,
+        "no_stop_trim": message.no_stop_trim,
+    }
+    if message.HasField("stream_interval"):
+        fields["stream_interval"] = message.stream_interval
+    constraint = message.WhichOneof("constraint")
+    if constraint is not None:
+        fields["ebnf" if constraint == "ebnf_grammar" else constraint] = getattr(message, constraint)
+    if message.logit_bias:
+        fields["logit_bias"] = dict(message.logit_bias)
+    if message.HasField("custom_params"):
+        fields["custom_params"] = {key: value for key, value in message.custom_params.items()}
+    return fields
+
+
+def encode_trailer(
+    spans: Sequence[Sequence[Span]], num_retractions: Sequence[int]
+) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata of one `Generate` call: spans and retractions per completion index."""
+    versions = [
+        [{"version": version, "start": start, "end": end} for version, start, end in index_spans]
+        for index_spans in spans
+    ]
+    return (
+        (WEIGHT_VERSIONS_KEY, json.dumps(versions, separators=(",", ":"))),
+        (NUM_RETRACTIONS_KEY, json.dumps(list(num_retractions), separators=(",", ":"))),
+    )
+
+
+class TrailerError(ValueError):
+    """Trailing metadata under asyncrl's keys that does not have their shape."""
+
+
+def decode_trailer(metadata: MetadataItems | None) -> tuple[list[list[Span]] | None, list[int] | None]:
+    """Spans and retraction counts per completion index from trailing metadata; None for a key the server
+    did not send. Raises `TrailerError` when a key is present but malformed."""
+    values: Mapping[str, str | bytes] = dict(metadata or ())
+    spans = _decode_spans(values.get(WEIGHT_VERSIONS_KEY))
+    retractions = _decode_retractions(values.get(NUM_RETRACTIONS_KEY))
+    return spans, retractions
+
+
+def _loads(raw: str | bytes, key: str) -> object:
+    try:
+        return json.loads(raw)
+    except ValueError as error:
+        raise TrailerError(f"trailing metadata {key} is not JSON: {error}") from None
+
+
+def _decode_spans(raw: str | bytes | None) -> list[list[Span]] | None:
+    if raw is None:
+        return None
+    parsed = _loads(raw, WEIGHT_VERSIONS_KEY)
+    if not isinstance(parsed, list):
+        raise TrailerError(f"trailing metadata {WEIGHT_VERSIONS_KEY} is not a list: {raw!r}")
+    result: list[list[Span]] = []
+    for index_spans in cast(list[object], parsed):
+        if not isinstance(index_spans, list):
+            raise TrailerError(f"trailing metadata {WEIGHT_VERSIONS_KEY} holds a non-list entry: {raw!r}")
+        spans: list[Span] = []
+        for item in cast(list[object], index_spans):
+            span = cast(Mapping[str, object], item) if isinstance(item, dict) else {}
+            version, start, end = span.get("version"), span.get("start"), span.get("end")
+            if not isinstance(version, str) or not _is_int(start) or not _is_int(end):
+                raise TrailerError(f"trailing metadata {WEIGHT_VERSIONS_KEY} has a malformed span: {item!r}")
+            spans.append((version, cast(int, start), cast(int, end)))
+        result.append(spans)
+    return result
+
+
+def _decode_retractions(raw: str | bytes | None) -> list[int] | None:
+    if raw is None:
+        return None
+    parsed = _loads(raw, NUM_RETRACTIONS_KEY)
+    if not isinstance(parsed, list) or not all(_is_int(item) for item in cast(list[object], parsed)):
+        raise TrailerError(f"trailing metadata {NUM_RETRACTIONS_KEY} is not a list of ints: {raw!r}")
+    return cast(list[int], parsed)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
