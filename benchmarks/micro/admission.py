@@ -1,295 +1,238 @@
-"""The admission path: the Rust core against the pure-Python baseline, side by side in one process.
+"""The buffer's hot path as the runner calls it: the facade, the Rust core called directly, and a plain
+Python implementation of the same contract, side by side in one process.
 
     uv run python benchmarks/micro/admission.py [--quick] [--json PATH]
 
-One round puts `ROUND` groups through a buffer: admit each (`try_admit`), complete each with its
-versions (a quarter of them three versions old), then one `take_batch(3 * ROUND / 4)` at the current
-actor version with `max_actor_accept_staleness = 2`, which drops the stale quarter and hands out the
-rest. A cycle is one group through the buffer, so its cost is the round's time divided by `ROUND`.
+The workload: batches of B = 64 groups, `max_inflight_groups` 77, `max_buffered_groups` 128,
+`max_actor_accept_staleness` 2; each group holds 8 trajectories of 512 response tokens whose versions come
+from engine-style version spans (a weight update in the middle of some requests), so each `Trajectory`
+carries the earliest and latest version its builder read off the spans. A *round* admits 64 prompts
+(`try_admit`), completes the 64 groups (`complete`), and hands them out (`take_batch(64)`); a *cycle* is
+one group through the buffer: the round's admit + complete + hand-off time divided by 64. Building the
+`Group` objects is the agent loop's work and is not timed.
 
-Three ways of driving the rounds (`calls`):
-- `in_rust`: the Rust core alone. `_buffer_core.run_admission_workload` runs the rounds in Rust
-  (`buffer_core::workload`, the same code the criterion bench times) without the GIL, on the same
-  prefilled buffer; Python only times the one call. This is what the core costs.
-- `per_group`: a Python loop makes one `try_admit` and one `complete` call per group and one
-  `take_batch` per round, the same operations in the same order. Through the Rust core this is what a
-  Python caller pays (the loop and two pyo3 calls per group); through the baseline it is the baseline.
-- `batched`: one `try_admit_many`, one `complete_many` and one `take_batch` call per round.
+Three implementations, driven by the same loop:
+- `facade`: `asyncrl_core.buffer.GroupBuffer`, what the runner uses (payloads, typed results).
+- `core`: `asyncrl_core._buffer_core.GroupBuffer` called directly with ids and versions (the group id as
+  the payload): what the Rust core costs from Python, the facade's own layer left out.
+- `plain`: `py_buffer.PlainGroupBuffer`, an idiomatic pure-Python buffer (a dict, a heap, two counters,
+  one lock).
 
-Each figure is the best of `repeats` timed runs, in process CPU time (all threads of the process, so
-it is robust to other processes sharing the cores and counts the 8 threads' work) and in wall time.
-The buffer starts with `in_flight` groups generating and as many finished in its heap.
+Also measured: the cycle with 1e3 to 1e6 groups in flight beside the workload (they stay generating), and
+one hand-off of 64 groups from a buffer holding 1e3 or 1e5 finished groups. Figures are process CPU time
+(`time.process_time_ns`), best of the timed runs, so other processes sharing the cores do not inflate them;
+wall time is printed beside.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import sys
-import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from asyncrl_core import _buffer_core
+from asyncrl_core.buffer import GroupBuffer
+from asyncrl_core.types import Group, Trajectory, VersionSpan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from py_buffer import PyGroupBuffer
+from py_buffer import PlainGroupBuffer
 
-ROUND = _buffer_core.WORKLOAD_ROUND
-VERSION = _buffer_core.WORKLOAD_VERSION
-THREADS = 8
-IN_FLIGHT = (0, 1_000, 100_000, 1_000_000)
-CALLS = ("in_rust", "per_group", "batched")
-"""`in_rust` exists for the Rust core only."""
-IN_RUST_ROUNDS_FACTOR = 5
-"""`in_rust` runs this many times the rounds of the Python-driven loops, so that its much shorter
-timed runs still last tens of milliseconds."""
-
-Implementation = Callable[..., Any]
-IMPLEMENTATIONS: dict[str, Implementation] = {
-    "rust": _buffer_core.GroupBuffer,
-    "python": PyGroupBuffer,
-}
+BATCH = 64
+MAX_INFLIGHT = 77
+MAX_BUFFERED = 128
+CAP = 2
+GROUP_SIZE = 8
+RESPONSE_LEN = 512
+VERSION = 1_000
+"""The actor version of every hand-off; groups were sampled at VERSION - 2 .. VERSION."""
+IMPLEMENTATIONS = ("facade", "core", "plain")
 
 
-def prefilled(implementation: Implementation, in_flight: int) -> Any:
-    """A buffer with `in_flight` groups generating and `in_flight` finished (at the newest version)."""
-    # All 2 * in_flight are admitted before half of them finish.
-    capacity = 2 * in_flight + THREADS * ROUND
-    buffer = implementation(
-        max_inflight_groups=capacity,
-        max_buffered_groups=2 * capacity,
-        max_dropped_groups_per_step=2**62,
-        max_actor_accept_staleness=2,
+def trajectory(spans: tuple[VersionSpan, ...]) -> Trajectory:
+    """A trajectory as the agent loop builds it from one generation: per-token versions expanded from the
+    spans, and the version range read off the spans (never off the tokens)."""
+    versions = [span.version for span in spans for _ in range(span.start, span.end)]
+    used = [span.version for span in spans if span.end > span.start]
+    return Trajectory(
+        token_ids=[1] * (16 + RESPONSE_LEN),
+        prompt_len=16,
+        loss_mask=[1] * RESPONSE_LEN,
+        rollout_logprobs=[-0.5] * RESPONSE_LEN,
+        versions=versions,
+        earliest_version=min(used),
+        latest_version=max(used),
     )
-    try_admit, complete = buffer.try_admit, buffer.complete
-    finished = [try_admit(prompt_index) for prompt_index in range(in_flight)]
-    generating = [try_admit(prompt_index) for prompt_index in range(in_flight)]
-    if None in finished or None in generating:
-        raise RuntimeError("the prefill must fit the limits")
-    for prompt_index, group_id in enumerate(finished):
-        complete(group_id, prompt_index, (VERSION, VERSION), VERSION)
-    return buffer
 
 
-def run_rounds_in_rust(buffer: Any, rounds_per_thread: int, num_threads: int = 1) -> None:
-    """The rounds run by the Rust core on `num_threads` Rust threads (the GIL released)."""
-    counts = _buffer_core.run_admission_workload(buffer, rounds_per_thread, num_threads)
-    if counts.num_rounds != rounds_per_thread * num_threads:
-        raise RuntimeError(
-            f"the workload ran {counts.num_rounds} rounds, not {rounds_per_thread * num_threads}"
-        )
+def group_trajectories(offset: int) -> list[Trajectory]:
+    """Eight trajectories; half of them saw a weight update at token 200."""
+    old, new = VERSION - offset % 3, VERSION
+    updated = (VersionSpan(old, 0, 200), VersionSpan(new, 200, RESPONSE_LEN))
+    steady = (VersionSpan(old, 0, RESPONSE_LEN),)
+    return [trajectory(updated if index % 2 else steady) for index in range(GROUP_SIZE)]
 
 
-def run_rounds_batched(buffer: Any, num_rounds: int) -> None:
-    """The same rounds through the batch calls: one `try_admit_many`, one `complete_many` and one
-    `take_batch` per round."""
-    try_admit_many, complete_many, take_batch = buffer.try_admit_many, buffer.complete_many, buffer.take_batch
-    earliest_versions = [VERSION - offset % 4 for offset in range(ROUND)]
-    prompt_indices = list(range(ROUND))
-    num_taken = 3 * ROUND // 4
-    for _ in range(num_rounds):
-        group_ids = try_admit_many(prompt_indices)
-        complete_many(
-            [
-                (group_id, prompt_index, (earliest_version, VERSION), VERSION)
-                for prompt_index, group_id, earliest_version in zip(
-                    prompt_indices, group_ids, earliest_versions, strict=True
-                )
-            ]
-        )
-        take_batch(num_taken, VERSION)
+TRAJECTORIES = [group_trajectories(offset) for offset in range(3)]
 
 
-def run_rounds(buffer: Any, num_rounds: int) -> None:
-    """`num_rounds` rounds of the workload (see the module docstring), one call per group."""
-    try_admit, complete, take_batch = buffer.try_admit, buffer.complete, buffer.take_batch
-    earliest_versions = [VERSION - offset % 4 for offset in range(ROUND)]
-    prompt_indices = range(ROUND)
-    num_taken = 3 * ROUND // 4
-    for _ in range(num_rounds):
-        group_ids = [try_admit(prompt_index) for prompt_index in prompt_indices]
-        for prompt_index, group_id, earliest_version in zip(
-            prompt_indices, group_ids, earliest_versions, strict=True
-        ):
-            complete(group_id, prompt_index, (earliest_version, VERSION), VERSION)
-        take_batch(num_taken, VERSION)
+def make_buffer(implementation: str, max_inflight_groups: int, max_buffered_groups: int) -> Any:
+    cls: Callable[..., Any] = {
+        "facade": GroupBuffer,
+        "core": _buffer_core.GroupBuffer,
+        "plain": PlainGroupBuffer,
+    }[implementation]
+    return cls(
+        max_inflight_groups=max_inflight_groups,
+        max_buffered_groups=max_buffered_groups,
+        max_dropped_groups_per_step=2**62,
+        max_actor_accept_staleness=CAP,
+    )
 
 
-@dataclass(frozen=True, slots=True)
-class Cost:
-    """Best cost per cycle over the timed runs, in nanoseconds."""
-
-    wall_ns: float
-    cpu_ns: float
-    """CPU time of the process (all threads) per cycle: unlike wall time, not inflated when other
-    processes compete for the cores."""
-
-
-RUNS: dict[str, Callable[[Any, int], None]] = {
-    "in_rust": run_rounds_in_rust,
-    "per_group": run_rounds,
-    "batched": run_rounds_batched,
-}
-
-
-def cycle_cost(
-    buffer: Any, num_rounds: int, repeats: int, num_threads: int = 1, calls: str = "per_group"
-) -> Cost:
-    """Best wall and CPU time per cycle of `num_rounds` rounds split over `num_threads` threads."""
-    run = RUNS[calls]
-    best_wall, best_cpu = math.inf, math.inf
-    rounds_per_thread = max(1, num_rounds // num_threads)
-    num_cycles = rounds_per_thread * num_threads * ROUND
-    for _ in range(repeats):
-        if calls == "in_rust":
-            # The Rust threads run inside the one call; process CPU time counts all of them.
-            start_cpu, start = time.process_time_ns(), time.perf_counter_ns()
-            run_rounds_in_rust(buffer, rounds_per_thread, num_threads)
-            elapsed, elapsed_cpu = time.perf_counter_ns() - start, time.process_time_ns() - start_cpu
-        elif num_threads == 1:
-            start_cpu, start = time.process_time_ns(), time.perf_counter_ns()
-            run(buffer, rounds_per_thread)
-            elapsed, elapsed_cpu = time.perf_counter_ns() - start, time.process_time_ns() - start_cpu
+def complete_all(implementation: str, buffer: Any, group_ids: list[int], first_prompt: int) -> None:
+    """Complete freshly admitted groups, untimed (prefills)."""
+    for offset, group_id in enumerate(group_ids):
+        prompt_index = first_prompt + offset
+        if implementation == "core":
+            buffer.complete(group_id, prompt_index, (VERSION - offset % 3, VERSION), None, group_id)
         else:
-            barrier = threading.Barrier(num_threads + 1)
-            failures: list[BaseException] = []
+            buffer.complete(Group(group_id, prompt_index, TRAJECTORIES[offset % 3]))
 
-            def worker(
-                barrier: threading.Barrier = barrier, failures: list[BaseException] = failures
-            ) -> None:
-                barrier.wait(timeout=60)
-                try:
-                    run(buffer, rounds_per_thread)
-                except BaseException as error:
-                    failures.append(error)
 
-            threads = [threading.Thread(target=worker) for _ in range(num_threads)]
-            for thread in threads:
-                thread.start()
-            start_cpu = time.process_time_ns()
-            barrier.wait(timeout=60)
-            start = time.perf_counter_ns()
-            for thread in threads:
-                thread.join(timeout=600)
-            elapsed, elapsed_cpu = time.perf_counter_ns() - start, time.process_time_ns() - start_cpu
-            if failures:
-                raise failures[0]
-        best_wall = min(best_wall, elapsed / num_cycles)
-        best_cpu = min(best_cpu, elapsed_cpu / num_cycles)
-    return Cost(best_wall, best_cpu)
+@dataclass(slots=True)
+class Phases:
+    """CPU and wall nanoseconds per group of each phase of the best round set."""
+
+    admit_ns: float
+    complete_ns: float
+    hand_off_ns: float
+    cycle_ns: float
+    cycle_wall_ns: float
+
+
+@contextmanager
+def no_gc() -> Iterator[None]:
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def run_rounds(implementation: str, buffer: Any, num_rounds: int) -> Phases:
+    """`num_rounds` rounds; the CPU time of each phase summed over the rounds, per group."""
+    prompts = range(BATCH)
+    cpu = time.process_time_ns
+    admit = complete = hand_off = wall = 0
+    try_admit, take_batch = buffer.try_admit, buffer.take_batch
+    for _ in range(num_rounds):
+        start_wall, start = time.perf_counter_ns(), cpu()
+        group_ids = [try_admit(prompt_index) for prompt_index in prompts]
+        admitted_wall, admitted = time.perf_counter_ns(), cpu()
+        if implementation == "core":
+            versions = [(VERSION - offset % 3, VERSION) for offset in prompts]
+            built_wall, built = time.perf_counter_ns(), cpu()
+            core_complete = buffer.complete
+            for group_id, prompt_index, version_range in zip(group_ids, prompts, versions, strict=True):
+                core_complete(group_id, prompt_index, version_range, None, group_id)
+        else:
+            groups = [
+                Group(group_id, prompt_index, TRAJECTORIES[prompt_index % 3])
+                for group_id, prompt_index in zip(group_ids, prompts, strict=True)
+            ]
+            built_wall, built = time.perf_counter_ns(), cpu()
+            facade_complete = buffer.complete
+            for group in groups:
+                facade_complete(group)
+        completed = cpu()
+        result = take_batch(BATCH, VERSION)
+        taken, taken_wall = cpu(), time.perf_counter_ns()
+        handed_out = len(result[0]) if implementation == "core" else len(result.groups)
+        if handed_out != BATCH:
+            raise RuntimeError(f"{implementation}: the hand-off gave {handed_out} groups, not {BATCH}")
+        # The batch is freed outside the timed phases, as a trainer frees it after its step.
+        del result
+        admit += admitted - start
+        complete += completed - built
+        hand_off += taken - completed
+        wall += (admitted_wall - start_wall) + (taken_wall - built_wall)
+    per_group = num_rounds * BATCH
+    return Phases(
+        admit / per_group,
+        complete / per_group,
+        hand_off / per_group,
+        (admit + complete + hand_off) / per_group,
+        wall / per_group,
+    )
+
+
+def best(measure: Callable[[], Phases], repeats: int) -> Phases:
+    runs = []
+    for _ in range(repeats):
+        with no_gc():
+            runs.append(measure())
+    return min(runs, key=lambda phases: phases.cycle_ns)
+
+
+def cycle(implementation: str, in_flight: int, num_rounds: int, repeats: int) -> Phases:
+    """The workload's cycle with `in_flight` more groups generating beside it."""
+    buffer = make_buffer(implementation, MAX_INFLIGHT + in_flight, MAX_BUFFERED + in_flight)
+    for prompt_index in range(in_flight):
+        if buffer.try_admit(prompt_index) is None:
+            raise RuntimeError("the prefill must fit the limits")
+    run_rounds(implementation, buffer, 2)  # warm-up
+    return best(lambda: run_rounds(implementation, buffer, num_rounds), repeats)
+
+
+def hand_off_us(implementation: str, buffered: int, num_hand_offs: int, repeats: int) -> float:
+    """CPU microseconds of one `take_batch(64)` from a buffer holding `buffered` finished groups (refilled
+    with 64 fresh ones, untimed, after each hand-off)."""
+    buffer = make_buffer(implementation, buffered + BATCH, buffered + BATCH)
+    next_prompt = 0
+    while next_prompt < buffered:
+        size = min(BATCH, buffered - next_prompt)
+        group_ids = [buffer.try_admit(next_prompt + offset) for offset in range(size)]
+        complete_all(implementation, buffer, group_ids, next_prompt)
+        next_prompt += size
+
+    def measure() -> float:
+        nonlocal next_prompt
+        total = 0
+        for _ in range(num_hand_offs):
+            start = time.process_time_ns()
+            batch = buffer.take_batch(BATCH, VERSION)
+            total += time.process_time_ns() - start
+            del batch
+            group_ids = [buffer.try_admit(next_prompt + offset) for offset in range(BATCH)]
+            complete_all(implementation, buffer, group_ids, next_prompt)
+            next_prompt += BATCH
+        return total / num_hand_offs / 1e3
+
+    runs = []
+    for _ in range(repeats):
+        with no_gc():
+            runs.append(measure())
+    return min(runs)
 
 
 @dataclass(frozen=True, slots=True)
 class Row:
     implementation: str
-    calls: str
-    """`in_rust` (rounds run by the Rust core), `per_group` (a Python loop calling try_admit and
-    complete per group) or `batched` (try_admit_many, complete_many per round)."""
-    threads: int
     in_flight: int
+    admit_ns: float
+    complete_ns: float
+    hand_off_ns: float
+    cycle_ns: float
     cycle_wall_ns: float
-    cycle_cpu_ns: float
-
-
-def implementation_calls(name: str) -> tuple[str, ...]:
-    return CALLS if name == "rust" else tuple(calls for calls in CALLS if calls != "in_rust")
-
-
-def measure(num_rounds: int, repeats: int, sizes: tuple[int, ...]) -> list[Row]:
-    rows: list[Row] = []
-
-    def add(name: str, buffer: Any, threads: int, in_flight: int) -> None:
-        for calls in implementation_calls(name):
-            rounds = num_rounds * IN_RUST_ROUNDS_FACTOR if calls == "in_rust" else num_rounds
-            cost = cycle_cost(buffer, rounds, repeats, threads, calls)
-            rows.append(Row(name, calls, threads, in_flight, cost.wall_ns, cost.cpu_ns))
-
-    for name, implementation in IMPLEMENTATIONS.items():
-        for in_flight in sizes:
-            buffer = prefilled(implementation, in_flight)
-            add(name, buffer, 1, in_flight)
-            del buffer
-        add(name, prefilled(implementation, 1_000), THREADS, 1_000)
-    return rows
-
-
-def baseline_calls(calls: str) -> str:
-    """The Python baseline's figure to compare with: the same calls, or per group for `in_rust`
-    (the same operations, one at a time)."""
-    return "per_group" if calls == "in_rust" else calls
-
-
-def report(rows: list[Row]) -> dict[str, float]:
-    """Print the table and the ratios; return the headline figures (ratios on CPU time)."""
-    cost = {(row.implementation, row.calls, row.threads, row.in_flight): row for row in rows}
-    sizes = sorted({row.in_flight for row in rows if row.threads == 1})
-    print(f"admission cycle: ns per group through the buffer (round of {ROUND}, best of the runs)")
-    print("  cpu = process CPU time per cycle (all threads), wall = elapsed time per cycle")
-    print("  in_rust: rounds run inside the Rust core; per_group, batched: driven from a Python loop")
-    print("  py: the Python baseline driven per_group (for in_rust: the same operations) or batched")
-    header = f"{'calls':>10} {'in flight':>10} {'threads':>7}"
-    columns = f"{'rust cpu':>9} {'py cpu':>9} {'py/rust':>8} {'rust wall':>10} {'py wall':>9} {'py/rust':>8}"
-    print(f"{header} {columns}")
-    for calls in CALLS:
-        for threads, in_flights in [(1, sizes), (THREADS, [1_000])]:
-            for in_flight in in_flights:
-                rust = cost[("rust", calls, threads, in_flight)]
-                python = cost[("python", baseline_calls(calls), threads, in_flight)]
-                print(
-                    f"{calls:>10} {in_flight:>10} {threads:>7} "
-                    f"{rust.cycle_cpu_ns:>9.0f} {python.cycle_cpu_ns:>9.0f} "
-                    f"{python.cycle_cpu_ns / rust.cycle_cpu_ns:>7.1f}x "
-                    f"{rust.cycle_wall_ns:>10.0f} {python.cycle_wall_ns:>9.0f} "
-                    f"{python.cycle_wall_ns / rust.cycle_wall_ns:>7.1f}x"
-                )
-    summary: dict[str, float] = {}
-    base = 1_000 if 1_000 in sizes else sizes[0]
-    print(f"\nat {base} in flight, CPU ns per cycle:")
-    for threads in (1, THREADS):
-        in_rust = cost[("rust", "in_rust", threads, base)].cycle_cpu_ns
-        from_python = cost[("rust", "per_group", threads, base)].cycle_cpu_ns
-        baseline = cost[("python", "per_group", threads, base)].cycle_cpu_ns
-        baseline_batched = cost[("python", "batched", threads, base)].cycle_cpu_ns
-        summary[f"rust_in_rust_cycle_cpu_ns_{threads}_threads"] = in_rust
-        summary[f"rust_per_group_cycle_cpu_ns_{threads}_threads"] = from_python
-        summary[f"python_per_group_cycle_cpu_ns_{threads}_threads"] = baseline
-        for calls in CALLS:
-            rust = cost[("rust", calls, threads, base)].cycle_cpu_ns
-            python = cost[("python", baseline_calls(calls), threads, base)].cycle_cpu_ns
-            summary[f"ratio_cpu_python_over_rust_{calls}_{threads}_threads"] = python / rust
-        print(
-            f"  {threads} thread(s): (1) rust core, in Rust {in_rust:.0f}; "
-            f"(2) rust core from Python, per group {from_python:.0f}; "
-            f"(3) python baseline, per group {baseline:.0f} (batched {baseline_batched:.0f})\n"
-            f"    (3)/(1) = {baseline / in_rust:.1f}x, (3)/(2) = {baseline / from_python:.1f}x cheaper; "
-            f"batched baseline / (1) = {baseline_batched / in_rust:.1f}x"
-        )
-    largest = sizes[-1]
-    if largest > base:
-        # The heap holds about `in_flight` groups, so a heap operation grows with log2(in_flight).
-        summary["heap_log_growth"] = math.log2(largest) / math.log2(base)
-        print(
-            f"\ngrowth with groups in flight, 1 thread, CPU ns per cycle (ratio to {base}; "
-            f"log2 of the heap size grows {summary['heap_log_growth']:.2f}x from {base} to {largest}):"
-        )
-        for calls in CALLS:
-            at_base = cost[("rust", calls, 1, base)].cycle_cpu_ns
-            figures = ", ".join(
-                f"{size}: {cost[('rust', calls, 1, size)].cycle_cpu_ns:.0f} "
-                f"({cost[('rust', calls, 1, size)].cycle_cpu_ns / at_base:.2f}x)"
-                for size in sizes
-                if size >= base
-            )
-            print(f"  rust {calls:>9}: {figures}")
-            summary[f"rust_cpu_growth_{largest}_over_{base}_{calls}"] = (
-                cost[("rust", calls, 1, largest)].cycle_cpu_ns / at_base
-            )
-    return summary
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -297,20 +240,65 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="small sizes and few rounds (a smoke run)")
-    parser.add_argument("--rounds", type=int, default=2_000, help="rounds per timed run (default 2000)")
+    parser.add_argument("--rounds", type=int, default=300, help="rounds per timed run (default 300)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per figure; the best is kept")
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     args = parser.parse_args(argv)
-    sizes = (0, 1_000, 10_000) if args.quick else IN_FLIGHT
-    num_rounds = 50 if args.quick else args.rounds
+    sizes = (0, 1_000, 10_000) if args.quick else (0, 1_000, 10_000, 100_000, 1_000_000)
+    buffered_sizes = (1_000, 10_000) if args.quick else (1_000, 100_000)
+    num_rounds = 20 if args.quick else args.rounds
     repeats = 1 if args.quick else args.repeats
-    rows = measure(num_rounds, repeats, sizes)
-    summary = report(rows)
+
+    rows = [
+        Row(name, in_flight, **asdict(cycle(name, in_flight, num_rounds, repeats)))
+        for in_flight in sizes
+        for name in IMPLEMENTATIONS
+    ]
+    hand_offs = {
+        (name, buffered): hand_off_us(name, buffered, max(20, num_rounds // 5), repeats)
+        for buffered in buffered_sizes
+        for name in IMPLEMENTATIONS
+    }
+
+    print(f"cycle: CPU ns per group (admit + complete + hand-off of {BATCH}; {GROUP_SIZE} trajectories x")
+    print(f"{RESPONSE_LEN} tokens per group), best of {repeats} runs of {num_rounds} rounds; wall ns beside")
+    print(
+        f"{'in flight':>10} {'impl':>7} {'admit':>7} {'complete':>9} {'hand-off':>9} {'cycle':>7} {'wall':>7}"
+    )
+    for row in rows:
+        print(
+            f"{row.in_flight:>10} {row.implementation:>7} {row.admit_ns:>7.0f} {row.complete_ns:>9.0f} "
+            f"{row.hand_off_ns:>9.0f} {row.cycle_ns:>7.0f} {row.cycle_wall_ns:>7.0f}"
+        )
+    cost = {(row.implementation, row.in_flight): row.cycle_ns for row in rows}
+    summary: dict[str, float] = {}
+    print("\nratios of CPU per cycle, same run:")
+    for in_flight in sizes:
+        facade, core, plain = (cost[(name, in_flight)] for name in IMPLEMENTATIONS)
+        print(
+            f"  {in_flight:>9} in flight: facade {facade:.0f} ns, core {core:.0f} ns, plain {plain:.0f} ns; "
+            f"plain / facade {plain / facade:.1f}x, facade / core {facade / core:.1f}x"
+        )
+        summary[f"facade_cycle_ns_{in_flight}"] = facade
+        summary[f"core_cycle_ns_{in_flight}"] = core
+        summary[f"plain_cycle_ns_{in_flight}"] = plain
+    low, high = sizes[1], sizes[-1]
+    for name in IMPLEMENTATIONS:
+        growth = cost[(name, high)] / cost[(name, low)]
+        summary[f"{name}_growth_{high}_over_{low}"] = growth
+        print(f"  {name}: cycle at {high} in flight / at {low}: {growth:.2f}x")
+    print(f"\none hand-off of {BATCH} groups, CPU microseconds:")
+    for buffered in buffered_sizes:
+        figures = ", ".join(f"{name} {hand_offs[(name, buffered)]:.1f}" for name in IMPLEMENTATIONS)
+        print(f"  {buffered:>7} buffered: {figures}")
+        for name in IMPLEMENTATIONS:
+            summary[f"{name}_hand_off_us_{buffered}_buffered"] = hand_offs[(name, buffered)]
     if args.json is not None:
         args.json.write_text(
-            json.dumps({"round": ROUND, "rows": [asdict(row) for row in rows], "summary": summary}, indent=2)
-            + "\n"
+            json.dumps({"rows": [asdict(row) for row in rows], "summary": summary}, indent=2) + "\n"
         )
+    if not all(math.isfinite(value) for value in summary.values()):
+        raise SystemExit("a figure is not finite")
 
 
 if __name__ == "__main__":

@@ -4,8 +4,7 @@
 //! quarter of them three versions old), then one `take_batch(3 * ROUND / 4)` at the current actor
 //! version with `max_actor_accept_staleness = 2`, which drops the stale quarter and hands out the
 //! rest. A cycle is one group through the buffer: the round's cost divided by `ROUND`. The round is
-//! `buffer_core::workload::run_round`, which `benchmarks/micro/admission.py` also runs (through
-//! `_buffer_core.run_admission_workload`) beside its call-by-call Python loop.
+//! `buffer_core::workload::run_round` (the `workload` feature, which this bench requires).
 //!
 //! Measured with `in_flight` groups already generating and as many finished groups in the heap, for
 //! `in_flight` in 0, 1e3, 1e5 and 1e6, single-threaded and from 8 threads sharing one buffer. Each

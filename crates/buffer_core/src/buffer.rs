@@ -81,7 +81,7 @@ impl Completion {
 /// which keeps a table of a million groups in flight cache-friendly. The top seven bits are the
 /// table's tag, so they repeat the id's low bits to tell neighbours apart.
 #[derive(Default)]
-struct IdHasher(u64);
+pub(crate) struct IdHasher(u64);
 
 impl Hasher for IdHasher {
     fn finish(&self) -> u64 {
@@ -100,7 +100,8 @@ impl Hasher for IdHasher {
     }
 }
 
-type IdMap = HashMap<u64, u64, BuildHasherDefault<IdHasher>>;
+/// A map keyed by group id, hashed by `IdHasher`.
+pub(crate) type IdMap<V = u64> = HashMap<u64, V, BuildHasherDefault<IdHasher>>;
 type IdSet = HashSet<u64, BuildHasherDefault<IdHasher>>;
 
 /// The state behind the mutex.

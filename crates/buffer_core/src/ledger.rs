@@ -8,8 +8,13 @@ use crate::heap::FinishedGroup;
 /// What happened in one step (between two `end_step` calls), as totals.
 ///
 /// The metrics are ratios of these totals: `rollout/data_staleness/mean = staleness_sum / num_groups`,
-/// `rollout/buffer/admission_wait_inflight_limit = wait_inflight_limit_ns / wall_ns`, and so on.
+/// `rollout/buffer/admission_wait_inflight_limit = admission_wait_inflight_limit_ns / wall_ns`, and so on.
+/// This one declaration crosses into Python as `asyncrl_core._buffer_core.StepStats`, with these names.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[cfg_attr(
+    feature = "python",
+    pyo3::pyclass(frozen, get_all, module = "asyncrl_core._buffer_core")
+)]
 pub struct StepStats {
     /// Groups handed to the actor.
     pub num_groups: u64,
@@ -26,9 +31,9 @@ pub struct StepStats {
     /// Groups dropped by the staleness cap.
     pub dropped_groups: u64,
     /// Nanoseconds during which admission was refused because of the in-flight limit.
-    pub wait_inflight_limit_ns: u64,
+    pub admission_wait_inflight_limit_ns: u64,
     /// Nanoseconds during which admission was refused because the buffer was full.
-    pub wait_buffer_full_ns: u64,
+    pub admission_wait_buffer_full_ns: u64,
     /// Nanoseconds from the start of the step to its end.
     pub wall_ns: u64,
 }
@@ -45,6 +50,22 @@ impl StepStats {
         *self.staleness_counts.entry(staleness).or_insert(0) += 1;
         self.version_span_sum += version_gap(versions.latest_version, versions.earliest_version);
         self.queue_steps_sum += version_gap(actor_version, versions.latest_version);
+    }
+}
+
+impl StepStats {
+    /// `part_ns` as a share of the step's wall time; 0 for a step of no duration.
+    pub fn share_of_step(&self, part_ns: u64) -> f64 {
+        if self.wall_ns == 0 {
+            0.0
+        } else {
+            part_ns as f64 / self.wall_ns as f64
+        }
+    }
+
+    /// `sum` per group handed out, or `None` when the step handed out none.
+    pub fn per_group(&self, sum: u64) -> Option<f64> {
+        (self.num_groups > 0).then(|| sum as f64 / self.num_groups as f64)
     }
 }
 
@@ -150,7 +171,7 @@ impl Ledger {
 
 fn charge(stats: &mut StepStats, blocked: Blocked, duration_ns: u64) {
     match blocked {
-        Blocked::InflightLimit => stats.wait_inflight_limit_ns += duration_ns,
-        Blocked::BufferFull => stats.wait_buffer_full_ns += duration_ns,
+        Blocked::InflightLimit => stats.admission_wait_inflight_limit_ns += duration_ns,
+        Blocked::BufferFull => stats.admission_wait_buffer_full_ns += duration_ns,
     }
 }

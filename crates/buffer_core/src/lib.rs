@@ -11,6 +11,7 @@ pub mod ledger;
 pub mod limits;
 pub mod state;
 mod sync;
+#[cfg(feature = "workload")]
 pub mod workload;
 
 #[cfg(feature = "python")]
@@ -24,4 +25,5 @@ pub use heap::{FinishedGroup, GroupVersions};
 pub use ledger::StepStats;
 pub use limits::Limits;
 pub use state::BufferState;
+#[cfg(feature = "workload")]
 pub use workload::WorkloadCounts;

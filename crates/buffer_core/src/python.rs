@@ -4,18 +4,18 @@
 //! GIL around the blocking wait, and turns each `BufferError` into its exception class from
 //! `asyncrl_core.errors` (one conversion, `From<BufferError> for PyErr`).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use crate::buffer::{Completion, GroupBuffer, HandOff};
+use crate::buffer::{Completion, GroupBuffer, HandOff, IdMap};
 use crate::error::BufferError;
 use crate::ledger::StepStats;
 use crate::limits::Limits;
-use crate::workload::{self, WorkloadCounts};
 
 /// How long `wait_admit` sleeps without the GIL before it checks for Ctrl-C.
 const SIGNAL_CHECK_INTERVAL: Duration = Duration::from_millis(100);
@@ -103,62 +103,120 @@ fn completion(
     })
 }
 
-/// The totals of one step, as `GroupBuffer.end_step` returns them.
-#[pyclass(frozen, get_all, module = "asyncrl_core._buffer_core")]
-struct StepTotals {
-    num_groups: u64,
-    staleness_sum: u64,
-    staleness_max: u64,
-    staleness_counts: BTreeMap<u64, u64>,
-    version_span_sum: u64,
-    queue_steps_sum: u64,
-    dropped_groups: u64,
-    admission_wait_inflight_limit_s: f64,
-    admission_wait_buffer_full_s: f64,
-    wall_s: f64,
-}
-
-impl From<StepStats> for StepTotals {
-    fn from(stats: StepStats) -> Self {
-        let seconds = |ns: u64| ns as f64 * 1e-9;
-        Self {
-            num_groups: stats.num_groups,
-            staleness_sum: stats.staleness_sum,
-            staleness_max: stats.staleness_max,
-            staleness_counts: stats.staleness_counts,
-            version_span_sum: stats.version_span_sum,
-            queue_steps_sum: stats.queue_steps_sum,
-            dropped_groups: stats.dropped_groups,
-            admission_wait_inflight_limit_s: seconds(stats.wait_inflight_limit_ns),
-            admission_wait_buffer_full_s: seconds(stats.wait_buffer_full_ns),
-            wall_s: seconds(stats.wall_ns),
+#[pymethods]
+impl StepStats {
+    /// The step's metrics under their names in `asyncrl_core.metrics`: the admission waits as shares
+    /// of the step's wall time, drops, and, when the step handed out groups, the staleness mean, max
+    /// and per-value shares, the version span mean and the queue steps mean.
+    fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let names = py.import("asyncrl_core.metrics")?;
+        let metrics = PyDict::new(py);
+        let mut put = |constant: &str, value: f64| -> PyResult<()> {
+            metrics.set_item(names.getattr(constant)?, value)
+        };
+        put("DROPPED_GROUPS", self.dropped_groups as f64)?;
+        put(
+            "ADMISSION_WAIT_INFLIGHT_LIMIT",
+            self.share_of_step(self.admission_wait_inflight_limit_ns),
+        )?;
+        put(
+            "ADMISSION_WAIT_BUFFER_FULL",
+            self.share_of_step(self.admission_wait_buffer_full_ns),
+        )?;
+        if let Some(mean) = self.per_group(self.staleness_sum) {
+            put("DATA_STALENESS_MEAN", mean)?;
+            put("DATA_STALENESS_MAX", self.staleness_max as f64)?;
+            let ratio_name = names.getattr("data_staleness_ratio")?;
+            for (&staleness, &count) in &self.staleness_counts {
+                let share = self.per_group(count).unwrap_or(0.0);
+                metrics.set_item(ratio_name.call1((staleness,))?, share)?;
+            }
+            put(
+                "VERSION_SPAN_MEAN",
+                self.per_group(self.version_span_sum).unwrap_or(0.0),
+            )?;
+            put(
+                "QUEUE_STEPS_MEAN",
+                self.per_group(self.queue_steps_sum).unwrap_or(0.0),
+            )?;
         }
+        Ok(metrics)
     }
 }
 
-/// The buffer core. Frozen and internally synchronised, so any number of Python threads may call it
-/// at once without a Python-level lock.
+/// The buffer core with the Python object (payload) of each buffered group. Frozen and internally
+/// synchronised, so any number of Python threads may call it at once without a Python-level lock.
 #[pyclass(frozen, name = "GroupBuffer", module = "asyncrl_core._buffer_core")]
 struct PyGroupBuffer {
     inner: GroupBuffer,
+    /// The payload of each buffered group, by group id.
+    ///
+    /// A completion holds this lock from before the core accepts its group until the payload is in, and
+    /// a hand-off takes it after the core handed the groups out, so a hand-off always finds the payload
+    /// of every group it got, and a retried completion (refused by the core) never touches the payload of
+    /// the completion it repeats. Lock order: this lock, then the core's. The lock is only ever held with
+    /// the GIL and released before anything that can run Python code (error conversion, a payload's
+    /// last reference going away), so no thread can wait for the GIL while holding it.
+    payloads: Mutex<Payloads>,
 }
 
-/// A hand-off as the facade reads it: the handed-out group ids, `(group_id, prompt_index)` of each
-/// dropped group, and the number of groups ready.
-type HandOffIds = (Vec<u64>, Vec<(u64, u64)>, usize);
+/// Keyed like the core's records, so payloads of groups admitted together sit together.
+type Payloads = IdMap<Py<PyAny>>;
 
-fn hand_off_ids(hand_off: HandOff) -> HandOffIds {
-    (
-        hand_off.groups.iter().map(|group| group.group_id).collect(),
-        hand_off
+/// A hand-off as the facade reads it: the handed-out payloads (oldest first), `(group_id,
+/// prompt_index)` of each dropped group, and the number of groups ready.
+type HandOffRows = (Vec<Py<PyAny>>, Vec<(u64, u64)>, usize);
+type BufferedRow = (u64, u64, i64, i64, i64);
+
+/// A completion as the facade passes it: `(group_id, prompt_index, (earliest_version, latest_version)
+/// or None, finish_version or None, payload)`.
+type CompletionRow = (i64, i64, Option<(i64, i64)>, Option<i64>, Py<PyAny>);
+
+impl PyGroupBuffer {
+    fn with_core(inner: GroupBuffer) -> Self {
+        Self {
+            inner,
+            payloads: Mutex::new(Payloads::default()),
+        }
+    }
+
+    fn lock_payloads(&self) -> MutexGuard<'_, Payloads> {
+        // Nothing panics while holding it (map operations on integer keys), so a poisoned lock still
+        // guards a consistent map.
+        self.payloads.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Trade a hand-off's groups for their payloads. The dropped groups' payloads are returned apart,
+    /// to be released after the lock.
+    fn claim(&self, hand_off: HandOff) -> PyResult<(HandOffRows, Vec<Py<PyAny>>)> {
+        let mut payloads = self.lock_payloads();
+        let mut missing = None;
+        let mut groups = Vec::with_capacity(hand_off.groups.len());
+        for group in &hand_off.groups {
+            match payloads.remove(&group.group_id) {
+                Some(payload) => groups.push(payload),
+                None => missing = Some(group.group_id),
+            }
+        }
+        let released: Vec<Py<PyAny>> = hand_off
+            .dropped
+            .iter()
+            .filter_map(|group| payloads.remove(&group.group_id))
+            .collect();
+        drop(payloads);
+        if let Some(group_id) = missing {
+            return Err(PyRuntimeError::new_err(format!(
+                "the buffer handed out group {group_id} without its payload (a bug in asyncrl)"
+            )));
+        }
+        let dropped = hand_off
             .dropped
             .iter()
             .map(|group| (group.group_id, group.prompt_index))
-            .collect(),
-        hand_off.num_ready,
-    )
+            .collect();
+        Ok(((groups, dropped, hand_off.num_ready), released))
+    }
 }
-type BufferedRow = (u64, u64, i64, i64, i64);
 
 #[pymethods]
 impl PyGroupBuffer {
@@ -176,20 +234,50 @@ impl PyGroupBuffer {
             max_dropped_groups_per_step,
             max_actor_accept_staleness,
         )?;
-        Ok(Self {
-            inner: GroupBuffer::new(limits),
-        })
+        Ok(Self::with_core(GroupBuffer::new(limits)))
     }
 
     #[staticmethod]
-    fn from_state_bytes(data: &[u8]) -> PyResult<Self> {
-        Ok(Self {
-            inner: GroupBuffer::from_bytes(data)?,
-        })
+    fn restore(data: &[u8], payloads: HashMap<u64, Py<PyAny>>) -> PyResult<Self> {
+        let inner = GroupBuffer::from_bytes(data)?;
+        let buffered: HashSet<u64> = inner
+            .buffered_groups()
+            .iter()
+            .map(|group| group.group_id)
+            .collect();
+        let given: HashSet<u64> = payloads.keys().copied().collect();
+        if buffered != given {
+            let mut missing: Vec<u64> = buffered.difference(&given).copied().collect();
+            let mut extra: Vec<u64> = given.difference(&buffered).copied().collect();
+            missing.sort_unstable();
+            extra.sort_unstable();
+            return Err(BufferError::CorruptState(format!(
+                "the payloads do not match the buffered groups: missing {missing:?}, not buffered \
+                 {extra:?}"
+            ))
+            .into());
+        }
+        let buffer = Self::with_core(inner);
+        buffer.lock_payloads().extend(payloads);
+        Ok(buffer)
     }
 
-    fn state_bytes<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
-        PyBytes::new(py, &self.inner.to_bytes())
+    /// The state's bytes and the payload of every group buffered in that state, at one instant.
+    fn snapshot<'py>(&self, py: Python<'py>) -> (Bound<'py, PyBytes>, HashMap<u64, Py<PyAny>>) {
+        let payloads = self.lock_payloads();
+        // No completion is between the core's acceptance and its payload while we hold the lock; a
+        // hand-off may be between the core and its claim, so its payloads are still here and left out.
+        let state = self.inner.state();
+        let buffered: HashMap<u64, Py<PyAny>> = state
+            .finished
+            .iter()
+            .filter_map(|group| {
+                let payload = payloads.get(&group.group_id)?;
+                Some((group.group_id, payload.clone_ref(py)))
+            })
+            .collect();
+        drop(payloads);
+        (PyBytes::new(py, &crate::state::encode(&state)), buffered)
     }
 
     #[getter]
@@ -255,19 +343,43 @@ impl PyGroupBuffer {
         prompt_index: i64,
         token_versions: Option<(i64, i64)>,
         finish_version: Option<i64>,
+        payload: Py<PyAny>,
     ) -> PyResult<Option<i64>> {
         let completion = completion((group_id, prompt_index, token_versions, finish_version))?;
-        let versions = self.inner.complete_group(completion)?;
-        Ok(versions.map(|versions| versions.finish_version))
+        let mut payloads = self.lock_payloads();
+        let accepted = self.inner.complete_group(completion);
+        if let Ok(Some(_)) = accepted {
+            payloads.insert(completion.group_id, payload);
+        }
+        drop(payloads);
+        Ok(accepted?.map(|versions| versions.finish_version))
     }
 
-    fn complete_many(&self, groups: Vec<CompletionArgs>) -> PyResult<Vec<Option<i64>>> {
-        let completions = groups
-            .into_iter()
-            .map(completion)
-            .collect::<Result<Vec<_>, BufferError>>()?;
-        let accepted = self.inner.complete_groups(&completions)?;
-        Ok(accepted
+    fn complete_many(&self, groups: Vec<CompletionRow>) -> PyResult<Vec<Option<i64>>> {
+        let mut completions = Vec::with_capacity(groups.len());
+        let mut new_payloads = Vec::with_capacity(groups.len());
+        for (group_id, prompt_index, token_versions, finish_version, payload) in groups {
+            completions.push(completion((
+                group_id,
+                prompt_index,
+                token_versions,
+                finish_version,
+            ))?);
+            new_payloads.push(payload);
+        }
+        let mut payloads = self.lock_payloads();
+        let accepted = self.inner.complete_groups(&completions);
+        if let Ok(accepted) = &accepted {
+            for ((completion, versions), payload) in
+                completions.iter().zip(accepted).zip(new_payloads)
+            {
+                if versions.is_some() {
+                    payloads.insert(completion.group_id, payload);
+                }
+            }
+        }
+        drop(payloads);
+        Ok(accepted?
             .into_iter()
             .map(|versions| versions.map(|versions| versions.finish_version))
             .collect())
@@ -285,35 +397,49 @@ impl PyGroupBuffer {
         num_groups: i64,
         actor_version: i64,
         timeout_s: f64,
-    ) -> PyResult<HandOffIds> {
+    ) -> PyResult<HandOffRows> {
         let num_groups = batch_size(num_groups)?;
         let timeout = timeout(timeout_s)?;
         let inner = &self.inner;
-        if timeout.is_zero() {
-            return Ok(hand_off_ids(inner.take_batch(num_groups, actor_version)?));
-        }
-        let mut last = None;
-        let hand_off = wait_in_slices(py, timeout, |slice| {
-            let hand_off = py.detach(|| inner.wait_batch(num_groups, actor_version, slice))?;
-            if hand_off.is_ready() || !hand_off.dropped.is_empty() {
-                return Ok(Some(hand_off));
-            }
-            last = Some(hand_off);
-            Ok(None)
-        })?;
-        Ok(hand_off_ids(hand_off.or(last).unwrap_or(HandOff {
-            groups: Vec::new(),
-            dropped: Vec::new(),
-            num_ready: 0,
-        })))
+        let hand_off = if timeout.is_zero() {
+            inner.take_batch(num_groups, actor_version)?
+        } else {
+            let mut last = None;
+            let hand_off = wait_in_slices(py, timeout, |slice| {
+                let hand_off = py.detach(|| inner.wait_batch(num_groups, actor_version, slice))?;
+                if hand_off.is_ready() || !hand_off.dropped.is_empty() {
+                    return Ok(Some(hand_off));
+                }
+                last = Some(hand_off);
+                Ok(None)
+            })?;
+            hand_off.or(last).unwrap_or(HandOff {
+                groups: Vec::new(),
+                dropped: Vec::new(),
+                num_ready: 0,
+            })
+        };
+        // The dropped groups' payloads are released here, after the lock.
+        let (rows, _released) = self.claim(hand_off)?;
+        Ok(rows)
     }
 
-    fn end_step(&self) -> StepTotals {
-        self.inner.end_step().into()
+    fn end_step(&self) -> StepStats {
+        self.inner.end_step()
     }
 
     fn inflight_groups(&self) -> Vec<(u64, u64)> {
         self.inner.inflight_groups()
+    }
+
+    /// The payloads of the buffered groups, oldest first.
+    fn buffered_payloads(&self, py: Python<'_>) -> Vec<Py<PyAny>> {
+        let payloads = self.lock_payloads();
+        self.inner
+            .buffered_groups()
+            .iter()
+            .filter_map(|group| Some(payloads.get(&group.group_id)?.clone_ref(py)))
+            .collect()
     }
 
     fn buffered_groups(&self) -> Vec<BufferedRow> {
@@ -359,62 +485,9 @@ fn wait_in_slices<T>(
     }
 }
 
-/// What `run_admission_workload` did, as `workload::WorkloadCounts` counts it.
-#[pyclass(
-    frozen,
-    get_all,
-    name = "WorkloadCounts",
-    module = "asyncrl_core._buffer_core"
-)]
-struct PyWorkloadCounts {
-    num_rounds: u64,
-    admitted: u64,
-    completed: u64,
-    handed_out: u64,
-    dropped: u64,
-}
-
-impl From<WorkloadCounts> for PyWorkloadCounts {
-    fn from(counts: WorkloadCounts) -> Self {
-        Self {
-            num_rounds: counts.num_rounds,
-            admitted: counts.admitted,
-            completed: counts.completed,
-            handed_out: counts.handed_out,
-            dropped: counts.dropped,
-        }
-    }
-}
-
-/// The admission benchmark's rounds (`workload::run_rounds`) driven from Rust, without the GIL, so
-/// the benchmark can time the core beside its call-by-call Python loop on the same buffer.
-#[pyfunction]
-fn run_admission_workload(
-    py: Python<'_>,
-    buffer: &Bound<'_, PyGroupBuffer>,
-    rounds_per_thread: i64,
-    num_threads: i64,
-) -> PyResult<PyWorkloadCounts> {
-    let rounds_per_thread = non_negative("rounds_per_thread", rounds_per_thread)?;
-    let num_threads = usize::try_from(num_threads).map_err(|_| {
-        BufferError::invalid(
-            "num_threads",
-            format!("num_threads must be 1 or more, got {num_threads}"),
-        )
-    })?;
-    let inner = &buffer.get().inner;
-    let counts = py.detach(|| workload::run_rounds(inner, rounds_per_thread, num_threads))?;
-    Ok(counts.into())
-}
-
 #[pymodule]
 fn _buffer_core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<PyGroupBuffer>()?;
-    module.add_class::<StepTotals>()?;
-    module.add_class::<PyWorkloadCounts>()?;
-    module.add_function(wrap_pyfunction!(run_admission_workload, module)?)?;
-    module.add("WORKLOAD_ROUND", workload::ROUND)?;
-    module.add("WORKLOAD_BATCH_SIZE", workload::BATCH_SIZE)?;
-    module.add("WORKLOAD_VERSION", workload::VERSION)?;
+    module.add_class::<StepStats>()?;
     Ok(())
 }

@@ -213,8 +213,8 @@ fn encode_payload(state: &BufferState, out: &mut Vec<u8>) {
     put_u64(out, step.version_span_sum);
     put_u64(out, step.queue_steps_sum);
     put_u64(out, step.dropped_groups);
-    put_u64(out, step.wait_inflight_limit_ns);
-    put_u64(out, step.wait_buffer_full_ns);
+    put_u64(out, step.admission_wait_inflight_limit_ns);
+    put_u64(out, step.admission_wait_buffer_full_ns);
     put_u64(out, step.wall_ns);
 }
 
@@ -267,8 +267,8 @@ fn decode_payload(reader: &mut Reader<'_>) -> Result<BufferState> {
         version_span_sum: reader.u64()?,
         queue_steps_sum: reader.u64()?,
         dropped_groups: reader.u64()?,
-        wait_inflight_limit_ns: reader.u64()?,
-        wait_buffer_full_ns: reader.u64()?,
+        admission_wait_inflight_limit_ns: reader.u64()?,
+        admission_wait_buffer_full_ns: reader.u64()?,
         wall_ns: reader.u64()?,
     };
     Ok(BufferState {

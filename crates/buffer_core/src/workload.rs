@@ -1,12 +1,11 @@
-//! The admission benchmark's fixed workload, in Rust, so that the criterion bench
-//! (`benches/admission.rs`) and the Python benchmark (`benchmarks/micro/admission.py`, through
-//! `_buffer_core.run_admission_workload`) time exactly the same operations.
+//! The criterion bench's fixed workload (`benches/admission.rs`), with tests that it does what the bench
+//! says. Compiled with the `workload` feature only (which `cargo test` and `cargo bench` turn on), so it
+//! never ships in the Python extension.
 //!
 //! One round puts `ROUND` groups through a buffer: admit each (`try_admit`), complete each with its
 //! versions (a quarter of them three versions old), then one `take_batch(BATCH_SIZE)` at actor version
 //! `VERSION`. With `max_actor_accept_staleness = 2` that drops the stale quarter and hands out the
-//! rest. A cycle is one group through the buffer. Python's call-by-call loop in `admission.py` makes
-//! the same calls in the same order.
+//! rest. A cycle is one group through the buffer.
 
 use crate::buffer::GroupBuffer;
 use crate::clock::Clock;

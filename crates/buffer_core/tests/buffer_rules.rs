@@ -415,8 +415,11 @@ fn wait_time_is_charged_to_the_limit_that_blocks() {
     buffer.take_batch(1, 0).unwrap();
     clock.advance_ns(2 * SECOND_NS);
     let stats = buffer.end_step();
-    assert_eq!(stats.wait_inflight_limit_ns, 2 * SECOND_NS + SECOND_NS);
-    assert_eq!(stats.wait_buffer_full_ns, 3 * SECOND_NS);
+    assert_eq!(
+        stats.admission_wait_inflight_limit_ns,
+        2 * SECOND_NS + SECOND_NS
+    );
+    assert_eq!(stats.admission_wait_buffer_full_ns, 3 * SECOND_NS);
     assert_eq!(stats.wall_ns, 10 * SECOND_NS);
     buffer.complete(third, versions(0, 0, 0)).unwrap();
 }
@@ -428,10 +431,10 @@ fn a_wait_in_progress_is_split_between_steps() {
     assert_eq!(buffer.try_admit(1), None);
     clock.advance_ns(4 * SECOND_NS);
     let first = buffer.end_step();
-    assert_eq!(first.wait_inflight_limit_ns, 4 * SECOND_NS);
+    assert_eq!(first.admission_wait_inflight_limit_ns, 4 * SECOND_NS);
     clock.advance_ns(SECOND_NS);
     let second = buffer.end_step();
-    assert_eq!(second.wait_inflight_limit_ns, SECOND_NS);
+    assert_eq!(second.admission_wait_inflight_limit_ns, SECOND_NS);
     assert_eq!(second.wall_ns, SECOND_NS);
 }
 
@@ -448,8 +451,8 @@ fn wait_admit_wakes_when_capacity_frees_and_times_out_otherwise() {
     buffer.complete(first, versions(0, 0, 0)).unwrap();
     assert_eq!(waiter.join().unwrap(), Some(1));
     let stats = buffer.end_step();
-    assert!(stats.wait_inflight_limit_ns > 0);
-    assert_eq!(stats.wait_buffer_full_ns, 0);
+    assert!(stats.admission_wait_inflight_limit_ns > 0);
+    assert_eq!(stats.admission_wait_buffer_full_ns, 0);
 }
 
 #[test]
@@ -551,7 +554,10 @@ fn batch_admission_admits_the_prefix_that_fits_and_batch_completion_is_all_or_no
         }
     );
     // The refusal of prompt 10 started a wait (in-flight limit) that the completion ended.
-    assert_eq!(buffer.end_step().wait_inflight_limit_ns, SECOND_NS);
+    assert_eq!(
+        buffer.end_step().admission_wait_inflight_limit_ns,
+        SECOND_NS
+    );
     let batch = buffer.take_batch(2, 1).unwrap();
     let order: Vec<u64> = batch.groups.iter().map(|group| group.group_id).collect();
     assert_eq!(order, [2, 0]);

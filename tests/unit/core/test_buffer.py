@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from asyncrl_core.buffer import Batch, BufferSnapshot, GroupBuffer, StepStats
+from asyncrl_core.buffer import Batch, BufferSnapshot, GroupBuffer
 from asyncrl_core.config import load_config
 from asyncrl_core.errors import (
     AsyncRLError,
@@ -22,6 +22,7 @@ from asyncrl_core.errors import (
     InvalidGroupError,
     VersionError,
 )
+from asyncrl_core.metrics import ADMISSION_WAIT_BUFFER_FULL, ADMISSION_WAIT_INFLIGHT_LIMIT
 from asyncrl_core.types import NO_VERSION, Group, Trajectory
 
 
@@ -125,21 +126,17 @@ def test_step_metrics_have_exactly_the_documented_names() -> None:
 
 
 def test_wait_shares_divide_by_the_step_wall_time() -> None:
-    stats = StepStats(
-        num_groups=0,
-        staleness_sum=0,
-        staleness_max=0,
-        staleness_counts={},
-        version_span_sum=0,
-        queue_steps_sum=0,
-        dropped_groups=0,
-        admission_wait_inflight_limit_s=1.5,
-        admission_wait_buffer_full_s=0.5,
-        wall_s=4.0,
-    )
+    buffer = make_buffer(inflight=1, buffered=1)
+    first = buffer.try_admit(0)
+    assert first is not None
+    assert buffer.try_admit(1) is None  # the in-flight limit blocks from here on
+    time.sleep(0.02)
+    stats = buffer.end_step()
+    assert 0 < stats.admission_wait_inflight_limit_ns <= stats.wall_ns
+    assert stats.admission_wait_buffer_full_ns == 0
     metrics = stats.metrics()
-    assert metrics["rollout/buffer/admission_wait_inflight_limit"] == 0.375
-    assert metrics["rollout/buffer/admission_wait_buffer_full"] == 0.125
+    assert metrics[ADMISSION_WAIT_INFLIGHT_LIMIT] == stats.admission_wait_inflight_limit_ns / stats.wall_ns
+    assert metrics[ADMISSION_WAIT_BUFFER_FULL] == 0.0
 
 
 def test_a_blocked_admission_is_woken_and_its_wait_charged_to_the_blocking_limit() -> None:
@@ -155,8 +152,8 @@ def test_a_blocked_admission_is_woken_and_its_wait_charged_to_the_blocking_limit
     waiter.join(timeout=30.0)
     assert result == [1]
     stats = buffer.end_step()
-    assert stats.admission_wait_inflight_limit_s > 0
-    assert stats.admission_wait_buffer_full_s == 0
+    assert stats.admission_wait_inflight_limit_ns > 0
+    assert stats.admission_wait_buffer_full_ns == 0
     assert 0 < stats.metrics()["rollout/buffer/admission_wait_inflight_limit"] <= 1
 
 
@@ -463,3 +460,33 @@ def test_eight_threads_admit_and_complete_against_small_limits() -> None:
     assert prompts == sorted(t * 1000 + i for t in range(8) for i in range(per_thread))
     assert len({group.group_id for group in trained}) == len(trained)
     assert (buffer.num_inflight, buffer.num_buffered) == (0, 0)
+
+
+def test_concurrent_retries_of_one_completion_accept_it_exactly_once() -> None:
+    for _ in range(20):
+        buffer = make_buffer(inflight=2, buffered=4)
+        group_id = buffer.try_admit(6)
+        assert group_id is not None
+        original = make_group(group_id, 6, [0])
+        attempts = [original, original, make_group(group_id, 6, [0]), make_group(group_id, 6, [0])] * 2
+        barrier = threading.Barrier(len(attempts))
+        results: list[bool] = []
+
+        def attempt(
+            group: Group,
+            buffer: GroupBuffer = buffer,
+            barrier: threading.Barrier = barrier,
+            results: list[bool] = results,
+        ) -> None:
+            barrier.wait(timeout=30.0)
+            results.append(buffer.complete(group))
+
+        threads = [threading.Thread(target=attempt, args=(group,)) for group in attempts]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30.0)
+        assert sorted(results) == [False] * (len(attempts) - 1) + [True]
+        (buffered,) = buffer.buffered_groups()
+        assert any(buffered is group for group in attempts)
+        assert buffer.take_batch(1, 0).groups == [buffered]

@@ -4,29 +4,17 @@ Use the facade `asyncrl_core.buffer` instead: it keeps the group payloads and re
 Every error is an `asyncrl_core.errors.GroupBufferError` subclass raised before anything changes.
 """
 
-from collections.abc import Sequence
-from typing import Final, final
+from collections.abc import Mapping, Sequence
+from typing import final
 
 __all__ = [
-    "WORKLOAD_BATCH_SIZE",
-    "WORKLOAD_ROUND",
-    "WORKLOAD_VERSION",
     "GroupBuffer",
-    "StepTotals",
-    "WorkloadCounts",
-    "run_admission_workload",
+    "StepStats",
 ]
 
-WORKLOAD_ROUND: Final[int]
-"""Groups admitted, completed and taken per round of `run_admission_workload` (64)."""
-WORKLOAD_BATCH_SIZE: Final[int]
-"""Groups each round's `take_batch` hands out (three quarters of a round)."""
-WORKLOAD_VERSION: Final[int]
-"""The actor version of every round's `take_batch`, and each group's latest and finish version."""
-
 @final
-class StepTotals:
-    """The totals of one step, between two `GroupBuffer.end_step` calls."""
+class StepStats:
+    """The totals of one step, between two `GroupBuffer.end_step` calls (the Rust `StepStats`)."""
 
     @property
     def num_groups(self) -> int:
@@ -50,14 +38,21 @@ class StepTotals:
     def dropped_groups(self) -> int:
         """Groups dropped by the staleness cap."""
     @property
-    def admission_wait_inflight_limit_s(self) -> float:
-        """Seconds during which admission was refused by the in-flight limit."""
+    def admission_wait_inflight_limit_ns(self) -> int:
+        """Nanoseconds during which admission was refused by the in-flight limit (it wins a tie)."""
     @property
-    def admission_wait_buffer_full_s(self) -> float:
-        """Seconds during which admission was refused because the buffer was full."""
+    def admission_wait_buffer_full_ns(self) -> int:
+        """Nanoseconds during which admission was refused because the buffer was full."""
     @property
-    def wall_s(self) -> float:
-        """Seconds from the start of the step to its end."""
+    def wall_ns(self) -> int:
+        """Nanoseconds from the start of the step to its end."""
+    def metrics(self) -> dict[str, float]:
+        """The step's metrics under their names in `asyncrl_core.metrics`.
+
+        The admission waits are shares of the step's wall time (0 for a step of no duration). The
+        per-group means, the maximum and the `ratio_<k>` shares are present only when the step handed
+        out at least one group: a step without training data has no staleness to report.
+        """
 
 @final
 class GroupBuffer:
@@ -75,11 +70,14 @@ class GroupBuffer:
         """An empty buffer. Count limits are in `1..=2**32-1`, the other two 0 or more (the cap may be
         None for no cap); `InvalidArgumentError` names the offending key otherwise."""
     @staticmethod
-    def from_state_bytes(data: bytes) -> GroupBuffer:
-        """Restore a buffer from `state_bytes` output; `CorruptStateError` for any other bytes."""
-    def state_bytes(self) -> bytes:
+    def restore(data: bytes, payloads: Mapping[int, object]) -> GroupBuffer:
+        """Restore a buffer from `snapshot` output: the state's bytes and the payload of each buffered
+        group by group id. `CorruptStateError` for any other bytes, or payloads that are not exactly
+        those of the buffered groups."""
+    def snapshot(self) -> tuple[bytes, dict[int, object]]:
         """The whole state (limits, counters, records, heap, version watermarks, the running step's
-        totals and wall time) as versioned, checksummed bytes."""
+        totals and wall time) as versioned, checksummed bytes, and the payload of each group buffered in
+        it, at one instant."""
     @property
     def max_inflight_groups(self) -> int: ...
     @property
@@ -108,8 +106,9 @@ class GroupBuffer:
         prompt_index: int,
         token_versions: tuple[int, int] | None,
         finish_version: int | None,
+        payload: object,
     ) -> int | None:
-        """Move an in-flight group to the finished heap.
+        """Move an in-flight group to the finished heap, with `payload` (its `Group`).
 
         `token_versions` is `(earliest_version, latest_version)` of its model tokens, or None when the
         model sampled none; `finish_version` None lets the buffer stamp it. Returns the group's finish
@@ -117,54 +116,28 @@ class GroupBuffer:
         changes). `prompt_index` must be the one the group was admitted for.
         """
     def complete_many(
-        self, groups: Sequence[tuple[int, int, tuple[int, int] | None, int | None]]
+        self, groups: Sequence[tuple[int, int, tuple[int, int] | None, int | None, object]]
     ) -> list[int | None]:
-        """`complete` for each `(group_id, prompt_index, token_versions, finish_version)` under one lock;
-        one result per entry. All or nothing on errors."""
+        """`complete` for each `(group_id, prompt_index, token_versions, finish_version, payload)` under
+        one lock; one result per entry. All or nothing on errors."""
     def abandon(self, group_id: int) -> int:
         """Release an in-flight group that failed; returns its prompt index."""
     def take_batch(
         self, num_groups: int, actor_version: int, timeout_s: float = 0.0
-    ) -> tuple[list[int], list[tuple[int, int]], int]:
+    ) -> tuple[list[object], list[tuple[int, int]], int]:
         """Drop the groups past the staleness cap, then hand out the `num_groups` oldest if that many
         are ready, waiting up to `timeout_s` seconds (without the GIL) for them.
 
-        Returns the handed-out group ids (oldest first; empty when not ready), `(group_id,
+        Returns the handed-out groups' payloads (oldest first; empty when not ready), `(group_id,
         prompt_index)` of each dropped group (oldest first), and the number of groups ready after the
         drops. Returns early, not ready, as soon as it dropped groups.
         """
-    def end_step(self) -> StepTotals:
+    def end_step(self) -> StepStats:
         """Return the running step's totals and start the next step now."""
     def inflight_groups(self) -> list[tuple[int, int]]:
         """`(group_id, prompt_index)` of every group in flight, by group id."""
+    def buffered_payloads(self) -> list[object]:
+        """The payloads of the finished groups waiting for the actor, oldest first."""
     def buffered_groups(self) -> list[tuple[int, int, int, int, int]]:
         """`(group_id, prompt_index, earliest_version, latest_version, finish_version)` of every
         finished group waiting for the actor, oldest first."""
-
-@final
-class WorkloadCounts:
-    """What `run_admission_workload` did. `admitted == completed`, and `handed_out + dropped` is
-    `completed` plus the number of finished groups the buffer held before minus after."""
-
-    @property
-    def num_rounds(self) -> int: ...
-    @property
-    def admitted(self) -> int: ...
-    @property
-    def completed(self) -> int: ...
-    @property
-    def handed_out(self) -> int: ...
-    @property
-    def dropped(self) -> int:
-        """Groups dropped by the staleness cap."""
-
-def run_admission_workload(buffer: GroupBuffer, rounds_per_thread: int, num_threads: int) -> WorkloadCounts:
-    """The admission benchmark's rounds, driven from Rust without the GIL: `rounds_per_thread` rounds
-    on each of `num_threads` threads sharing `buffer`.
-
-    A round admits `WORKLOAD_ROUND` groups one `try_admit` at a time, completes each (a quarter of
-    them three versions older than `WORKLOAD_VERSION`), then takes `WORKLOAD_BATCH_SIZE` at actor
-    version `WORKLOAD_VERSION`. `InvalidArgumentError`, before anything changes, when the limits leave
-    no room for `num_threads` rounds at once; an error from a round (versions, the drop limit) stops
-    its thread and is raised, with the rounds before it done.
-    """

@@ -3,8 +3,9 @@
 `GroupBuffer` is what the buffer worker uses: admission of new prompts under the two limits, the
 oldest-first hand-out of finished groups with the staleness cap and the drop guard, the per-step
 statistics, and snapshots for checkpoints. The Rust core (`asyncrl_core._buffer_core`) holds the
-counters, ids, prompt indices and versions; this facade keeps each finished group's payload (a `Group`)
-keyed by its group id and turns the core's results into typed values.
+counters, ids, prompt indices and versions, and each buffered group's payload (its `Group`), registered
+in the same step as the core accepts the group; this facade reads the versions off the `Group` and turns
+the core's results into typed values.
 
 Every method may be called from several threads at once. Each error is an `asyncrl_core.errors`
 `GroupBufferError` subclass with typed fields, raised before anything changes.
@@ -18,12 +19,12 @@ version may set `Group.finish_version` itself; the buffer then checks it instead
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, cast
 
 from asyncrl_core import _buffer_core
+from asyncrl_core._buffer_core import StepStats
 from asyncrl_core.errors import (
     ConfigError,
     ConfigProblem,
@@ -49,37 +50,11 @@ __all__ = [
     "InvalidArgumentError",
     "InvalidGroupError",
     "StepStats",
-    "StepTotals",
     "VersionError",
 ]
 
 
-class StepTotals(Protocol):
-    """The raw totals of one step, as a buffer core's `end_step` returns them."""
-
-    @property
-    def num_groups(self) -> int: ...
-    @property
-    def staleness_sum(self) -> int: ...
-    @property
-    def staleness_max(self) -> int: ...
-    @property
-    def staleness_counts(self) -> Mapping[int, int]: ...
-    @property
-    def version_span_sum(self) -> int: ...
-    @property
-    def queue_steps_sum(self) -> int: ...
-    @property
-    def dropped_groups(self) -> int: ...
-    @property
-    def admission_wait_inflight_limit_s(self) -> float: ...
-    @property
-    def admission_wait_buffer_full_s(self) -> float: ...
-    @property
-    def wall_s(self) -> float: ...
-
-
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Batch:
     """What `GroupBuffer.take_batch` did: the batch for the actor if it was ready, and the stale groups it
     dropped (whether or not the batch was ready)."""
@@ -99,77 +74,6 @@ class Batch:
     def ready(self) -> bool:
         """Whether the batch was handed out (`groups` holds `num_groups` groups)."""
         return bool(self.groups)
-
-
-@dataclass(frozen=True, slots=True)
-class StepStats:
-    """The buffer's statistics of one step (between two `end_step` calls).
-
-    Per group handed to the actor at `actor_version`: `staleness = actor_version - earliest_version`,
-    `version_span = latest_version - earliest_version`, `queue_steps = actor_version - latest_version`.
-    """
-
-    num_groups: int
-    """Groups handed to the actor."""
-    staleness_sum: int
-    staleness_max: int
-    """0 when no group was handed out."""
-    staleness_counts: dict[int, int]
-    """Groups handed out per staleness value."""
-    version_span_sum: int
-    queue_steps_sum: int
-    dropped_groups: int
-    """Groups dropped by the staleness cap."""
-    admission_wait_inflight_limit_s: float
-    """Seconds during which admission was refused by the in-flight limit (it wins a tie)."""
-    admission_wait_buffer_full_s: float
-    """Seconds during which admission was refused because the buffer was full."""
-    wall_s: float
-    """Seconds from the start of the step to its end."""
-
-    @classmethod
-    def from_totals(cls, totals: StepTotals) -> StepStats:
-        return cls(
-            num_groups=totals.num_groups,
-            staleness_sum=totals.staleness_sum,
-            staleness_max=totals.staleness_max,
-            staleness_counts=dict(totals.staleness_counts),
-            version_span_sum=totals.version_span_sum,
-            queue_steps_sum=totals.queue_steps_sum,
-            dropped_groups=totals.dropped_groups,
-            admission_wait_inflight_limit_s=totals.admission_wait_inflight_limit_s,
-            admission_wait_buffer_full_s=totals.admission_wait_buffer_full_s,
-            wall_s=totals.wall_s,
-        )
-
-    def metrics(self) -> dict[str, float]:
-        """The step's metrics under their logged names.
-
-        The admission waits are shares of the step's wall time (0 for a step of no duration). The
-        per-group means, the maximum and the `ratio_<k>` shares are present only when the step handed
-        out at least one group: a step without training data has no staleness to report.
-        """
-        metrics = {
-            "rollout/dropped_groups": float(self.dropped_groups),
-            "rollout/buffer/admission_wait_inflight_limit": _share(
-                self.admission_wait_inflight_limit_s, self.wall_s
-            ),
-            "rollout/buffer/admission_wait_buffer_full": _share(
-                self.admission_wait_buffer_full_s, self.wall_s
-            ),
-        }
-        if self.num_groups > 0:
-            metrics["rollout/data_staleness/mean"] = self.staleness_sum / self.num_groups
-            metrics["rollout/data_staleness/max"] = float(self.staleness_max)
-            for staleness, count in sorted(self.staleness_counts.items()):
-                metrics[f"rollout/data_staleness/ratio_{staleness}"] = count / self.num_groups
-            metrics["rollout/version_span/mean"] = self.version_span_sum / self.num_groups
-            metrics["rollout/queue_steps/mean"] = self.queue_steps_sum / self.num_groups
-        return metrics
-
-
-def _share(part_s: float, whole_s: float) -> float:
-    return part_s / whole_s if whole_s > 0 else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,7 +105,7 @@ class GroupBuffer:
     `finish_version` seen. Anything else is a `VersionError`.
     """
 
-    __slots__ = ("_completing", "_core", "_groups")
+    __slots__ = ("_core",)
 
     def __init__(
         self,
@@ -217,10 +121,6 @@ class GroupBuffer:
             max_dropped_groups_per_step=max_dropped_groups_per_step,
             max_actor_accept_staleness=max_actor_accept_staleness,
         )
-        self._groups: dict[int, Group] = {}
-        # Serialises completions, so that a retried completion can never remove the payload of the one
-        # it repeats. Hand-offs do not take it: they only remove payloads of groups the core accepted.
-        self._completing = threading.Lock()
 
     @classmethod
     def from_config(cls, config: AsyncRLConfig) -> GroupBuffer:
@@ -260,24 +160,13 @@ class GroupBuffer:
         Raises `CorruptStateError` when the bytes are damaged or the payloads do not match the groups
         the core holds.
         """
-        core = _buffer_core.GroupBuffer.from_state_bytes(snapshot.core_state)
-        buffered_ids = {row[0] for row in core.buffered_groups()}
-        if set(snapshot.groups) != buffered_ids:
-            missing = sorted(buffered_ids - set(snapshot.groups))
-            extra = sorted(set(snapshot.groups) - buffered_ids)
-            raise CorruptStateError(
-                f"the snapshot's payloads do not match its buffered groups: missing {missing}, "
-                f"not buffered {extra}"
-            )
         for group_id, group in snapshot.groups.items():
             if group.group_id != group_id:
                 raise CorruptStateError(
                     f"the payload stored for group {group_id} has group_id {group.group_id}"
                 )
         buffer = cls.__new__(cls)
-        buffer._core = core
-        buffer._groups = dict(snapshot.groups)
-        buffer._completing = threading.Lock()
+        buffer._core = _buffer_core.GroupBuffer.restore(snapshot.core_state, snapshot.groups)
         return buffer
 
     @property
@@ -326,65 +215,43 @@ class GroupBuffer:
         completion stands.
 
         `group.group_id` and `group.prompt_index` must be those `try_admit` returned and was given
-        (`InvalidGroupError` otherwise). Its earliest and latest version come from its trajectories'
-        ranges (`Group.version_range`, which reads no token). On acceptance the buffer stamps
-        `group.finish_version` when it is `NO_VERSION` (see the module docs).
+        (`InvalidGroupError` otherwise). Its earliest and latest version are `Group.earliest_version` and
+        `Group.latest_version`, set when the group was built (no token is read here). On acceptance the
+        buffer stamps `group.finish_version` when it is `NO_VERSION` (see the module docs).
         """
-        group_id = group.group_id
-        with self._completing:
-            if group_id in self._groups:
-                return False  # buffered already: this repeats an accepted completion
-            # The payload goes in first: the core may hand the group out as soon as it accepts it.
-            self._groups[group_id] = group
-            try:
-                finish_version = self._core.complete(
-                    group_id,
-                    group.prompt_index,
-                    group.version_range(),
-                    None if group.finish_version == NO_VERSION else group.finish_version,
-                )
-            except BaseException:
-                del self._groups[group_id]
-                raise
-            if finish_version is None:
-                del self._groups[group_id]
-                return False
+        latest_version = group.latest_version
+        finish_version = self._core.complete(
+            group.group_id,
+            group.prompt_index,
+            None if latest_version == NO_VERSION else (group.earliest_version, latest_version),
+            None if group.finish_version == NO_VERSION else group.finish_version,
+            group,
+        )
+        if finish_version is None:
+            return False
         group.finish_version = finish_version
         return True
 
     def complete_many(self, groups: Sequence[Group]) -> list[bool]:
         """`complete` for several groups under one lock: one flag per group, True when accepted (a group
         listed twice is a retry the second time). On any error no group is buffered."""
-        with self._completing:
-            added: dict[int, Group] = {}
-            for group in groups:
-                if group.group_id not in self._groups and group.group_id not in added:
-                    added[group.group_id] = group
-            self._groups.update(added)
-            try:
-                finish_versions = self._core.complete_many(
-                    [
-                        (
-                            group.group_id,
-                            group.prompt_index,
-                            group.version_range(),
-                            None if group.finish_version == NO_VERSION else group.finish_version,
-                        )
-                        for group in groups
-                    ]
+        finish_versions = self._core.complete_many(
+            [
+                (
+                    group.group_id,
+                    group.prompt_index,
+                    None
+                    if group.latest_version == NO_VERSION
+                    else (group.earliest_version, group.latest_version),
+                    None if group.finish_version == NO_VERSION else group.finish_version,
+                    group,
                 )
-            except BaseException:
-                for group_id in added:
-                    del self._groups[group_id]
-                raise
-            # The core accepts a group id at most once, in its first listing: the payload registered above.
-            accepted_ids: set[int] = set()
-            for group, finish_version in zip(groups, finish_versions, strict=True):
-                if finish_version is not None:
-                    group.finish_version = finish_version
-                    accepted_ids.add(group.group_id)
-            for group_id in added.keys() - accepted_ids:
-                del self._groups[group_id]
+                for group in groups
+            ]
+        )
+        for group, finish_version in zip(groups, finish_versions, strict=True):
+            if finish_version is not None:
+                group.finish_version = finish_version
         return [finish_version is not None for finish_version in finish_versions]
 
     def abandon(self, group_id: int) -> int:
@@ -407,21 +274,18 @@ class GroupBuffer:
         `1..=max_buffered_groups` or a negative timeout, `VersionError` when `actor_version` goes
         backwards, `DropLimitExceededError` past `max_dropped_groups_per_step`.
         """
-        taken_ids, dropped, num_ready = self._core.take_batch(num_groups, actor_version, timeout_s)
-        payloads = self._groups
-        groups = [payloads.pop(group_id) for group_id in taken_ids]
-        for group_id, _ in dropped:
-            del payloads[group_id]
+        groups, dropped, num_ready = self._core.take_batch(num_groups, actor_version, timeout_s)
+        # Positional and without a type subscript at run time: this is on the hand-off's hot path.
         return Batch(
-            groups=groups,
-            dropped_prompt_indices=[prompt_index for _, prompt_index in dropped],
-            actor_version=actor_version,
-            num_ready=num_ready,
+            cast("list[Group]", groups),
+            [prompt_index for _, prompt_index in dropped] if dropped else [],
+            actor_version,
+            num_ready,
         )
 
     def end_step(self) -> StepStats:
         """Close the running step: return its statistics and start the next one now."""
-        return StepStats.from_totals(self._core.end_step())
+        return self._core.end_step()
 
     def inflight_groups(self) -> list[tuple[int, int]]:
         """`(group_id, prompt_index)` of every group in flight, by group id."""
@@ -429,17 +293,10 @@ class GroupBuffer:
 
     def buffered_groups(self) -> list[Group]:
         """The finished groups waiting for the actor, oldest first (a copy; nothing is removed)."""
-        return [self._groups[row[0]] for row in self._core.buffered_groups()]
+        return cast("list[Group]", self._core.buffered_payloads())
 
     def snapshot(self) -> BufferSnapshot:
-        """The whole state, for a checkpoint. Take it while no other thread hands out batches (between
-        steps): the payloads are copied after the core's bytes are taken."""
-        core_state = self._core.state_bytes()
-        # The ids come from the bytes themselves, so groups completed meanwhile are left out consistently.
-        buffered_ids = [
-            row[0] for row in _buffer_core.GroupBuffer.from_state_bytes(core_state).buffered_groups()
-        ]
-        return BufferSnapshot(
-            core_state=core_state,
-            groups={group_id: self._groups[group_id] for group_id in buffered_ids},
-        )
+        """The whole state, for a checkpoint: the core's bytes and the payloads of the groups buffered in
+        them, taken at one instant."""
+        core_state, groups = self._core.snapshot()
+        return BufferSnapshot(core_state=core_state, groups=cast("dict[int, Group]", groups))

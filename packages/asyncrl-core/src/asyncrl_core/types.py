@@ -125,15 +125,27 @@ class Group:
     stamps it on acceptance: the actor version of the last batch handed out (0 before the first), or the
     group's latest version when that is newer. A producer that knows the actor's version may set it; the
     buffer then checks it."""
+    earliest_version: int = NO_VERSION
+    """The oldest weight version that sampled any token of the group; `NO_VERSION` when the model sampled
+    none. Read off the trajectories when the group is built (unless given)."""
+    latest_version: int = NO_VERSION
+    """The newest weight version that sampled any token of the group; `NO_VERSION` when none."""
+
+    def __post_init__(self) -> None:
+        if self.earliest_version == NO_VERSION and self.latest_version == NO_VERSION:
+            ranges = [
+                (t.earliest_version, t.latest_version) for t in self.trajectories if t.latest_version >= 0
+            ]
+            if ranges:
+                self.earliest_version = min(earliest for earliest, _ in ranges)
+                self.latest_version = max(latest for _, latest in ranges)
 
     def version_range(self) -> tuple[int, int] | None:
         """(earliest, latest) weight version over all model tokens of the group, or None if the model
-        produced no token (the buffer then attributes the group to its finish version). Reads each
-        trajectory's range, never its tokens."""
-        ranges = [r for t in self.trajectories if (r := t.version_range()) is not None]
-        if not ranges:
+        produced no token (the buffer then attributes the group to its finish version)."""
+        if self.latest_version == NO_VERSION:
             return None
-        return min(r[0] for r in ranges), max(r[1] for r in ranges)
+        return self.earliest_version, self.latest_version
 
 
 # The task side: what a task plugin (`asyncrl_core.protocols.Task`) hands the agent loop and gets back.
