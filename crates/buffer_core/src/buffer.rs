@@ -22,6 +22,7 @@ use crate::admission::{Admission, Counts};
 use crate::clock::{Clock, MonotonicClock};
 use crate::error::{BufferError, Result};
 use crate::heap::{FinishedGroup, FinishedHeap, GroupVersions};
+use crate::inflight::Inflight;
 use crate::ledger::{Ledger, StepStats};
 use crate::limits::Limits;
 use crate::state::{self, BufferState};
@@ -100,7 +101,8 @@ impl Hasher for IdHasher {
     }
 }
 
-/// A map keyed by group id, hashed by `IdHasher`.
+/// A map keyed by group id, hashed by `IdHasher` (the Python extension keeps payloads in one).
+#[cfg_attr(not(feature = "python"), allow(dead_code))]
 pub(crate) type IdMap<V = u64> = HashMap<u64, V, BuildHasherDefault<IdHasher>>;
 type IdSet = HashSet<u64, BuildHasherDefault<IdHasher>>;
 
@@ -108,7 +110,7 @@ type IdSet = HashSet<u64, BuildHasherDefault<IdHasher>>;
 struct Records {
     next_group_id: u64,
     /// prompt index of each group in flight, by group id.
-    inflight: IdMap,
+    inflight: Inflight,
     finished: FinishedHeap,
     ledger: Ledger,
     last_actor_version: Option<i64>,
@@ -168,7 +170,7 @@ impl<C: Clock> GroupBuffer<C> {
             ),
             records: Mutex::new(Records {
                 next_group_id: 0,
-                inflight: IdMap::default(),
+                inflight: Inflight::default(),
                 finished: FinishedHeap::default(),
                 ledger: Ledger::new(now_ns, StepStats::default()),
                 last_actor_version: None,
@@ -366,7 +368,7 @@ impl<C: Clock> GroupBuffer<C> {
     /// index so the dataloader can issue it again.
     pub fn abandon(&self, group_id: u64) -> Result<u64> {
         let mut records = self.lock();
-        let Some(prompt_index) = records.inflight.remove(&group_id) else {
+        let Some(prompt_index) = records.inflight.remove(group_id) else {
             return Err(records.not_inflight(group_id));
         };
         self.admission.release_inflight();
@@ -447,11 +449,7 @@ impl<C: Clock> GroupBuffer<C> {
     /// admission has been recorded).
     pub fn state(&self) -> BufferState {
         let records = self.lock();
-        let mut inflight: Vec<(u64, u64)> = records
-            .inflight
-            .iter()
-            .map(|(&group_id, &prompt_index)| (group_id, prompt_index))
-            .collect();
+        let mut inflight: Vec<(u64, u64)> = records.inflight.iter().collect();
         inflight.sort_unstable();
         BufferState {
             limits: self.limits,
@@ -583,7 +581,7 @@ impl<C: Clock> GroupBuffer<C> {
 
     /// Move a group checked to be in flight, with checked versions, to the finished heap.
     fn finish_validated(&self, records: &mut Records, group_id: u64, versions: GroupVersions) {
-        let Some(prompt_index) = records.inflight.remove(&group_id) else {
+        let Some(prompt_index) = records.inflight.remove(group_id) else {
             return;
         };
         // The record was present, so this group's admission CAS happened and it is counted in flight.
@@ -627,7 +625,7 @@ impl<C: Clock> GroupBuffer<C> {
 /// retry), else the versions to buffer it with.
 fn resolve_completion(records: &Records, completion: &Completion) -> Result<Option<GroupVersions>> {
     let group_id = completion.group_id;
-    let Some(&admitted_prompt_index) = records.inflight.get(&group_id) else {
+    let Some(admitted_prompt_index) = records.inflight.get(group_id) else {
         if group_id >= records.next_group_id {
             return Err(records.not_inflight(group_id));
         }

@@ -7,6 +7,7 @@ pub mod buffer;
 pub mod clock;
 pub mod error;
 pub mod heap;
+mod inflight;
 pub mod ledger;
 pub mod limits;
 pub mod state;
