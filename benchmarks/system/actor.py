@@ -248,6 +248,7 @@ def main() -> int:
         groups = make_groups(args.rows, args.seq_len, args.group_size)
         settings = MegatronActorSettings(
             model_path=str(model_dir),
+            temperature=1.0,
             dtype=dtype_name,
             micro_batch_size=args.micro_batch_size,
             lr=1e-6,
@@ -277,7 +278,8 @@ def main() -> int:
 
             shared = ("model_path", "dtype", "micro_batch_size", "lr", "weight_decay", "adam_beta1",
                       "adam_beta2", "adam_eps", "grad_clip", "tensor_parallel_size", "pipeline_parallel_size",
-                      "gradient_checkpointing")  # fmt: skip
+                      "gradient_checkpointing", "temperature", "ppo_mini_batch_size",
+                      "ppo_epochs")  # fmt: skip
             torch_settings = SimpleNamespace(**{k: getattr(settings, k) for k in shared}, optimizer="adamw")
             # TorchActor reads its settings as attributes; plain values keep pydantic off the GPU machine.
             algorithm = SimpleNamespace(**{k: getattr(LossSettings(), k) for k in LossSettings.__slots__})

@@ -43,6 +43,7 @@ def _configs(model_dir: str, case: dict[str, Any]) -> tuple[dict[str, Any], dict
         "dtype": "float32",
         "optimizer": "sgd",
         "micro_batch_size": 2,
+        "temperature": 1.0,
     }
     algorithm: dict[str, Any] = {"group_size": 3}
     for key, value in case.items():

@@ -46,7 +46,7 @@ def _export_and_compare(model_dir: str, tensor_parallel_size: int) -> dict[str, 
     try:
         actor = MegatronActor(
             MegatronActorSettings(
-                model_path=model_dir, dtype="float32", optimizer="adamw", lr=1e-2,
+                model_path=model_dir, temperature=1.0, dtype="float32", optimizer="adamw", lr=1e-2,
                 tensor_parallel_size=tensor_parallel_size,
             ),
             LossSettings(),

@@ -39,7 +39,7 @@ def one_group(prompt: list[int], responses: list[list[int]]) -> Group:
 
 def trained_actor(model_path: str, lr: float) -> TorchActor:
     actor = TorchActor(
-        TorchActorConfig(model_path=model_path, dtype="float32", optimizer="adamw", lr=lr),
+        TorchActorConfig(model_path=model_path, dtype="float32", optimizer="adamw", lr=lr, temperature=1.0),
         AlgorithmConfig(group_size=2),
     )
     group = one_group([11, 12, 13, 14], [[20, 21, 22, 23], [30, 31, 32]])

@@ -117,6 +117,7 @@ def test_dry_run_prints_the_resolved_configuration(tmp_path: Path, task_site: Pa
     )
     assert done.returncode == 0, done.stderr
     assert "  max_inflight_groups: 3  # derived" in done.stdout
+    assert "  temperature: 1.0  # derived" in done.stdout  # the actor's, from rollout.sampling
     resolved = yaml.safe_load(done.stdout)
     assert resolved["runner"]["num_steps"] == 3
     assert resolved["rollout"]["model_path"] == "smollm2-135m"

@@ -212,6 +212,43 @@ def test_step_must_split_over_data_parallel_ranks() -> None:
     assert "multiple of 3" in message
 
 
+def test_the_actor_temperature_is_the_sampling_temperature() -> None:
+    config = load_config(MINI, ["rollout.sampling.temperature=0.7"])
+    assert config.actor.temperature == 0.7
+    assert "actor.temperature" in config.derived_keys
+    # Greedy engines report the raw logprobs, at temperature 1.
+    assert load_config(MINI, ["rollout.sampling.temperature=0"]).actor.temperature == 1.0
+    same = load_config(MINI, ["rollout.sampling.temperature=0.7", "actor.temperature=0.7"])
+    assert "actor.temperature" not in same.derived_keys
+
+
+def test_an_actor_temperature_other_than_the_engines_is_refused() -> None:
+    message = problem_at(
+        "actor.temperature", MINI, "rollout.sampling.temperature=0.7", "actor.temperature=1.0"
+    )
+    assert "rollout.sampling.temperature 0.7" in message
+    assert "remove the key" in message
+
+
+def test_mini_batches_are_derived_and_must_divide_the_step() -> None:
+    config = load_config(MINI)
+    assert config.actor.ppo_mini_batch_size == config.data.rollout_batch_size
+    assert config.actor.ppo_epochs == 1
+    assert "actor.ppo_mini_batch_size" in config.derived_keys
+    message = problem_at(
+        "actor.ppo_mini_batch_size", MINI, "data.rollout_batch_size=4", "actor.ppo_mini_batch_size=3"
+    )
+    assert "choose one of 1, 2, 4" in message
+
+
+def test_micro_batches_must_divide_a_mini_batch() -> None:
+    # 2 groups of 4 per update: 8 trajectories, which micro batches of 3 do not divide.
+    message = problem_at(
+        "actor.micro_batch_size", MINI, "actor.ppo_mini_batch_size=2", "actor.micro_batch_size=3"
+    )
+    assert "trajectories of an update (actor.ppo_mini_batch_size 2" in message
+
+
 def test_group_size_one_is_a_warning() -> None:
     config = load_config(MINI, ["algorithm.group_size=1", "actor.micro_batch_size=1"])
     assert "use 2 or more" in warning_at("algorithm.group_size", config)

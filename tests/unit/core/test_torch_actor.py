@@ -30,13 +30,12 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def make_actor(model_dir: Path, **overrides: object) -> TorchActor:
     actor_fields: dict[str, object] = {"model_path": str(model_dir), "dtype": "float32", "lr": 1e-2}
     algorithm_fields: dict[str, object] = {"group_size": 2}
-    temperature = float(overrides.pop("temperature", 1.0))  # pyright: ignore[reportArgumentType]
+    actor_fields["temperature"] = 1.0
     for key, value in overrides.items():
         (algorithm_fields if key in AlgorithmConfig.model_fields else actor_fields)[key] = value
     return TorchActor(
         TorchActorConfig.model_validate(actor_fields),
         AlgorithmConfig.model_validate(algorithm_fields),
-        temperature=temperature,
     )
 
 
@@ -180,6 +179,58 @@ def test_logged_entropy_is_the_entropy_at_the_sampling_temperature(model_dir: Pa
     assert metrics["train/entropy"] == pytest.approx(total / count, rel=1e-5)
 
 
+def test_the_temperature_comes_from_the_configuration(model_dir: Path) -> None:
+    with pytest.raises(ActorError, match=r"actor.temperature is unset"):
+        TorchActor(TorchActorConfig(model_path=str(model_dir)), AlgorithmConfig(group_size=2))
+    assert make_actor(model_dir, temperature=0.7).temperature == 0.7
+
+
+def test_mini_batches_are_successive_updates_in_one_step(model_dir: Path) -> None:
+    """Mini-batches of one group each, with SGD, make the updates of one step per group, in order; the
+    version goes up by one."""
+    split = make_actor(model_dir, optimizer="sgd", ppo_mini_batch_size=1)
+    one_by_one = make_actor(model_dir, optimizer="sgd")
+    groups = make_groups(split)
+    metrics = split.train_step(groups)
+    firsts = [one_by_one.train_step([group]) for group in groups]
+    assert split.version == 1
+    assert metrics["train/num_updates"] == 2
+    assert metrics["train/num_trajectories"] == 6
+    assert len(split.update_metrics) == 2
+    for update, alone in zip(split.update_metrics, firsts, strict=True):
+        for name, value in update.items():
+            assert alone[name] == pytest.approx(value, rel=1e-4, abs=1e-6), name
+    assert metrics["train/loss"] == pytest.approx((firsts[0]["train/loss"] + firsts[1]["train/loss"]) / 2)
+    assert_weights_close(weights_of(split), weights_of(one_by_one))
+    with pytest.raises(BatchError, match="ppo_mini_batch_size"):
+        make_actor(model_dir, ppo_mini_batch_size=2).train_step([*groups, groups[0]])
+
+
+@pytest.mark.parametrize("correction", ["none", "decoupled"])
+def test_the_clip_acts_on_the_later_updates_of_a_step(model_dir: Path, correction: str) -> None:
+    """Fresh data and three epochs: the first update's ratio is 1 everywhere (nothing is clipped); the old
+    (rollout) and proximal logprobs stay those from before the first update, so the later updates' ratios
+    move and the clip acts."""
+    actor = make_actor(
+        model_dir, optimizer="sgd", lr=1.0, grad_clip=0.0, ppo_epochs=3, off_policy_correction=correction
+    )
+    groups = make_groups(actor)
+    metrics = actor.train_step(groups)
+    first, *later = actor.update_metrics
+    assert actor.version == 1
+    assert metrics["train/num_updates"] == 3
+    assert first["train/clip_frac"] == 0.0
+    assert first["train/ppo_ratio/mean"] == pytest.approx(1.0, abs=1e-5)
+    for update in later:
+        assert update["train/clip_frac"] > 0.0
+        assert update["train/ppo_ratio/mean"] != pytest.approx(1.0, abs=1e-3)
+    if correction == "decoupled":
+        # Fresh data: the proximal policy is the behaviour policy, whatever the update.
+        assert all(
+            u["train/off_policy/weight_mean"] == pytest.approx(1.0, abs=1e-4) for u in actor.update_metrics
+        )
+
+
 @pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean"])
 def test_micro_batches_give_the_full_batch_update(model_dir: Path, aggregation: str) -> None:
     whole = make_actor(model_dir, optimizer="sgd", micro_batch_size=6, loss_aggregation=aggregation)
@@ -320,7 +371,10 @@ def test_bad_checkpoints_are_refused_without_change(model_dir: Path, tmp_path: P
     with pytest.raises(ActorError, match="optimizer 'adamw'"):
         sgd.load_checkpoint(str(tmp_path / "adamw"))
     other = tiny_llama(tmp_path / "wider", hidden_size=32, num_heads=2, num_kv_heads=1)
-    wide = TorchActor(TorchActorConfig(model_path=str(other), dtype="float32"), AlgorithmConfig(group_size=2))
+    wide = TorchActor(
+        TorchActorConfig(model_path=str(other), dtype="float32", temperature=1.0),
+        AlgorithmConfig(group_size=2),
+    )
     before = weights_of(wide)
     with pytest.raises(ActorError, match="does not fit the model"):
         wide.load_checkpoint(str(tmp_path / "adamw"))
@@ -329,7 +383,7 @@ def test_bad_checkpoints_are_refused_without_change(model_dir: Path, tmp_path: P
 
 def test_model_path_must_be_a_model_folder(tmp_path: Path) -> None:
     with pytest.raises(ActorError, match=r"actor.model_path .* is not a HuggingFace model folder"):
-        TorchActor(TorchActorConfig(model_path=str(tmp_path)), AlgorithmConfig(group_size=2))
+        TorchActor(TorchActorConfig(model_path=str(tmp_path), temperature=1.0), AlgorithmConfig(group_size=2))
     with pytest.raises(ActorError, match="tensor_parallel_size"):
         TorchActor(
             TorchActorConfig(model_path=str(tmp_path), tensor_parallel_size=2), AlgorithmConfig(group_size=2)

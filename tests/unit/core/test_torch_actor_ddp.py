@@ -28,7 +28,14 @@ RANK_TIMEOUT_S = 240.0
 
 def build_actor(model_dir: str) -> TorchActor:
     return TorchActor(
-        TorchActorConfig(model_path=model_dir, dtype="float32", optimizer="sgd", lr=0.5, micro_batch_size=2),
+        TorchActorConfig(
+            model_path=model_dir,
+            dtype="float32",
+            optimizer="sgd",
+            lr=0.5,
+            micro_batch_size=2,
+            temperature=1.0,
+        ),
         AlgorithmConfig(group_size=3),
     )
 

@@ -1,5 +1,6 @@
-"""The Megatron actor on CPU (TP=1, in this process): checkpoints resume the same training, bad settings and
-bad checkpoints are refused without change."""
+"""The Megatron actor on CPU (TP=1, in this process): an SGD step at a temperature other than 1 equals a
+hand-written update, the clip acts on the later updates of a step, checkpoints resume the same training, bad
+settings and bad checkpoints are refused without change."""
 
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ def _groups(seed: int) -> list[Group]:
 def _actor(model_dir: Path, **changes: object) -> MegatronActor:
     fields: dict[str, object] = {
         "model_path": str(model_dir),
+        "temperature": 1.0,
         "dtype": "float32",
         "optimizer": "adamw",
         "lr": 1e-2,
@@ -123,3 +125,101 @@ def test_a_non_finite_gradient_skips_the_step_without_change(model_dir: Path) ->
         torch.testing.assert_close(tensor, before[name], rtol=0, atol=0, msg=name)
     actor.train_step(_groups(0))  # the next batch trains as usual
     assert actor.version == 1
+
+
+def _fresh_groups(model_dir: Path, temperature: float) -> list[Group]:
+    """Two groups whose rollout logprobs are the model's own at `temperature`, with a tool token each."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    generator = torch.Generator().manual_seed(5)
+    groups: list[Group] = []
+    for group_index in range(2):
+        trajectories: list[Trajectory] = []
+        for index, reward in enumerate((0.0, 1.0, 0.5)):
+            prompt_len, response_len = 3 + group_index, 4 + index
+            token_ids = torch.randint(10, 2000, (prompt_len + response_len,), generator=generator)
+            with torch.no_grad():
+                logits = model(input_ids=token_ids[None]).logits[0, prompt_len - 1 : -1]
+            log_p = torch.log_softmax(logits / temperature, -1)
+            logprobs = log_p.gather(-1, token_ids[prompt_len:, None]).squeeze(-1).tolist()
+            mask = [1] * response_len
+            mask[1] = 0
+            trajectories.append(
+                Trajectory(
+                    token_ids=token_ids.tolist(),
+                    prompt_len=prompt_len,
+                    loss_mask=mask,
+                    rollout_logprobs=[lp if m else 0.0 for lp, m in zip(logprobs, mask, strict=True)],
+                    versions=[0 if m else NO_VERSION for m in mask],
+                    reward=reward,
+                )
+            )
+        groups.append(Group(group_id=group_index, prompt_index=group_index, trajectories=trajectories))
+    return groups
+
+
+def test_sgd_step_at_a_temperature_equals_a_hand_written_update(model_dir: Path) -> None:
+    """One SGD step at T = 0.7, with the entropy bonus, moves every weight by `-lr * grad` of the GRPO loss
+    written out independently on the HuggingFace model."""
+    temperature, lr, entropy_coef = 0.7, 0.1, 0.05
+    groups = _fresh_groups(model_dir, temperature)
+    actor = MegatronActor(
+        MegatronActorSettings(
+            model_path=str(model_dir), temperature=temperature, dtype="float32", optimizer="sgd", lr=lr,
+            grad_clip=0.0, micro_batch_size=2,
+        ),
+        LossSettings(entropy_coef=entropy_coef),
+    )  # fmt: skip
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    loss = torch.zeros(())
+    num_tokens = sum(sum(t.loss_mask) for g in groups for t in g.trajectories)
+    for group in groups:
+        rewards = torch.tensor([t.reward for t in group.trajectories], dtype=torch.float64)
+        advantages = ((rewards - rewards.mean()) / (rewards.std() + 1e-6)).float()
+        for trajectory, advantage in zip(group.trajectories, advantages, strict=True):
+            ids = torch.tensor(trajectory.token_ids)
+            start = trajectory.prompt_len - 1
+            log_p = torch.log_softmax(reference(input_ids=ids[None]).logits[0, start:-1] / temperature, -1)
+            response = log_p.gather(-1, ids[start + 1 :, None]).squeeze(-1)
+            ratio = torch.exp(response - torch.tensor(trajectory.rollout_logprobs))
+            per_token = torch.maximum(-advantage * ratio, -advantage * ratio.clamp(0.8, 1.2))
+            per_token = per_token + entropy_coef * (log_p.exp() * log_p).sum(dim=-1)
+            loss = loss + (per_token * torch.tensor(trajectory.loss_mask)).sum() / num_tokens
+    loss.backward()
+    expected = {
+        name: (parameter - lr * parameter.grad).detach()
+        for name, parameter in reference.named_parameters()
+        if parameter.grad is not None
+    }
+
+    metrics = actor.train_step(groups)
+    assert actor.version == 1
+    assert metrics["train/loss"] == pytest.approx(loss.item(), abs=1e-5)
+    updated = _weights(actor)
+    assert set(expected) - {"lm_head.weight"} <= set(updated)
+    for name in set(expected) & set(updated):
+        torch.testing.assert_close(updated[name], expected[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_the_clip_acts_on_the_later_updates_of_a_step(model_dir: Path) -> None:
+    """Two epochs of one-group mini-batches under the decoupled correction: the proximal logprobs are taken
+    before the first update, so the first update's ratio is 1 and the later ones' are not."""
+    groups = _fresh_groups(model_dir, 1.0)
+    actor = MegatronActor(
+        MegatronActorSettings(
+            model_path=str(model_dir), temperature=1.0, dtype="float32", optimizer="sgd", lr=1.0,
+            grad_clip=0.0, ppo_mini_batch_size=1, ppo_epochs=2,
+        ),
+        LossSettings(off_policy_correction="decoupled"),
+    )  # fmt: skip
+    metrics = actor.train_step(groups)
+    assert actor.version == 1
+    assert metrics["train/num_updates"] == 4
+    first, *later = actor.update_metrics
+    assert first["train/clip_frac"] == 0.0
+    assert first["train/ppo_ratio/mean"] == pytest.approx(1.0, abs=1e-5)
+    assert all(update["train/clip_frac"] > 0.0 for update in later[1:])  # the epoch over moved weights
+    assert later[0]["train/ppo_ratio/mean"] != pytest.approx(1.0, abs=1e-4)  # group 2 after group 1's update

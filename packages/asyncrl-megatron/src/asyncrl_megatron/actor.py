@@ -1,11 +1,13 @@
 """The Megatron-Core actor: trains a GPT model built from a HuggingFace Llama/Qwen2 folder on buffered groups.
 
-One optimizer step per `train_step`, with the objective every actor shares (`asyncrl_core.algorithms`): the
-groups are packed with group-relative advantages, the rows are sorted by length and dealt to the
-data-parallel ranks, and each rank runs its rows in micro-batches, accumulating gradients in Megatron's
-gradient buffers (`DistributedDataParallel`), which average them over the data-parallel group once per step.
+A step (`train_step`) makes `ppo_epochs` passes over the step's groups cut into mini-batches of
+`ppo_mini_batch_size` groups, one optimizer update per mini-batch and pass (by default one update per step),
+with the objective every actor shares (`asyncrl_core.algorithms`): each mini-batch is packed with
+group-relative advantages, its rows are sorted by length and dealt to the data-parallel ranks, and each rank
+runs its rows in micro-batches, accumulating gradients in Megatron's gradient buffers
+(`DistributedDataParallel`), which average them over the data-parallel group once per update.
 Tensor-parallel ranks of one data-parallel rank see the same rows. The loss weights are fixed for the whole
-batch, so any split of the rows gives the full-batch gradient.
+mini-batch, so any split of the rows gives the mini-batch gradient.
 
 Logprobs and entropy. The model returns vocab-parallel logits `[n, t, V / TP]`. With TP = 1 the objective's
 own `token_logprobs` and `token_entropy` are used, as in the torch actor; an entropy that is only logged
@@ -15,8 +17,10 @@ whose maximum and sums are all-reduced over the tensor-parallel group. Vocabular
 vocabulary divisible by TP get `-inf` logits, so they never take probability mass. Logits are divided by the
 engines' sampling temperature first.
 
-Off-policy correction. All micro-batches of a step run before its single optimizer step, so the proximal
-logprobs (the policy before the update) are the step's own logprobs, detached.
+Old and proximal policies. The old logprobs are the engines' rollout logprobs. The decoupled correction's
+proximal logprobs are the policy's before the step's first update, taken once by a forward pass without
+gradient and kept for every update of the step; with a single update, they are that update's own logprobs,
+detached.
 
 Optimizer. On a GPU: Megatron's optimizer (`get_megatron_optimizer`: AdamW or plain SGD, float32 master
 weights for bfloat16 parameters, the distributed optimizer if configured, gradient clipping). On a CPU,
@@ -42,7 +46,7 @@ from asyncrl_core import models
 from asyncrl_core.algorithms import (
     LossSettings,
     PackedBatch,
-    pack_groups,
+    pack_mini_batches,
     policy_loss,
     token_entropy,
     token_logprobs,
@@ -88,6 +92,9 @@ class MegatronActorSettings:
 
     model_path: str
     """A HuggingFace Llama/Qwen2 folder, or `smollm2-135m`."""
+    temperature: float
+    """The engines' sampling temperature: logprobs are taken under `softmax(logits / temperature)`
+    (`actor.temperature`, derived from `rollout.sampling.temperature`)."""
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Parameter dtype on a GPU (float32 master weights in the optimizer); a CPU always uses float32."""
     micro_batch_size: int = 1
@@ -110,13 +117,26 @@ class MegatronActorSettings:
     gradient_checkpointing: bool = False
     """Recompute each layer in the backward pass (Megatron's full, uniform recomputation)."""
     weight_export_bucket_mb: int = 512
+    ppo_mini_batch_size: int | None = None
+    """Groups per optimizer update; `None`: all the groups of a step."""
+    ppo_epochs: int = 1
+    """Passes over a step's mini-batches."""
     seed: int = 0
 
     @classmethod
     def from_config(cls, actor: MegatronActorConfig) -> MegatronActorSettings:
-        """The settings of the configuration's `actor` section (`backend: megatron`)."""
+        """The settings of the configuration's `actor` section (`backend: megatron`), which must be resolved
+        (`actor.temperature` set, as a validated `AsyncRLConfig` derives it)."""
+        if actor.temperature is None:
+            raise MegatronActorError(
+                "actor.temperature is unset: pass the `actor` section of a validated AsyncRLConfig (which "
+                "derives it from rollout.sampling.temperature) or set it to the engines' temperature"
+            )
         return cls(
             model_path=actor.model_path,
+            temperature=actor.temperature,
+            ppo_mini_batch_size=actor.ppo_mini_batch_size,
+            ppo_epochs=actor.ppo_epochs,
             dtype=actor.dtype,
             micro_batch_size=actor.micro_batch_size,
             optimizer=actor.optimizer,
@@ -148,13 +168,11 @@ class MegatronActor:
 
     Build one in every rank of the actor's world (after `torch.distributed` is initialised when there is
     more than one rank, e.g. by a launcher that sets `RANK`/`WORLD_SIZE`/`MASTER_ADDR`/`MASTER_PORT`); every
-    rank must get the same groups in `train_step` and consume `export_weights` in step. `temperature` is the
-    engines' sampling temperature.
+    rank must get the same groups in `train_step` and consume `export_weights` in step. The temperature and
+    the updates of a step come from the settings (`MegatronActorSettings.from_config(config.actor)`).
     """
 
-    def __init__(
-        self, settings: MegatronActorSettings, loss: LossSettings, *, temperature: float = 1.0
-    ) -> None:
+    def __init__(self, settings: MegatronActorSettings, loss: LossSettings) -> None:
         on_gpu = torch.cuda.is_available()
         if settings.pipeline_parallel_size != 1:
             raise MegatronActorError(
@@ -165,11 +183,19 @@ class MegatronActor:
                 "actor.sequence_parallel needs actor.tensor_parallel_size > 1 and GPUs (gloo cannot "
                 "reduce-scatter)"
             )
-        if temperature <= 0.0:
-            raise MegatronActorError(f"temperature must be > 0, got {temperature}")
+        if settings.temperature <= 0.0:
+            raise MegatronActorError(f"temperature must be > 0, got {settings.temperature}")
+        mini_batch_size = settings.ppo_mini_batch_size
+        if settings.ppo_epochs < 1 or (mini_batch_size is not None and mini_batch_size < 1):
+            raise MegatronActorError(
+                f"ppo_epochs ({settings.ppo_epochs}) and ppo_mini_batch_size ({mini_batch_size}) must be "
+                "positive"
+            )
         self.settings = settings
         self.loss_settings = loss
-        self.temperature = temperature
+        self.temperature = settings.temperature
+        self.update_metrics: tuple[dict[str, float], ...] = ()
+        """The metrics of each optimizer update of the last `train_step`, in order."""
         self.model_path = resolve_model_path(settings.model_path)
         self.arch = Architecture.from_pretrained(self.model_path)
         self.dtype = torch.bfloat16 if settings.dtype == "bfloat16" and on_gpu else torch.float32
@@ -212,15 +238,9 @@ class MegatronActor:
             self._torch_optimizer = self._build_torch_optimizer()
 
     @classmethod
-    def from_config(
-        cls, actor: MegatronActorConfig, algorithm: AlgorithmConfig, *, temperature: float = 1.0
-    ) -> MegatronActor:
+    def from_config(cls, actor: MegatronActorConfig, algorithm: AlgorithmConfig) -> MegatronActor:
         """The actor for the configuration's `actor` (`backend: megatron`) and `algorithm` sections."""
-        return cls(
-            MegatronActorSettings.from_config(actor),
-            LossSettings.from_config(algorithm),
-            temperature=temperature,
-        )
+        return cls(MegatronActorSettings.from_config(actor), LossSettings.from_config(algorithm))
 
     # --- the Actor protocol ---------------------------------------------------------------------------------
 
@@ -229,60 +249,102 @@ class MegatronActor:
         return self._version
 
     def train_step(self, groups: Sequence[Group]) -> dict[str, float]:
-        """One optimizer step on `groups`; returns the batch's `train/...` metrics, equal on every rank.
+        """One training step on `groups`: `ppo_epochs` passes over mini-batches of `ppo_mini_batch_size`
+        groups, one optimizer update each; the version goes up by one.
 
-        Besides `policy_loss`'s metrics: `train/grad_norm` (before clipping; 0 when clipping is off on a
-        GPU, where Megatron does not compute it), `train/lr`, `train/num_trajectories`, `train/num_tokens`
-        and `train/num_loss_tokens`. Raises `BatchError` for malformed groups and `MegatronActorError` for a
-        non-finite gradient; in both cases the weights, the optimizer and the version are unchanged.
+        Returns the step's `train/...` metrics, equal on every rank: `policy_loss`'s metrics and
+        `train/grad_norm` (before clipping; 0 when clipping is off on a GPU, where Megatron does not compute
+        it) as means over the updates (each update's own metrics are in `update_metrics`), `train/lr`,
+        `train/num_updates`, and the step's `train/num_trajectories`, `train/num_tokens` and
+        `train/num_loss_tokens`. Raises `BatchError` for malformed groups (nothing is changed) and
+        `MegatronActorError` for a non-finite gradient: in the first update, the weights, the optimizer and
+        the version are unchanged; in a later one, the updates before it are kept and the version goes up
+        by one, as the error says.
         """
         with megatron_warnings_ignored():
             return self._train_step(groups)
 
     def _train_step(self, groups: Sequence[Group]) -> dict[str, float]:
-        batch = pack_groups(
+        batches = pack_mini_batches(
             groups,
             self.pad_id,
+            self.settings.ppo_mini_batch_size,
             normalize_std=self.loss_settings.normalize_advantage_std,
             aggregation=self.loss_settings.loss_aggregation,
         )
-        self.model.zero_grad_buffer()
-        self._zero_grad()
         # Every micro-batch is cut and copied to the device before the first forward pass, so no host work
         # or host-to-device copy waits between the micro-batches' kernels.
-        parts = [
-            part.to(self.device)
-            for part in batch.rank_micro_batches(self.dp_rank, self.dp_size, self.settings.micro_batch_size)
+        size = self.settings.micro_batch_size
+        plans = [
+            [part.to(self.device) for part in batch.rank_micro_batches(self.dp_rank, self.dp_size, size)]
+            for batch in batches
         ]
+        num_updates = self.settings.ppo_epochs * len(plans)
+        # The proximal policy is the policy before the step's first update, for every update of the step
+        # (so the clip acts from the second update on); a single update takes it from its own forward pass.
+        proximal: list[list[torch.Tensor | None]] = [[None] * len(parts) for parts in plans]
+        if self.loss_settings.needs_proximal and num_updates > 1:
+            with torch.no_grad():
+                proximal = [[self._proximal_logprobs(part) for part in parts] for parts in plans]
+
+        names: list[str] = []
+        per_update: list[torch.Tensor] = []
+        grad_norms: list[float] = []
+        for update in range(num_updates):
+            index = update % len(plans)
+            totals = self._accumulate_gradients(plans[index], proximal[index])
+            if not self._gradients_finite():
+                self.model.zero_grad_buffer()
+                self._zero_grad()
+                if update == 0:
+                    raise MegatronActorError(
+                        f"non-finite gradient at version {self._version}: the step was skipped and the "
+                        "weights are unchanged"
+                    )
+                self._version += 1
+                raise MegatronActorError(
+                    f"non-finite gradient in update {update + 1} of the step: the {update} updates before it "
+                    f"were applied and the version is now {self._version}"
+                )
+            grad_norms.append(self._optimizer_step())
+            names = sorted(totals)
+            per_update.append(torch.stack([totals[name].float() for name in names]))
+        self._version += 1
+
+        reduced = torch.stack(per_update)
+        if self.dp_size > 1:
+            dist.all_reduce(reduced, group=self.dp_group)
+        self.update_metrics = tuple(
+            dict(zip(names, values, strict=True)) | {"train/grad_norm": grad_norm}
+            for values, grad_norm in zip(reduced.tolist(), grad_norms, strict=True)
+        )
+        result = {
+            name: sum(metrics[name] for metrics in self.update_metrics) / num_updates
+            for name in self.update_metrics[0]
+        }
+        result["train/lr"] = self.settings.lr
+        result["train/num_updates"] = float(num_updates)
+        result["train/num_trajectories"] = float(sum(batch.num_rows for batch in batches))
+        result["train/num_tokens"] = float(sum(batch.num_tokens for batch in batches))
+        result["train/num_loss_tokens"] = float(sum(batch.num_loss_tokens for batch in batches))
+        return result
+
+    def _accumulate_gradients(
+        self, parts: list[PackedBatch], proximal: list[torch.Tensor | None]
+    ) -> dict[str, torch.Tensor]:
+        """Forward and backward passes of one mini-batch's micro-batches into Megatron's gradient buffers,
+        averaged over the data-parallel group; returns the summed metrics."""
+        self.model.zero_grad_buffer()
+        self._zero_grad()
         totals: dict[str, torch.Tensor] = {}
-        for part in parts:
-            loss, metrics = self._micro_batch_loss(part)
+        for part, part_proximal in zip(parts, proximal, strict=True):
+            loss, metrics = self._micro_batch_loss(part, part_proximal)
             # The buffers average gradients over data-parallel ranks; the weights already split the batch.
             (loss * self.dp_size).backward()
             for name, value in metrics.items():
                 totals[name] = totals[name] + value if name in totals else value
         self.model.finish_grad_sync()
-        if not self._gradients_finite():
-            self.model.zero_grad_buffer()
-            self._zero_grad()
-            raise MegatronActorError(
-                f"non-finite gradient at version {self._version}: the step was skipped and the weights are "
-                "unchanged"
-            )
-        grad_norm = self._optimizer_step()
-        self._version += 1
-
-        names = sorted(totals)
-        reduced = torch.stack([totals[name].float() for name in names])
-        if self.dp_size > 1:
-            dist.all_reduce(reduced, group=self.dp_group)
-        result = dict(zip(names, reduced.tolist(), strict=True))
-        result["train/grad_norm"] = grad_norm
-        result["train/lr"] = self.settings.lr
-        result["train/num_trajectories"] = float(batch.num_rows)
-        result["train/num_tokens"] = float(batch.num_tokens)
-        result["train/num_loss_tokens"] = float(batch.num_loss_tokens)
-        return result
+        return totals
 
     def export_weights(
         self, bucket_bytes: int, *, dtype: torch.dtype | None = None
@@ -564,7 +626,12 @@ class MegatronActor:
             return token_entropy(logits)
         return _vocab_parallel_entropy(logits, self.tp_group)
 
-    def _micro_batch_loss(self, part: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _proximal_logprobs(self, part: PackedBatch) -> torch.Tensor:
+        return self._logprobs(self._logits(self.module, part), part.target_ids)
+
+    def _micro_batch_loss(
+        self, part: PackedBatch, proximal: torch.Tensor | None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         logits = self._logits(self.model, part)
         if self.tp_size == 1 and self.loss_settings.entropy_coef == 0.0:
             # The logged entropy comes from the logprobs' own pass over the logits.
@@ -582,7 +649,8 @@ class MegatronActor:
                 ref_logits = self._logits(self.reference, part)
                 ref_logprobs = self._logprobs(ref_logits, part.target_ids)
             del ref_logits
-        proximal = logprobs.detach() if self.loss_settings.needs_proximal else None
+        if self.loss_settings.needs_proximal and proximal is None:
+            proximal = logprobs.detach()  # a single update: its own forward pass is the policy before it
         return policy_loss(
             logprobs,
             part.rollout_logprobs,

@@ -1,21 +1,24 @@
 """The PyTorch actor: trains a HuggingFace causal LM on buffered groups, data parallel over its devices.
 
-One optimiser step per `train_step`: the groups are packed (`asyncrl_core.algorithms.pack_groups`), the rows
-are sorted by length and dealt to the data-parallel ranks, and each rank runs its rows in micro-batches of
-`actor.micro_batch_size`, accumulating gradients. The per-token loss weights are fixed for the whole batch, so
-the accumulated gradient equals the full-batch gradient whatever the split. DDP averages gradients over the
-ranks, so each rank scales its loss by the world size.
+A step (`train_step`) makes `actor.ppo_epochs` passes over the step's groups cut into mini-batches of
+`actor.ppo_mini_batch_size` groups (`asyncrl_core.algorithms.pack_mini_batches`), one optimiser update per
+mini-batch and pass, and bumps the weight version once; by default, one update per step. Within an update,
+the mini-batch's rows are sorted by length and dealt to the data-parallel ranks, and each rank runs its rows
+in micro-batches of `actor.micro_batch_size`, accumulating gradients. The per-token loss weights are fixed for
+the whole mini-batch, so the accumulated gradient equals the mini-batch gradient whatever the split. DDP
+averages gradients over the ranks, so each rank scales its loss by the world size.
 
 Precision. Parameters and optimiser state are float32 (the master weights). `actor.dtype: bfloat16` runs the
 forward and backward passes under bfloat16 autocast where the device supports it (CUDA with bf16, a CPU
 with native bf16); elsewhere it falls back to float32 and logs a warning. Dropout is switched off: the
 policy being trained must be the distribution the engines sample from.
 
-Off-policy correction. With `off_policy_correction: decoupled` the proximal logprobs are the policy's own
-logprobs before the update. All micro-batches of a step run before its single optimiser step, so the
-forward pass of the step computes exactly them; they are taken from it, detached, instead of from a second
-forward pass. (The trust-region ratio is then 1 at every token; what remains is the truncated importance
-weight between the proximal and the behaviour policy.)
+Old and proximal policies. The old logprobs of the PPO ratio are the engines' rollout logprobs, fixed for the
+whole step. With `off_policy_correction: decoupled` the ratio is taken against the proximal logprobs instead:
+the policy's own logprobs before the step's first update, computed once by a forward pass without gradient
+before it and kept for every update of the step, so the clip acts from the second update on. With a single
+update per step that forward pass is the update's own (the trust-region ratio is then 1 at every token, and
+what remains is the truncated importance weight between the proximal and the behaviour policy).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from asyncrl_core.actor.distributed import all_reduce_sum, barrier, world
 from asyncrl_core.algorithms import (
     LossSettings,
     PackedBatch,
-    pack_groups,
+    pack_mini_batches,
     policy_loss,
     token_entropy,
     token_logprobs,
@@ -132,29 +135,31 @@ class TorchActor:
     """The `asyncrl_core.protocols.Actor` on PyTorch and HuggingFace `transformers`.
 
     Build one per data-parallel rank, after `asyncrl_core.actor.distributed.init_process_group` when there
-    is more than one; every rank must then get the same groups in `train_step`. `temperature` is the
-    sampling temperature of the engines: logprobs are taken under `softmax(logits / temperature)` so they
-    describe the distribution the rollout logprobs came from.
+    is more than one; every rank must then get the same groups in `train_step`. Everything comes from the
+    configuration's `actor` and `algorithm` sections: `actor.temperature` (the engines' sampling temperature,
+    derived from `rollout.sampling.temperature`), and `actor.ppo_mini_batch_size` and `actor.ppo_epochs`,
+    which set the optimiser updates of a step.
     """
 
     def __init__(
-        self,
-        actor: TorchActorConfig,
-        algorithm: AlgorithmConfig,
-        *,
-        device: torch.device | str | None = None,
-        temperature: float = 1.0,
+        self, actor: TorchActorConfig, algorithm: AlgorithmConfig, *, device: torch.device | str | None = None
     ) -> None:
         if actor.tensor_parallel_size != 1 or actor.pipeline_parallel_size != 1:
             raise ActorError(
                 "the torch actor is data parallel only: set actor.tensor_parallel_size and "
                 "actor.pipeline_parallel_size to 1, or use actor.backend: megatron"
             )
-        if temperature <= 0.0:
-            raise ActorError(f"temperature must be > 0, got {temperature}")
+        if actor.temperature is None:
+            raise ActorError(
+                "actor.temperature is unset: pass the `actor` section of a validated AsyncRLConfig (which "
+                "derives it from rollout.sampling.temperature) or set it to the engines' temperature"
+            )
         self.config = actor
         self.settings = LossSettings.from_config(algorithm)
-        self.temperature = temperature
+        self.temperature: float = actor.temperature
+        """The engines' sampling temperature: logprobs are taken under `softmax(logits / temperature)`."""
+        self.update_metrics: tuple[dict[str, float], ...] = ()
+        """The metrics of each optimiser update of the last `train_step`, in order."""
         self.device = torch.device(device) if device is not None else default_device()
         self.rank, self.world_size = world()
         self.model_path = resolve_model_path(actor.model_path)
@@ -212,52 +217,62 @@ class TorchActor:
         return self._version
 
     def train_step(self, groups: Sequence[Group]) -> dict[str, float]:
-        """One optimiser step on `groups`; returns the batch's `train/...` metrics, equal on every rank.
+        """One training step on `groups`: `actor.ppo_epochs` passes over mini-batches of
+        `actor.ppo_mini_batch_size` groups, one optimiser update each; the version goes up by one.
 
-        Besides `policy_loss`'s metrics: `train/grad_norm` (before clipping), `train/lr`,
-        `train/num_trajectories`, `train/num_tokens` (prompt and response, all ranks) and
-        `train/num_loss_tokens`. Raises `BatchError` for malformed groups and `ActorError` for a
-        non-finite gradient; in both cases the weights, the optimiser and the version are unchanged.
+        Returns the step's `train/...` metrics, equal on every rank: `policy_loss`'s metrics and
+        `train/grad_norm` (before clipping) as means over the updates (each update's own metrics are in
+        `update_metrics`), `train/lr`, `train/num_updates`, and the step's `train/num_trajectories`,
+        `train/num_tokens` (prompt and response, all ranks) and `train/num_loss_tokens`. Raises `BatchError`
+        for malformed groups (nothing is changed) and `ActorError` for a non-finite gradient: in the first
+        update, the weights, the optimiser and the version are unchanged; in a later one, the updates before
+        it are kept and the version goes up by one, as the error says.
         """
-        batch = pack_groups(
+        batches = pack_mini_batches(
             groups,
             self.pad_id,
+            self.config.ppo_mini_batch_size,
             normalize_std=self.settings.normalize_advantage_std,
             aggregation=self.settings.loss_aggregation,
         )
-        parts = batch.rank_micro_batches(self.rank, self.world_size, self.config.micro_batch_size)
-        self.optimizer.zero_grad(set_to_none=True)
-        totals: dict[str, torch.Tensor] = {}
-        for index, part in enumerate(parts):
-            last = index == len(parts) - 1
-            sync = contextlib.nullcontext() if last or self.world_size == 1 else self._no_sync()
-            with sync:
-                loss, metrics = self._micro_batch_loss(part.to(self.device))
-                (loss * self.world_size).backward()
-            for name, value in metrics.items():
-                totals[name] = totals[name] + value if name in totals else value
+        plans = [
+            batch.rank_micro_batches(self.rank, self.world_size, self.config.micro_batch_size)
+            for batch in batches
+        ]
+        num_updates = self.config.ppo_epochs * len(plans)
+        # The proximal policy of the decoupled correction is the policy before the step's first update, for
+        # every update of the step: taken once, here, so that the clip acts from the second update on. A
+        # single update takes it from its own forward pass instead.
+        proximal: list[list[torch.Tensor | None]] = [[None] * len(parts) for parts in plans]
+        if self.settings.needs_proximal and num_updates > 1:
+            proximal = [[self._proximal_logprobs(part.to(self.device)) for part in parts] for parts in plans]
 
-        parameters = [p for p in self.module.parameters() if p.grad is not None]
-        max_norm = self.config.grad_clip if self.config.grad_clip > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
-        if not bool(torch.isfinite(grad_norm)):
-            self.optimizer.zero_grad(set_to_none=True)
-            raise ActorError(
-                f"non-finite gradient norm ({grad_norm.item()}) at version {self._version}: the step was "
-                "skipped and the weights are unchanged"
-            )
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        names: list[str] = []
+        per_update: list[torch.Tensor] = []
+        grad_norms: list[float] = []
+        for update in range(num_updates):
+            index = update % len(plans)
+            totals = self._accumulate_gradients(plans[index], proximal[index])
+            grad_norm = self._apply_update(update)
+            names = sorted(totals)
+            per_update.append(torch.stack([totals[name].float() for name in names]))
+            grad_norms.append(grad_norm)
         self._version += 1
 
-        names = sorted(totals)
-        reduced = all_reduce_sum(torch.stack([totals[name].float() for name in names]))
-        result = dict(zip(names, reduced.tolist(), strict=True))
-        result["train/grad_norm"] = float(grad_norm.item())
+        reduced = all_reduce_sum(torch.stack(per_update)).tolist()
+        self.update_metrics = tuple(
+            dict(zip(names, values, strict=True)) | {"train/grad_norm": grad_norm}
+            for values, grad_norm in zip(reduced, grad_norms, strict=True)
+        )
+        result = {
+            name: sum(metrics[name] for metrics in self.update_metrics) / num_updates
+            for name in self.update_metrics[0]
+        }
         result["train/lr"] = float(self.optimizer.param_groups[0]["lr"])
-        result["train/num_trajectories"] = float(batch.num_rows)
-        result["train/num_tokens"] = float(batch.num_tokens)
-        result["train/num_loss_tokens"] = float(batch.num_loss_tokens)
+        result["train/num_updates"] = float(num_updates)
+        result["train/num_trajectories"] = float(sum(batch.num_rows for batch in batches))
+        result["train/num_tokens"] = float(sum(batch.num_tokens for batch in batches))
+        result["train/num_loss_tokens"] = float(sum(batch.num_loss_tokens for batch in batches))
         return result
 
     def export_weights(
@@ -373,12 +388,61 @@ class TorchActor:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
 
-    def _micro_batch_loss(self, part: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _accumulate_gradients(
+        self, parts: list[PackedBatch], proximal: list[torch.Tensor | None]
+    ) -> dict[str, torch.Tensor]:
+        """Forward and backward passes of one mini-batch's micro-batches; returns the summed metrics."""
+        self.optimizer.zero_grad(set_to_none=True)
+        totals: dict[str, torch.Tensor] = {}
+        for index, part in enumerate(parts):
+            last = index == len(parts) - 1
+            sync = contextlib.nullcontext() if last or self.world_size == 1 else self._no_sync()
+            with sync:
+                loss, metrics = self._micro_batch_loss(part.to(self.device), proximal[index])
+                (loss * self.world_size).backward()
+            for name, value in metrics.items():
+                totals[name] = totals[name] + value if name in totals else value
+        return totals
+
+    def _apply_update(self, update: int) -> float:
+        """Clip and apply the accumulated gradient; returns its norm before clipping."""
+        parameters = [p for p in self.module.parameters() if p.grad is not None]
+        max_norm = self.config.grad_clip if self.config.grad_clip > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+        if not bool(torch.isfinite(grad_norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            if update == 0:
+                raise ActorError(
+                    f"non-finite gradient norm ({grad_norm.item()}) at version {self._version}: the step was "
+                    "skipped and the weights are unchanged"
+                )
+            self._version += 1
+            raise ActorError(
+                f"non-finite gradient norm ({grad_norm.item()}) in update {update + 1} of the step: the "
+                f"{update} updates before it were applied and the version is now {self._version}"
+            )
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(grad_norm.item())
+
+    def _first_trained_column(self, part: PackedBatch) -> int:
         # Logits are needed only from the first trained position on: the shared prompt columns before it
         # (often most of a row) skip the output layer, its [n, t, V] logits and their softmax.
-        width = part.input_ids.shape[1]
         trained_columns = part.loss_mask.any(dim=0).nonzero()
-        first = int(trained_columns[0].item()) if trained_columns.numel() else width - 1
+        return int(trained_columns[0].item()) if trained_columns.numel() else part.input_ids.shape[1] - 1
+
+    @torch.no_grad()
+    def _proximal_logprobs(self, part: PackedBatch) -> torch.Tensor:
+        """The current policy's logprobs of the part's targets, from its first trained column on."""
+        first = self._first_trained_column(part)
+        logits = self._logits(self.module, part, part.input_ids.shape[1] - first)
+        return token_logprobs(logits, part.target_ids[:, first:], self.temperature)
+
+    def _micro_batch_loss(
+        self, part: PackedBatch, proximal: torch.Tensor | None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        width = part.input_ids.shape[1]
+        first = self._first_trained_column(part)
         targets = part.target_ids[:, first:]
         logits = self._logits(self._model, part, width - first)
         logprobs = token_logprobs(logits, targets, self.temperature)
@@ -393,7 +457,8 @@ class TorchActor:
                 ref_logits = self._logits(self.reference, part, width - first)
                 ref_logprobs = token_logprobs(ref_logits, targets, self.temperature)
             del ref_logits
-        proximal = logprobs.detach() if self.settings.needs_proximal else None
+        if self.settings.needs_proximal and proximal is None:
+            proximal = logprobs.detach()  # a single update: its own forward pass is the policy before it
         return policy_loss(
             logprobs,
             part.rollout_logprobs[:, first:],

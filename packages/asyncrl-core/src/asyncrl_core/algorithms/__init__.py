@@ -5,11 +5,11 @@ Importing this package imports torch; only actor workers do. The API, in the ord
 
     settings = LossSettings.from_config(config.algorithm)
     batch = pack_groups(groups, pad_id, normalize_std=settings.normalize_advantage_std,
-                        aggregation=settings.loss_aggregation)
+                        aggregation=settings.loss_aggregation)   # or pack_mini_batches: one per update
     for rows in micro_batches:                      # any split of the rows
         part = batch.select(rows)
         logits = model(part.input_ids, ...)         # [n, t, V]
-        logprobs = token_logprobs(logits, part.target_ids)
+        logprobs = token_logprobs(logits, part.target_ids, temperature)  # the engines'
         loss, metrics = policy_loss(logprobs, part.rollout_logprobs, part.advantages,
                                     part.loss_weights, settings, proximal_logprobs=..., ref_logprobs=...)
         loss.backward()                             # the parts' losses add up to the batch loss
@@ -18,7 +18,14 @@ With data parallelism over `D` ranks that average gradients, multiply each rank'
 """
 
 from asyncrl_core.algorithms.advantages import group_advantages, groups_advantages
-from asyncrl_core.algorithms.batch import BatchError, LossAggregation, PackedBatch, loss_weights, pack_groups
+from asyncrl_core.algorithms.batch import (
+    BatchError,
+    LossAggregation,
+    PackedBatch,
+    loss_weights,
+    pack_groups,
+    pack_mini_batches,
+)
 from asyncrl_core.algorithms.losses import (
     KLEstimator,
     LossSettings,
@@ -42,6 +49,7 @@ __all__ = [
     "kl_penalty",
     "loss_weights",
     "pack_groups",
+    "pack_mini_batches",
     "policy_loss",
     "token_entropy",
     "token_logprobs",

@@ -216,3 +216,29 @@ def pack_groups(
         versions=versions,
         lengths=lengths,
     )
+
+
+def pack_mini_batches(
+    groups: Sequence[Group],
+    pad_id: int,
+    mini_batch_size: int | None,
+    *,
+    normalize_std: bool,
+    aggregation: LossAggregation,
+) -> list[PackedBatch]:
+    """A step's groups cut, in order, into mini-batches of `mini_batch_size` groups (all of them when
+    `None`), each packed by `pack_groups`: one optimiser update each.
+
+    Each mini-batch is normalised on its own (its loss weights sum to 1), as every update is a mean over its
+    own tokens; advantages are per group, so the cut does not change them. Every mini-batch is checked
+    before any is returned: a malformed group, or a step whose number of groups `mini_batch_size` does not
+    divide, raises `BatchError` before anything is trained.
+    """
+    size = len(groups) if mini_batch_size is None else mini_batch_size
+    if size < 1 or len(groups) % size:
+        raise BatchError(
+            f"{len(groups)} groups cannot be cut into mini-batches of {size} groups "
+            "(actor.ppo_mini_batch_size must divide the groups of a step)"
+        )
+    cuts = [groups[start : start + size] for start in range(0, len(groups), size)]
+    return [pack_groups(cut, pad_id, normalize_std=normalize_std, aggregation=aggregation) for cut in cuts]

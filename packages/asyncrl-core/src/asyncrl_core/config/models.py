@@ -64,6 +64,9 @@ from asyncrl_core.errors import ConfigError, ConfigProblem
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
 
+GREEDY_TEMPERATURE = 1e-6
+"""A sampling temperature below this samples greedily (SGLang's threshold)."""
+
 _EXPONENT = re.compile(r"^\s*[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+\s*$")
 _URL = re.compile(r"^https?://[^\s/:]+(:\d{1,5})?/?$")
 
@@ -422,6 +425,12 @@ class SamplingConfig(Section):
     max_new_tokens: PositiveInt | None = None
     """Most tokens of one model turn. Derived: `data.max_response_len`."""
 
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature of the distribution the engines report logprobs under: `temperature`, or 1 for
+        greedy sampling (below 1e-6, as SGLang decides), whose logprobs are the raw `log_softmax(logits)`."""
+        return self.temperature if self.temperature >= GREEDY_TEMPERATURE else 1.0
+
     def derive(self, root: AsyncRLConfig, found: Validation) -> None:
         if self.max_new_tokens is None:
             found.derive("rollout.sampling.max_new_tokens", root.data.max_response_len)
@@ -562,24 +571,66 @@ class ActorCommon(Section):
     """Recompute activations in the backward pass, trading compute for memory."""
     weight_export_bucket_mb: PositiveInt = 512
     """Size of one bucket of weights sent to the engines after each step, in MiB."""
+    temperature: Annotated[Float, Field(gt=0.0)] | None = None
+    """Temperature of the logprobs the actor trains on, `softmax(logits / temperature)`: it must be the
+    engines' sampling temperature, so that they and the rollout logprobs describe one distribution.
+    Derived: `rollout.sampling.temperature` (1.0 when that is 0: the engines report greedy logprobs at
+    temperature 1); another value is refused."""
+    ppo_mini_batch_size: PositiveInt | None = None
+    """Groups per optimiser update, as verl's `ppo_mini_batch_size` counts prompts (slime's
+    `global_batch_size` is this times `algorithm.group_size`): a step's groups are cut, in order, into
+    mini-batches of this many, each one update. Must divide `data.rollout_batch_size`. Derived:
+    `data.rollout_batch_size` (one update per epoch)."""
+    ppo_epochs: PositiveInt = 1
+    """Passes over a step's mini-batches (verl's `ppo_epochs`). A step makes `ppo_epochs x
+    data.rollout_batch_size / ppo_mini_batch_size` optimiser updates and bumps the weight version once."""
+
+    def derive(self, root: AsyncRLConfig, found: Validation) -> None:
+        if self.temperature is None:
+            found.derive("actor.temperature", root.rollout.sampling.logprob_temperature)
+        if self.ppo_mini_batch_size is None:
+            found.derive("actor.ppo_mini_batch_size", root.data.rollout_batch_size)
 
     def check(self, root: AsyncRLConfig, found: Validation) -> None:
-        """The rules of every backend: a step's trajectories split evenly into ranks and micro batches."""
+        """The rules of every backend: the logprobs' temperature is the engines', and a step's groups cut
+        into mini-batches whose trajectories split evenly into ranks and micro batches."""
+        sampling = root.rollout.sampling.temperature
+        if self.temperature is not None and self.temperature != root.rollout.sampling.logprob_temperature:
+            found.error(
+                "actor.temperature",
+                f"{self.temperature} differs from the engines' rollout.sampling.temperature {sampling}, so "
+                "the actor's logprobs and the rollout logprobs would describe different distributions and "
+                "every importance ratio would be off; remove the key (it is derived)",
+            )
+        batch, group_size = root.data.rollout_batch_size, root.algorithm.group_size
+        mini_batch = batch if self.ppo_mini_batch_size is None else self.ppo_mini_batch_size
+        if batch % mini_batch:
+            found.error(
+                "actor.ppo_mini_batch_size",
+                f"{mini_batch} groups per update do not divide data.rollout_batch_size {batch}; choose one "
+                f"of {divisors(batch)}",
+            )
+            return
         if root.cluster.placement() is None or not root.cluster.devices_of("actor"):
             return
-        batch, group_size = root.data.rollout_batch_size, root.algorithm.group_size
-        trajectories = batch * group_size
+        trajectories = mini_batch * group_size
         data_parallel = root.actor_data_parallel_size
         per_rank, remainder = divmod(trajectories, data_parallel)
-        described = (
-            f"the {trajectories} trajectories of a step (data.rollout_batch_size {batch} x "
-            f"algorithm.group_size {group_size})"
-        )
+        if mini_batch == batch:
+            key, sizes = "data.rollout_batch_size", f"data.rollout_batch_size {batch}"
+            described = (
+                f"the {trajectories} trajectories of a step ({sizes} x algorithm.group_size {group_size})"
+            )
+        else:
+            key, sizes = "actor.ppo_mini_batch_size", f"actor.ppo_mini_batch_size {mini_batch}"
+            described = (
+                f"the {trajectories} trajectories of an update ({sizes} x algorithm.group_size {group_size})"
+            )
         if remainder:
             found.error(
-                "data.rollout_batch_size",
+                key,
                 f"{described} do not split evenly over the actor's {data_parallel} data-parallel ranks; "
-                f"make rollout_batch_size x group_size a multiple of {data_parallel}",
+                f"make {key.split('.')[1]} x group_size a multiple of {data_parallel}",
             )
         elif per_rank % self.micro_batch_size:
             found.error(
@@ -779,7 +830,9 @@ class AgentLoopConfig(Section):
     """Drop a finished group when the actor's version exceeds the group's earliest version by more than
     this; unset keeps every group."""
     max_turns: PositiveInt | None = None
-    """Most model turns of one trajectory; unset uses the task's default."""
+    """Most model turns of one trajectory, the last included, whatever the task's own count; unset uses the
+    task's limit. (`searchr1` sets its own in `task_args.max_turns`, counted as Search-R1 does: that many
+    turns that may search, then one answer turn.)"""
     num_workers: PositiveInt = 1
     """Agent-loop workers (processes); groups are spread over them."""
     max_concurrent_groups: PositiveInt | None = None
