@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 
 import pytest
 from agents_testing import ScriptedEngine, check_alignment, mini_reader, smollm2_tokenizer
+from pydantic import ValidationError
 
 from asyncrl_agents.loop import AgentLoopWorker
-from asyncrl_agents.tasks.searchr1 import INVALID_TURN_OBSERVATION, SearchR1MiniTask
-from asyncrl_core.errors import EngineUnavailableError, GenerationError, PromptTooLongError
+from asyncrl_agents.tasks.searchr1 import INVALID_TURN_OBSERVATION, SearchR1MiniArguments, SearchR1MiniTask
+from asyncrl_core.errors import AsyncRLError, EngineUnavailableError, GenerationError, PromptTooLongError
 from asyncrl_core.types import NO_VERSION, Generation, SamplingParams, TaskSample
 
 pytestmark = pytest.mark.integration
@@ -304,3 +305,57 @@ def test_worker_rejects_bad_settings(task: SearchR1MiniTask) -> None:
         worker(task, engine, **bad)
     with pytest.raises(ValueError, match="context_len"):
         worker(task, engine, context_len=100, max_prompt_len=512)
+
+
+def searches_then_answer(num_searches: int, answer: str) -> Callable[[str], str]:
+    """The model's words: a search until `num_searches` results are in the context, then `answer`."""
+
+    def respond(context: str) -> str:
+        if context.count("<information>Doc") < num_searches:  # the instruction names the tag too
+            return "<search> Who founded </search>"
+        return f"<answer> {answer} </answer>"
+
+    return respond
+
+
+@pytest.mark.parametrize("max_turns", [0, 1, 2])
+async def test_searchr1_gives_a_final_answer_turn_after_max_turns(retriever_url: str, max_turns: int) -> None:
+    """Search-R1's count (the default): `max_turns` turns whose search runs, then one turn to answer."""
+    task = SearchR1MiniTask(retriever_url=retriever_url, max_turns=max_turns)
+    assert task.max_turns == max_turns + 1
+    index, sample = find(task, "Who founded")
+    engine = ScriptedEngine(smollm2_tokenizer(), searches_then_answer(max_turns, sample.answers[0]))
+    (answered,) = (await worker(task, engine, group_size=1).run_group(index, sample)).trajectories
+    assert answered.finish_reason == "answer"
+    assert answered.num_turns == max_turns + 1
+    assert answered.metrics["num_tool_calls"] == max_turns
+    assert answered.reward == 1.0
+    # A model that keeps searching: the final turn's search is not run, and no answer scores 0.
+    searching = ScriptedEngine(smollm2_tokenizer(), lambda _: "<search> Who </search>")
+    (exhausted,) = (await worker(task, searching, group_size=1).run_group(index, sample)).trajectories
+    assert exhausted.finish_reason == "max_turns"
+    assert exhausted.num_turns == max_turns + 1
+    assert exhausted.metrics["num_tool_calls"] == max_turns
+    assert exhausted.reward == 0.0
+    await task.aclose()
+
+
+async def test_model_turns_count_every_turn(retriever_url: str) -> None:
+    """`turn_limit: model_turns`: `max_turns` model turns, the last included, so one search fewer."""
+    task = SearchR1MiniTask(retriever_url=retriever_url, max_turns=2, turn_limit="model_turns")
+    assert task.max_turns == 2
+    index, sample = find(task, "Who founded")
+    engine = ScriptedEngine(smollm2_tokenizer(), searches_then_answer(2, sample.answers[0]))
+    (trajectory,) = (await worker(task, engine, group_size=1).run_group(index, sample)).trajectories
+    assert trajectory.finish_reason == "max_turns"
+    assert trajectory.num_turns == 2
+    assert trajectory.metrics["num_tool_calls"] == 1
+    assert trajectory.reward == 0.0
+    await task.aclose()
+    with pytest.raises(AsyncRLError, match="turn_limit must be `searchr1` or `model_turns`"):
+        SearchR1MiniTask(turn_limit="searches")  # type: ignore[arg-type]
+    with pytest.raises(AsyncRLError, match="max_turns must be at least 1"):
+        SearchR1MiniTask(max_turns=0, turn_limit="model_turns")
+    with pytest.raises(ValidationError, match="max_turns must be at least 1 with turn_limit: model_turns"):
+        SearchR1MiniArguments.model_validate({"max_turns": 0, "turn_limit": "model_turns"})
+    assert SearchR1MiniArguments.model_validate({"max_turns": 0}).turn_limit == "searchr1"

@@ -168,15 +168,17 @@ def test_repeated_yaml_key_is_an_error(tmp_path: Path) -> None:
 
 
 def test_yaml_syntax_error_names_file_and_line(tmp_path: Path) -> None:
-    path = mini_with(tmp_path, "  max_turns: 3", "  max_turns: [3")
+    path = mini_with(tmp_path, "  max_actor_accept_staleness: 2", "  max_actor_accept_staleness: [2")
     message = only_problem(path)
     assert message.startswith(f"{path}, line ")
     assert "\n" not in message
 
 
 def test_override_removes_a_key_so_its_default_applies() -> None:
-    config = load_config(MINI, ["~agentloop.max_turns", "~rollout.model_path", "~checkpoint"])
-    assert config.agentloop.max_turns is None
+    config = load_config(
+        MINI, ["~agentloop.max_actor_accept_staleness", "~rollout.model_path", "~checkpoint"]
+    )
+    assert config.agentloop.max_actor_accept_staleness is None
     assert config.rollout.model_path == "smollm2-135m"
     assert "rollout.model_path" in config.derived_keys
     assert config.checkpoint.save_every_steps is None

@@ -7,6 +7,12 @@ Search-R1's, so models trained there behave the same here. The reward is the nor
 answer with any golden answer (lowercase, punctuation and articles removed, whitespace collapsed);
 `format_score` is paid for a wrong but well-formed answer (0 by default, as in Search-R1).
 
+Turns. By default `task_args.max_turns` counts as Search-R1's `max_turns` does (its `run_llm_loop`): that many
+turns whose action runs (a search, or the correction after an invalid turn), then one final turn in which no
+tool runs, so that only an answer scores; an episode has at most `max_turns + 1` model turns, and a search in
+the final turn ends it with reward 0. `turn_limit: model_turns` counts every model turn instead, the final one
+included, so the same `max_turns` allows one search fewer.
+
 Two tasks: `searchr1` reads FlashRAG/Search-R1 question files (`<data_path>/<split>.jsonl`, rows
 `{"id", "question", "golden_answers"}`) and searches a corpus JSONL or an existing Search-R1 retriever;
 `searchr1-mini` uses the generated offline world of `asyncrl_agents.tasks.mini_world`.
@@ -21,9 +27,9 @@ import re
 import string
 from collections.abc import Generator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, ClassVar, Literal, cast
+from typing import TYPE_CHECKING, Annotated, ClassVar, Literal, Self, cast
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from asyncrl_agents.parsing import TagParser
 from asyncrl_agents.tasks import mini_world
@@ -63,6 +69,10 @@ INVALID_TURN_OBSERVATION = (
     "Let me try again.\n"
 )
 """Search-R1's correction after a turn with neither a complete search nor an answer."""
+
+TurnLimit = Literal["searchr1", "model_turns"]
+"""How `task_args.max_turns` counts: Search-R1's turns whose action runs, then one answer turn (`searchr1`),
+or every model turn (`model_turns`)."""
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = str.maketrans("", "", string.punctuation)
@@ -245,12 +255,22 @@ class _SearchArguments(TaskArguments):
     """Index of the retrieval server `serve()` starts: `bm25`, or `lsa` (dense)."""
     topk: Annotated[int, Field(ge=1)] = 3
     """Passages per search."""
-    max_turns: Annotated[int, Field(ge=1)] = 4
-    """Most model turns (searches plus the answer)."""
+    max_turns: Annotated[int, Field(ge=0)] = 4
+    """With `turn_limit: searchr1`, the turns that may search (Search-R1's `max_turns`), then one answer
+    turn; with `turn_limit: model_turns` (then at least 1), every model turn, the answer's included."""
+    turn_limit: TurnLimit = "searchr1"
+    """How `max_turns` counts: `searchr1` (Search-R1's count, at most `max_turns + 1` model turns) or
+    `model_turns`."""
     format_score: float = 0.0
     """Reward of a well-formed but wrong answer."""
     search_timeout_s: Annotated[float, Field(gt=0.0)] = 30.0
     """HTTP timeout of one search, in seconds."""
+
+    @model_validator(mode="after")
+    def _at_least_one_model_turn(self) -> Self:
+        if self.turn_limit == "model_turns" and self.max_turns < 1:
+            raise ValueError("max_turns must be at least 1 with turn_limit: model_turns")
+        return self
 
 
 class SearchR1Arguments(_SearchArguments):
@@ -280,7 +300,12 @@ class SearchR1Task:
             nothing. One of `corpus_path` or `retriever_url` is needed to search.
         index: `bm25` (default) or `lsa` (dense), for the server `serve()` starts.
         topk: passages per search.
-        max_turns: most model turns (searches plus the answer).
+        max_turns: with `turn_limit: searchr1`, the turns whose action runs (a search, or the correction
+            after an invalid turn), after which the model gets one final turn in which no tool runs, so only
+            an answer scores: at most `max_turns + 1` model turns, as in Search-R1. With `turn_limit:
+            model_turns`, the most model turns, the last included (a search in the last turn is not run and
+            the episode ends without an answer).
+        turn_limit: `searchr1` (default) or `model_turns`: how `max_turns` counts, as above.
         format_score: reward of a well-formed but wrong answer.
         search_timeout_s: HTTP timeout of one search.
     """
@@ -296,19 +321,28 @@ class SearchR1Task:
         index: str = "bm25",
         topk: int = 3,
         max_turns: int = 4,
+        turn_limit: TurnLimit = "searchr1",
         format_score: float = 0.0,
         search_timeout_s: float = 30.0,
     ) -> None:
         if topk < 1:
             raise AsyncRLError(f"task_args.topk must be at least 1, got {topk}")
-        if max_turns < 1:
-            raise AsyncRLError(f"task_args.max_turns must be at least 1, got {max_turns}")
+        if turn_limit not in ("searchr1", "model_turns"):
+            raise AsyncRLError(
+                f"task_args.turn_limit must be `searchr1` or `model_turns`, got {turn_limit!r}"
+            )
+        smallest = 0 if turn_limit == "searchr1" else 1
+        if max_turns < smallest:
+            raise AsyncRLError(f"task_args.max_turns must be at least {smallest}, got {max_turns}")
         self.data_path = Path(data_path) if data_path is not None else None
         self.corpus_path = Path(corpus_path) if corpus_path is not None else None
         self.retriever_url = retriever_url
         self.index = index
         self.topk = topk
-        self.max_turns = max_turns
+        self.turn_limit: TurnLimit = turn_limit
+        self.max_turns = max_turns + 1 if turn_limit == "searchr1" else max_turns
+        """Most model turns of an episode (the `Task` protocol's count): `task_args.max_turns`, plus the
+        final answer turn under Search-R1's count."""
         self.format_score = format_score
         self.search_timeout_s = search_timeout_s
         self._parser = TagParser({"search": "search"}, answer_tag="answer")
@@ -392,6 +426,7 @@ class SearchR1MiniTask(SearchR1Task):
         index: str = "bm25",
         topk: int = 3,
         max_turns: int = 4,
+        turn_limit: TurnLimit = "searchr1",
         format_score: float = 0.0,
         search_timeout_s: float = 30.0,
     ) -> None:
@@ -400,6 +435,7 @@ class SearchR1MiniTask(SearchR1Task):
             index=index,
             topk=topk,
             max_turns=max_turns,
+            turn_limit=turn_limit,
             format_score=format_score,
             search_timeout_s=search_timeout_s,
         )
