@@ -70,7 +70,8 @@ RESPONSE_LEN_MEAN: Final = "rollout/response_len/mean"
 NUM_MODEL_TOKENS: Final = "rollout/num_model_tokens"
 """Tokens the model generated for the step's trajectories (observation tokens excluded)."""
 
-# --- train/*: the optimiser step, summed over micro-batches and ranks
+# --- train/*: the training step, summed over micro-batches and ranks (and, with several optimiser updates per
+# step, the mean over its updates)
 
 TRAIN_LOSS: Final = "train/loss"
 """The optimised loss (policy term, KL penalty and entropy bonus), token-weighted over the batch."""
@@ -100,6 +101,8 @@ TRAIN_NUM_TOKENS: Final = "train/num_tokens"
 """Prompt and response tokens in the batch, all ranks."""
 TRAIN_NUM_LOSS_TOKENS: Final = "train/num_loss_tokens"
 """Tokens that carry loss (model-generated response tokens), all ranks."""
+TRAIN_NUM_UPDATES: Final = "train/num_updates"
+"""Optimiser updates of the step: `actor.ppo_epochs` x the step's mini-batches."""
 WEIGHT_VERSION: Final = "train/weight_version"
 """The actor's weight version after the step."""
 
