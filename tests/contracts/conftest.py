@@ -18,13 +18,13 @@ import httpx
 import pytest
 
 from asyncrl_sglang.client import SGLangClient
-from asyncrl_sglang.launcher import builtin_command, free_port, start_engines
+from asyncrl_sglang.launcher import LaunchedEngines, builtin_command, free_port, start_engines
 
 
 @pytest.fixture(scope="session")
-def engine_urls(
+def launched_engines(
     tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Generator[tuple[str, str]]:
+) -> Generator[LaunchedEngines]:
     common = {"model_path": str(tiny_llama_path), "host": "127.0.0.1", "max_running_requests": 2}
     engine = builtin_command(port=free_port(), enable_metrics=True, extra_args={"num_threads": 1}, **common)
     plain = builtin_command(
@@ -35,7 +35,18 @@ def engine_urls(
     )
     log_dir = tmp_path_factory.mktemp("engine-logs")
     with start_engines([engine, plain], log_dir=log_dir, health_timeout_s=240.0) as launched:
-        yield launched.urls[0], launched.urls[1]
+        yield launched
+
+
+@pytest.fixture(scope="session")
+def engine_urls(launched_engines: LaunchedEngines) -> tuple[str, str]:
+    return launched_engines.urls[0], launched_engines.urls[1]
+
+
+@pytest.fixture(scope="session")
+def engine_log_path(launched_engines: LaunchedEngines) -> Path:
+    """The output of the `engine_url` engine (its logging included)."""
+    return launched_engines.processes[0].log_path
 
 
 @pytest.fixture(scope="session")

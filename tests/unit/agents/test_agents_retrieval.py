@@ -72,6 +72,17 @@ def test_without_scores_and_default_topk(server: RetrievalServer) -> None:
     assert hits[0] == {"id": "2", "contents": ROWS[2]["contents"], "url": "x"}
 
 
+def test_topk_zero_is_the_server_default_and_query_count_is_unbounded(server: RetrievalServer) -> None:
+    (hits,) = post(server, {"queries": ["Lyon cuisine"], "topk": 0}).json()["result"]
+    assert len(hits) == 2  # the server's --topk, as Search-R1 means by 0
+    queries = [f"river Spree {i}" for i in range(5000)]  # Search-R1 sends every active query at once
+    response = post(server, {"queries": queries, "topk": 1})
+    assert response.status_code == 200, response.text
+    result = response.json()["result"]
+    assert len(result) == 5000
+    assert all(len(query_hits) == 1 for query_hits in result)
+
+
 def test_topk_larger_than_corpus_and_empty_queries(server: RetrievalServer) -> None:
     assert len(post(server, {"queries": ["France"], "topk": 50}).json()["result"][0]) == len(ROWS)
     assert post(server, {"queries": []}).json() == {"result": []}
@@ -87,7 +98,6 @@ def test_topk_larger_than_corpus_and_empty_queries(server: RetrievalServer) -> N
         ({"topk": 3}, "`queries` must be a list of strings"),
         ({"queries": "France"}, "`queries` must be a list of strings"),
         ({"queries": ["a", 3]}, "`queries` must be a list of strings"),
-        ({"queries": ["a"], "topk": 0}, "`topk` must be an integer"),
         ({"queries": ["a"], "topk": -2}, "`topk` must be an integer"),
         ({"queries": ["a"], "topk": "3"}, "`topk` must be an integer"),
         ({"queries": ["a"], "topk": 2.5}, "`topk` must be an integer"),
@@ -114,8 +124,8 @@ def test_health_and_unknown_route(server: RetrievalServer) -> None:
 def test_launcher_stops_the_process_group(corpus_file: Path) -> None:
     server = RetrievalServer(corpus_file, index="lsa")
     url = server.start()
-    process = server._process
-    assert process is not None
+    assert server._server is not None
+    process = server._server.process
     assert httpx.get(f"{url}/health", timeout=10).json()["index"] == "lsa"
     server.stop()
     assert process.returncode is not None

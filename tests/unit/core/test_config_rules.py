@@ -390,6 +390,15 @@ def test_real_sglang_needs_gpus() -> None:
     assert "write `builtin`" in problem_at("rollout.sglang.launch", MINI, "rollout.sglang.launch=sglang")
 
 
+def test_the_weight_transport_must_be_one_the_engine_kind_accepts() -> None:
+    message = problem_at("rollout.sglang.weight_transport", GPU, "rollout.sglang.weight_transport=tensor")
+    assert "write `distributed`" in message
+    assert load_config(GPU, ["rollout.sglang.weight_transport=distributed"])
+    # The built-in engine takes both.
+    for transport in ("tensor", "distributed"):
+        assert load_config(MINI, [f"rollout.sglang.weight_transport={transport}"])
+
+
 def test_external_launch_needs_urls() -> None:
     message = problem_at("rollout.sglang.urls", MINI, "rollout.sglang.launch=external")
     assert "urls: [http://" in message

@@ -271,13 +271,17 @@ async def test_validation_and_semantic_errors(make_client: Factory) -> None:
     assert status == 200
 
 
-async def test_api_key_guards_all_routes_but_health(make_client: Factory) -> None:
-    client, _ = await make_client(api_key="secret")
-    assert (await client.get("/health")).status == 200
+async def test_api_key_guards_all_routes_but_health_ready_and_metrics(make_client: Factory) -> None:
+    client, _ = await make_client(api_key="secret", enable_metrics=True)
+    for path in ("/health", "/health_generate", "/ready", "/metrics"):
+        assert (await client.get(path)).status == 200, path
     assert (await client.get("/model_info")).status == 401
     assert (await client.post("/generate", json={"text": "a"})).status == 401
-    response = await client.get("/model_info", headers={"Authorization": "Bearer secret"})
-    assert response.status == 200
+    for header in ("Bearer wrong", "Basic secret", "Bearer", "secret", "Bearer  secret"):
+        assert (await client.get("/model_info", headers={"Authorization": header})).status == 401, header
+    for scheme in ("Bearer", "bearer", "BEARER"):
+        response = await client.get("/model_info", headers={"Authorization": f"{scheme} secret"})
+        assert response.status == 200, scheme
 
 
 # ---------------------------------------------------------------------------------------------- abort, pause

@@ -36,7 +36,7 @@ def test_per_token_spans_are_read_and_mark_the_boundary() -> None:
         weight_versions=[{"version": "3", "start": 0, "end": 1}, {"version": "4", "start": 1, "end": 4}],
         num_retractions=1,
     )
-    generation = parse_generation(body, 4)
+    generation = parse_generation(json.dumps(body), 4)
     assert generation.version_spans == (VersionSpan(3, 0, 1), VersionSpan(4, 1, 4))
     assert generation.versions_verified
     assert generation.token_versions() == [3, 4, 4, 4]
@@ -49,13 +49,13 @@ def test_older_servers_give_one_unverified_span_and_old_key_names() -> None:
     body = response([5, 6], total_retractions=2)
     body["token_ids"] = body.pop("output_ids")
     del body["meta_info"]["prompt_tokens"]  # abort responses from the waiting queue have none
-    generation = parse_generation(body, 9)
+    generation = parse_generation(json.dumps(body), 9)
     assert generation.output_ids == [5, 6]
     assert generation.version_spans == (VersionSpan(2, 0, 2),)
     assert not generation.versions_verified
     assert generation.num_retractions == 2
     assert generation.prompt_tokens == 9
-    assert parse_generation(response([5]), 1).num_retractions == 0
+    assert parse_generation(json.dumps(response([5])), 1).num_retractions == 0
 
 
 @pytest.mark.parametrize(
@@ -67,11 +67,11 @@ def test_version_labels_map_to_ints(label: object, version: int) -> None:
 
 def test_stop_reasons_keep_the_matched_stop() -> None:
     string_stop = response([5], finish_reason={"type": "stop", "matched": "</a>"})
-    assert parse_generation(string_stop, 1).matched_stop == "</a>"
+    assert parse_generation(json.dumps(string_stop), 1).matched_stop == "</a>"
     token_stop = response([5], finish_reason={"type": "stop", "matched": [2, 3]})
-    assert parse_generation(token_stop, 1).matched_stop == 2
+    assert parse_generation(json.dumps(token_stop), 1).matched_stop == 2
     abort = response([], finish_reason={"type": "abort", "message": "Aborted", "status_code": None})
-    aborted = parse_generation(abort, 1)
+    aborted = parse_generation(json.dumps(abort), 1)
     assert aborted.finish_reason == "abort"
     assert aborted.output_ids == []
 
@@ -86,14 +86,16 @@ def test_stop_reasons_keep_the_matched_stop() -> None:
             lambda body: body["meta_info"].update(weight_versions=[{"version": "1", "start": 0, "end": 1}]),
             "weight_versions end at 1",
         ),
-        (lambda body: body.pop("output_ids"), "neither output_ids"),
+        (lambda body: body.pop("output_ids"), "output_ids: Field required"),
+        (lambda body: body.update(output_ids=["5", 6]), r"output_ids\.0: Input should be a valid integer"),
+        (lambda body: body["meta_info"].update(prompt_tokens=True), "meta_info.prompt_tokens"),
     ],
 )
 def test_malformed_responses_are_named(change: Any, needle: str) -> None:
     body = response([5, 6])
     change(body)
     with pytest.raises(GenerationError, match=needle):
-        parse_generation(body, 1)
+        parse_generation(json.dumps(body), 1)
 
 
 async def test_a_refused_request_raises_generation_error_with_the_server_message() -> None:

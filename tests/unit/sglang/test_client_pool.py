@@ -39,6 +39,7 @@ class Engines:
                 json={
                     "output_ids": [1],
                     "meta_info": {
+                        "id": "r",
                         "finish_reason": {"type": "length", "length": 1},
                         "weight_version": "0",
                         "output_token_logprobs": [[-1.0, 1, None]],

@@ -133,7 +133,7 @@ class Recorder:
         if path == "/generate":
             return httpx.Response(200, json=generate_response(body))
         if path in ("/model_info", "/server_info"):
-            return httpx.Response(200, json={"weight_version": "3", "is_generation": True})
+            return httpx.Response(200, json={"model_path": "m", "weight_version": "3", "is_generation": True})
         if path == "/metrics":
             return httpx.Response(200, text='sglang:num_running_reqs{model_name="m"} 1.0\n')
         if path == "/v1/loads":

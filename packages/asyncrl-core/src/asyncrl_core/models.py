@@ -16,6 +16,7 @@ import shutil
 import tempfile
 from collections.abc import Generator
 from pathlib import Path
+from typing import cast
 
 from asyncrl_core.errors import AsyncRLError
 
@@ -177,9 +178,31 @@ def resolve_model_path(model_path: str, *, key: str) -> Path:
     if model_path == SMOLLM2_ALIAS:
         return smollm2_135m()
     path = Path(model_path).expanduser()
+    if path.suffix.lower() == ".gguf":
+        raise AsyncRLError(
+            f"{key} {model_path!r} is a GGUF file; give a HuggingFace model folder (config.json and "
+            f"safetensors), or `{SMOLLM2_ALIAS}` for the SmolLM2-135M GGUF converted once into one"
+        )
     if not (path / "config.json").is_file():
         raise AsyncRLError(
             f"{key} {model_path!r} is not a HuggingFace model folder (no config.json there); "
             f"give a folder or `{SMOLLM2_ALIAS}`"
         )
     return path
+
+
+def read_hf_config(folder: str | os.PathLike[str]) -> dict[str, object]:
+    """The `config.json` of a HuggingFace model folder, as a JSON object; `AsyncRLError` naming the file when
+    it is missing or is not a JSON object."""
+    import json
+
+    path = Path(folder) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise AsyncRLError(f"{path} does not exist: {folder} is not a HuggingFace model folder") from None
+    except (OSError, ValueError) as error:
+        raise AsyncRLError(f"{path} cannot be read as JSON: {error}") from None
+    if not isinstance(raw, dict):
+        raise AsyncRLError(f"{path} holds {type(raw).__name__}, not a JSON object")
+    return cast(dict[str, object], raw)

@@ -9,7 +9,6 @@ importable and a GPU is present). The model starts with Megatron's random initia
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import warnings
 from collections.abc import Generator
@@ -20,6 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from asyncrl_core.errors import AsyncRLError
+from asyncrl_core.models import read_hf_config
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
@@ -99,10 +99,11 @@ class Architecture:
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Architecture:
         """Read `path/config.json`."""
-        config_path = Path(path) / "config.json"
-        if not config_path.is_file():
-            raise ArchitectureError(f"{config_path} does not exist: not a HuggingFace model folder")
-        return cls.from_dict(json.loads(config_path.read_text()))
+        try:
+            raw = read_hf_config(path)
+        except AsyncRLError as error:
+            raise ArchitectureError(str(error)) from None
+        return cls.from_dict(dict(raw))
 
 
 @contextlib.contextmanager

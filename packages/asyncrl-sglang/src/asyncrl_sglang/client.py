@@ -20,7 +20,6 @@ the server needs no update session.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import json
 import math
@@ -29,9 +28,10 @@ import re
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, cast
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import httpx
+from pydantic import BaseModel
 
 from asyncrl_core.errors import (
     EngineControlError,
@@ -39,13 +39,26 @@ from asyncrl_core.errors import (
     GenerationError,
 )
 from asyncrl_core.types import Generation, SamplingParams
-from asyncrl_sglang._schema import (
-    JsonObject,
+from asyncrl_sglang._schema import generate_body, parse_generation, parse_version, version_label
+from asyncrl_sglang.tensor_codec import TensorCodecError, encode_tensors
+from asyncrl_sglang.wire import (
+    DEFAULT_GROUP_NAME as DEFAULT_GROUP_NAME,
+)
+from asyncrl_sglang.wire import (
+    DestroyWeightsUpdateGroupRequest,
+    InitWeightsUpdateGroupRequest,
+    ModelInfo,
+    UpdateResult,
+    UpdateWeightsFromDistributedRequest,
+    UpdateWeightsFromTensorRequest,
+    UpdateWeightVersionRequest,
+    WeightVersionReply,
+    WireError,
     error_message,
-    generate_body,
-    parse_generation,
-    parse_version,
-    version_label,
+    parse_json,
+)
+from asyncrl_sglang.wire import (
+    PauseMode as PauseMode,
 )
 
 if TYPE_CHECKING:
@@ -53,12 +66,8 @@ if TYPE_CHECKING:
 
     from asyncrl_core.protocols import NamedTensors
 
-PauseMode = Literal["abort", "retract", "in_place"]
-"""How `/pause_generation` treats in-flight requests: `abort` returns them partial, `retract` requeues them
-(tokens kept, KV recomputed on continue), `in_place` freezes them with their KV cache."""
-
-DEFAULT_GROUP_NAME = "weight_update_group"
-"""The weight-update process group name SGLang uses when none is given."""
+JsonObject = dict[str, object]
+ModelT = TypeVar("ModelT", bound=BaseModel)
 
 _DUPLICATE_RID = "Duplicate request ID"
 _NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
@@ -141,26 +150,18 @@ def parse_prometheus(text: str) -> dict[str, float]:
 
 
 def serialize_named_tensors(named_tensors: NamedTensors) -> str:
-    """One `serialized_named_tensors` entry: the base64 text of a safetensors file holding `named_tensors`.
+    """One `serialized_named_tensors` entry: the base64 text of a safetensors file holding `named_tensors`
+    (`asyncrl_sglang.tensor_codec`). This is the format the built-in engine loads (`load_format:
+    "safetensors"`): plain bytes, never a pickle. A name given twice: `EngineControlError`."""
+    try:
+        return encode_tensors(named_tensors)
+    except TensorCodecError as error:
+        raise EngineControlError(f"weight bucket: {error}") from None
 
-    Tensors are moved to the CPU and made contiguous; tensors sharing storage (tied embeddings) are copied,
-    since a safetensors file cannot alias. This is the format the built-in engine loads (`load_format:
-    "safetensors"`): plain bytes, never a pickle.
-    """
-    from safetensors.torch import save
 
-    tensors: dict[str, torch.Tensor] = {}
-    seen_storage: set[tuple[int, str]] = set()
-    for name, tensor in named_tensors:
-        if name in tensors:
-            raise EngineControlError(f"weight bucket names tensor {name!r} twice")
-        cpu = tensor.detach().to("cpu").contiguous()
-        key = (cpu.untyped_storage().data_ptr(), str(cpu.device))
-        if key in seen_storage:
-            cpu = cpu.clone()
-        seen_storage.add(key)
-        tensors[name] = cpu
-    return base64.b64encode(save(tensors)).decode("ascii")
+def _body(request: BaseModel) -> JsonObject:
+    """The JSON of a request model, with only the fields that were set."""
+    return request.model_dump(mode="json", exclude_unset=True)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -283,7 +284,7 @@ class SGLangClient:
             return None
 
     def _control_error(self, path: str, response: httpx.Response) -> EngineControlError:
-        message = error_message(self._json(response), response.text.strip() or response.reason_phrase)
+        message = error_message(response.content, response.text.strip() or response.reason_phrase)
         return EngineControlError(f"{self.base_url}{path} answered {response.status_code}: {message}")
 
     async def _control(
@@ -313,11 +314,13 @@ class SGLangClient:
         response = await self._send(
             "POST", path, body=body, timeout_s=self.timeouts.weight_update_s, idempotent=idempotent
         )
-        result = self._json(response)
-        success = isinstance(result, dict) and cast(JsonObject, result).get("success") is True
-        if response.status_code != 200 or not success:
+        try:
+            result = parse_json(UpdateResult, response.content)
+        except WireError:
+            result = None
+        if response.status_code != 200 or result is None or not result.success:
             raise self._control_error(path, response)
-        return error_message(result, "")
+        return result.message
 
     # ---------------------------------------------------------------------------------------------------
     # Generation
@@ -341,7 +344,7 @@ class SGLangClient:
             self._num_outstanding -= 1
         return parse_generation(response, len(input_ids))
 
-    async def _post_generate(self, body: JsonObject, rid: str) -> object:
+    async def _post_generate(self, body: JsonObject, rid: str) -> bytes:
         timeout_s = self.timeouts.generate_s
         resent = False
         last_error: Exception | None = None
@@ -364,8 +367,8 @@ class SGLangClient:
                         await self._abort_quietly(rid)
                         continue
                     if response.status_code == 200:
-                        return self._json(response)
-                    message = error_message(self._json(response), response.text.strip())
+                        return response.content
+                    message = error_message(response.content, response.text.strip())
                     if resent and response.status_code == 400 and _DUPLICATE_RID in message:
                         # The copy sent before the connection dropped is still being aborted.
                         continue
@@ -446,10 +449,13 @@ class SGLangClient:
         )
         if response.status_code == 404:
             return False
-        result = self._json(response)
-        if response.status_code != 200 or (
-            isinstance(result, dict) and cast(JsonObject, result).get("success") is False
-        ):
+        if response.status_code != 200:
+            raise self._control_error("/begin_weight_update", response)
+        try:
+            result = parse_json(UpdateResult, response.content)
+        except WireError as error:
+            raise EngineControlError(f"{self.base_url}/begin_weight_update answered {error}") from None
+        if not result.success:
             raise self._control_error("/begin_weight_update", response)
         return True
 
@@ -474,15 +480,14 @@ class SGLangClient:
         a sync). `flush_cache` must be False while requests are held by a retract or in_place pause.
         """
         payloads = [serialized] * num_ranks if isinstance(serialized, str) else list(serialized)
-        body: JsonObject = {
-            "serialized_named_tensors": payloads,
-            "load_format": load_format,
-            "flush_cache": flush_cache,
-            "abort_all_requests": False,
-        }
-        if weight_version is not None:
-            body["weight_version"] = version_label(weight_version)
-        return await self._update("/update_weights_from_tensor", body)
+        request = UpdateWeightsFromTensorRequest(
+            serialized_named_tensors=payloads,
+            load_format=load_format,
+            flush_cache=flush_cache,
+            abort_all_requests=False,
+            weight_version=None if weight_version is None else version_label(weight_version),
+        )
+        return await self._update("/update_weights_from_tensor", _body(request))
 
     async def init_weights_update_group(
         self,
@@ -496,17 +501,15 @@ class SGLangClient:
     ) -> str:
         """Join the process group the trainer broadcasts weights over. The call returns only once every
         member has joined, so the trainer must join concurrently."""
-        return await self._update(
-            "/init_weights_update_group",
-            {
-                "master_address": master_address,
-                "master_port": master_port,
-                "rank_offset": rank_offset,
-                "world_size": world_size,
-                "group_name": group_name,
-                "backend": backend,
-            },
+        request = InitWeightsUpdateGroupRequest(
+            master_address=master_address,
+            master_port=master_port,
+            rank_offset=rank_offset,
+            world_size=world_size,
+            group_name=group_name,
+            backend=backend,
         )
+        return await self._update("/init_weights_update_group", _body(request))
 
     async def update_weights_from_distributed(
         self,
@@ -520,35 +523,32 @@ class SGLangClient:
     ) -> str:
         """Receive one bucket broadcast by the trainer (rank 0) over the group; the trainer must broadcast
         the tensors in `names` order concurrently, or this call waits for them."""
-        body: JsonObject = {
-            "names": list(names),
-            "dtypes": list(dtypes),
-            "shapes": [list(shape) for shape in shapes],
-            "group_name": group_name,
-            "flush_cache": flush_cache,
-            "abort_all_requests": False,
-        }
-        if weight_version is not None:
-            body["weight_version"] = version_label(weight_version)
-        return await self._update("/update_weights_from_distributed", body)
+        request = UpdateWeightsFromDistributedRequest(
+            names=list(names),
+            dtypes=list(dtypes),
+            shapes=[list(shape) for shape in shapes],
+            group_name=group_name,
+            flush_cache=flush_cache,
+            abort_all_requests=False,
+            weight_version=None if weight_version is None else version_label(weight_version),
+        )
+        return await self._update("/update_weights_from_distributed", _body(request))
 
     async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP_NAME) -> None:
         """Leave the weight-update process group."""
-        await self._update("/destroy_weights_update_group", {"group_name": group_name})
+        request = DestroyWeightsUpdateGroupRequest(group_name=group_name)
+        await self._update("/destroy_weights_update_group", _body(request))
 
     async def update_weight_version(self, version: int) -> None:
         """Relabel the server's weights as `version` without aborting anything (spans split at this point)."""
-        await self._update(
-            "/update_weight_version",
-            {"new_version": version_label(version), "abort_all_requests": False},
-            idempotent=True,
-        )
+        request = UpdateWeightVersionRequest(new_version=version_label(version), abort_all_requests=False)
+        await self._update("/update_weight_version", _body(request), idempotent=True)
 
     # ---------------------------------------------------------------------------------------------------
     # Info and health
 
-    async def _get_json(self, paths: Sequence[str]) -> tuple[str, object]:
-        """GET the first of `paths` that the server has (a 404 moves to the next); returns (path, JSON)."""
+    async def _get(self, paths: Sequence[str]) -> tuple[str, httpx.Response]:
+        """GET the first of `paths` the server has (a 404 moves to the next); returns (path, response)."""
         response: httpx.Response | None = None
         for path in paths:
             response = await self._send("GET", path, timeout_s=self.timeouts.control_s, idempotent=True)
@@ -556,39 +556,49 @@ class SGLangClient:
                 continue
             if response.status_code != 200:
                 raise self._control_error(path, response)
-            return path, self._json(response)
+            return path, response
         assert response is not None
         raise self._control_error(paths[-1], response)
 
+    async def _get_model(self, paths: Sequence[str], model: type[ModelT]) -> ModelT:
+        path, response = await self._get(paths)
+        try:
+            return parse_json(model, response.content)
+        except WireError as error:
+            raise EngineControlError(f"{self.base_url}{path} answered an unexpected body: {error}") from None
+
+    async def _get_object(self, paths: Sequence[str]) -> JsonObject:
+        path, response = await self._get(paths)
+        body = self._json(response)
+        if not isinstance(body, dict):
+            raise EngineControlError(f"{self.base_url}{path} answered {body!r}, not a JSON object")
+        return cast(JsonObject, body)
+
     async def model_info(self) -> JsonObject:
-        """`/model_info` (or the older `/get_model_info`): model path, `is_generation`, `weight_version`..."""
-        path, info = await self._get_json(("/model_info", "/get_model_info"))
-        if not isinstance(info, dict):
-            raise EngineControlError(f"{self.base_url}{path} answered {info!r}, not a JSON object")
-        return cast(JsonObject, info)
+        """`/model_info` (or the older `/get_model_info`): model path, `is_generation`, `weight_version`...
+        (every key the server sent; the ones `wire.ModelInfo` knows are checked)."""
+        return (await self._model_info()).model_dump(exclude_unset=True)
+
+    async def _model_info(self) -> ModelInfo:
+        return await self._get_model(("/model_info", "/get_model_info"), ModelInfo)
 
     async def weight_version(self) -> int:
         """The asyncrl version of the weights the server holds now (`/model_info.weight_version`; on older
         servers `/get_weight_version`). A non-numeric label (SGLang's `"default"`) is version 0."""
-        info = await self.model_info()
-        if "weight_version" in info:
-            return parse_version(info["weight_version"])
-        path, reply = await self._get_json(("/get_weight_version", "/weight_version"))
-        if not isinstance(reply, dict) or "weight_version" not in reply:
-            raise EngineControlError(f"{self.base_url}{path} answered {reply!r} without a weight_version")
-        return parse_version(cast(JsonObject, reply)["weight_version"])
+        info = await self._model_info()
+        if info.weight_version is not None:
+            return parse_version(info.weight_version)
+        reply = await self._get_model(("/get_weight_version", "/weight_version"), WeightVersionReply)
+        return parse_version(reply.weight_version)
 
     async def server_info(self) -> JsonObject:
         """`/server_info` (or `/get_server_info`): resolved server arguments and scheduler state. Its
         `weight_version` is the launch value; the current one is `weight_version()`."""
-        path, info = await self._get_json(("/server_info", "/get_server_info"))
-        if not isinstance(info, dict):
-            raise EngineControlError(f"{self.base_url}{path} answered {info!r}, not a JSON object")
-        return cast(JsonObject, info)
+        return await self._get_object(("/server_info", "/get_server_info"))
 
     async def loads(self) -> object:
         """Load report: `/v1/loads` (JSON object with a `loads` list), or the legacy `/get_load` list."""
-        return (await self._get_json(("/v1/loads", "/get_load")))[1]
+        return self._json((await self._get(("/v1/loads", "/get_load")))[1])
 
     async def health(self) -> bool:
         """True when the server is up and past warmup (`/health` 200); False while it starts, shuts down or

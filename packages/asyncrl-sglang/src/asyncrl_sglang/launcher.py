@@ -20,12 +20,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
-import errno
-import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -39,6 +35,7 @@ import httpx
 
 from asyncrl_core.errors import EngineControlError, EngineUnavailableError
 from asyncrl_core.models import SMOLLM2_ALIAS
+from asyncrl_core.server_process import ServerProcess
 from asyncrl_sglang.client import ClientTimeouts, SGLangClient
 from asyncrl_sglang.pool import EnginePool
 
@@ -225,80 +222,25 @@ def pick_ports(host: str, count: int, base_port: int | None, *, taken: Sequence[
 # Processes
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM when the launching thread dies (Linux; a no-op elsewhere)."""
-    if sys.platform.startswith("linux"):
-        pr_set_pdeathsig = 1
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-
-
-class EngineProcess:
+class EngineProcess(ServerProcess):
     """One engine process (and its process group), with its output in `log_path`."""
 
     def __init__(self, command: EngineCommand, log_path: Path) -> None:
+        super().__init__(command.argv, log_path, env=command.env, name=f"engine {command.url}")
         self.command = command
-        self.log_path = log_path
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "ab") as log:
-            self._popen = subprocess.Popen(
-                command.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, **command.env},
-                start_new_session=True,
-                preexec_fn=_die_with_parent,  # only calls prctl: safe between fork and exec
-            )
         _LIVE.add(self)
 
     def __repr__(self) -> str:
         return f"EngineProcess(pid={self.pid}, url={self.command.url!r})"
 
     @property
-    def pid(self) -> int:
-        return self._popen.pid
-
-    @property
     def url(self) -> str:
         return self.command.url
-
-    def returncode(self) -> int | None:
-        """The exit status once the process has exited, else None."""
-        return self._popen.poll()
-
-    def log_tail(self, num_lines: int = 40) -> str:
-        """The last lines of the engine's log."""
-        try:
-            with open(self.log_path, "rb") as log:
-                log.seek(0, os.SEEK_END)
-                log.seek(max(0, log.tell() - 64 * 1024))
-                lines = log.read().decode("utf-8", errors="replace").splitlines()
-        except OSError as exc:
-            return f"(cannot read {self.log_path}: {exc})"
-        return "\n".join(lines[-num_lines:])
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM to the process group, SIGKILL after `grace_s`; returns once the process is reaped."""
         _LIVE.discard(self)
-        if self._popen.poll() is None:
-            self._signal_group(signal.SIGTERM)
-            try:
-                self._popen.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                self._signal_group(signal.SIGKILL)
-                self._popen.wait(timeout=grace_s)
-        # Children that outlived the leader (a scheduler subprocess) still share its process group.
-        self._signal_group(signal.SIGKILL)
-
-    def _signal_group(self, signum: int) -> None:
-        try:
-            os.killpg(self._popen.pid, signum)
-        except ProcessLookupError:
-            pass
-        except OSError as exc:
-            if exc.errno != errno.ESRCH:
-                raise
+        super().stop(grace_s)
 
 
 _LIVE: set[EngineProcess] = set()

@@ -26,16 +26,17 @@ real SGLang servers.
 from __future__ import annotations
 
 import asyncio
-import inspect
+import functools
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Literal, Protocol, cast
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from asyncrl_core.errors import EngineControlError
 from asyncrl_sglang.client import DEFAULT_GROUP_NAME, dtype_name, serialize_named_tensors
 from asyncrl_sglang.pool import EnginePool
+from asyncrl_sglang.process_group import join_weight_update_group
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -100,47 +101,6 @@ class TensorTransport:
         )
 
 
-def _join_group(
-    backend: str, master_address: str, master_port: int, world_size: int, group_name: str, timeout_s: float
-) -> dist.ProcessGroup:
-    """The trainer's end (rank 0) of the weight-update group, built the way SGLang's engines build theirs.
-
-    The engines join through a `tcp://` rendezvous with the store namespaced by the group name; the trainer
-    hosts that store. The group is a separate communicator: it neither needs nor touches the trainer's
-    default process group.
-    """
-    from torch._C._distributed_c10d import PrefixStore, TCPStore
-    from torch.distributed import distributed_c10d as c10d
-
-    timeout = timedelta(seconds=timeout_s)
-    store = TCPStore(
-        master_address, master_port, world_size, is_master=True, timeout=timeout, multi_tenant=True
-    )
-    prefixed = PrefixStore(group_name, store)
-    # A private helper, but the one SGLang's engines (and every RL framework's trainer side) use, so both
-    # ends agree on the store layout. Its option argument was renamed across torch releases.
-    helper = cast(
-        Callable[..., tuple[object, object]],
-        c10d._new_process_group_helper,  # pyright: ignore[reportPrivateUsage]
-    )
-    options_name = (
-        "backend_options" if "backend_options" in inspect.signature(helper).parameters else "pg_options"
-    )
-    group, _ = helper(
-        world_size,
-        0,
-        [],
-        c10d.Backend(backend),
-        prefixed,
-        group_name=group_name,
-        timeout=timeout,
-        **{options_name: None},
-    )
-    assert isinstance(group, c10d.ProcessGroup)
-    c10d._world.pg_group_ranks[group] = {rank: rank for rank in range(world_size)}  # pyright: ignore[reportPrivateUsage]
-    return group
-
-
 class DistributedTransport:
     """Weights broadcast over a torch process group: the trainer is rank 0, engine `i` (with `num_ranks`
     tensor-parallel ranks each) holds ranks `1 + i * num_ranks ...`. `connect` once, `push` per bucket,
@@ -185,13 +145,16 @@ class DistributedTransport:
         engines = asyncio.ensure_future(joined)
         try:
             self._group = await asyncio.to_thread(
-                _join_group,
-                self.backend,
-                self.master_address,
-                self.master_port,
-                world_size,
-                self.group_name,
-                self.timeout_s,
+                functools.partial(
+                    join_weight_update_group,
+                    master_address=self.master_address,
+                    master_port=self.master_port,
+                    world_size=world_size,
+                    rank=0,
+                    group_name=self.group_name,
+                    backend=self.backend,
+                    timeout_s=self.timeout_s,
+                )
             )
         finally:
             await engines

@@ -17,6 +17,7 @@ from asyncrl_agents.retrieval.corpus import Corpus
 from asyncrl_agents.retrieval.index import INDEXES
 from asyncrl_agents.retrieval.server import make_app
 from asyncrl_core.errors import AsyncRLError
+from asyncrl_core.server_process import bound_port, write_port_file
 
 PARENT_POLL_S = 1.0
 
@@ -57,13 +58,9 @@ async def serve(args: argparse.Namespace) -> None:
     try:
         site = web.TCPSite(runner, args.host, args.port)
         await site.start()
-        server = site._server  # pyright: ignore[reportPrivateUsage]
-        sockets = getattr(server, "sockets", None) or ()
-        port = int(sockets[0].getsockname()[1]) if sockets else int(args.port)
+        port = bound_port(runner, int(args.port))
         if args.port_file is not None:
-            staging = args.port_file.with_name(args.port_file.name + ".tmp")
-            staging.write_text(str(port))
-            staging.replace(args.port_file)
+            write_port_file(args.port_file, port)
         print(
             f"retrieval server: {len(corpus)} documents, {args.index} index built in "
             f"{time.perf_counter() - started:.1f} s, serving http://{args.host}:{port}/retrieve",

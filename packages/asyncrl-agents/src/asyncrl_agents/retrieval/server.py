@@ -1,6 +1,7 @@
 """The retrieval HTTP server, compatible with the Search-R1 retrieval server.
 
-`POST /retrieve` with `{"queries": [str, ...], "topk": int (optional), "return_scores": bool (optional)}`
+`POST /retrieve` with `{"queries": [str, ...], "topk": int (optional; absent or 0: the server's default),
+"return_scores": bool (optional)}`
 answers `{"result": [...]}` with one list per query, best first: documents (the corpus rows,
 `{"id", "contents", ...}`) or, with `return_scores`, `{"document": row, "score": float}` objects. A request
 Search-R1's client sends works unchanged, and asyncrl's search tool works against Search-R1's own server.
@@ -19,8 +20,9 @@ from aiohttp import web
 from asyncrl_agents.retrieval.corpus import Corpus
 from asyncrl_agents.retrieval.index import Index
 
-MAX_QUERIES = 4096
-"""Most queries in one request."""
+MAX_BODY_BYTES = 256 << 20
+"""Largest request body (256 MiB). There is no cap on the number of queries: Search-R1's client sends every
+active query of a batch in one request."""
 
 MAX_TOPK = 1000
 """Largest `topk` a request may ask for."""
@@ -48,10 +50,9 @@ class RetrieveRequest:
         texts = [query for query in cast("list[object]", queries) if isinstance(query, str)]
         if len(texts) != len(cast("list[object]", queries)):
             raise BadRequest("`queries` must be a list of strings")
-        if len(texts) > MAX_QUERIES:
-            raise BadRequest(f"at most {MAX_QUERIES} queries per request, got {len(texts)}")
         topk = fields.get("topk")
-        if topk is None:
+        if topk is None or topk == 0:
+            # Search-R1 sends 0 (and omits it) to mean the server's default.
             topk = default_topk
         elif isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= MAX_TOPK:
             raise BadRequest(f"`topk` must be an integer from 1 to {MAX_TOPK}, got {json.dumps(topk)}")
@@ -86,7 +87,7 @@ def make_app(corpus: Corpus, index: Index, *, index_name: str, default_topk: int
     async def health(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "num_documents": len(corpus), "index": index_name})
 
-    app = web.Application()
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
     app.router.add_post("/retrieve", retrieve)
     app.router.add_get("/health", health)
     return app

@@ -378,6 +378,12 @@ class SGLangConfig(Section):
     extra_args: dict[str, ServerArgument] = Field(default_factory=dict[str, ServerArgument])
     """Extra server arguments for `launch: sglang`, e.g. `mem_fraction_static: 0.8` (`--mem-fraction-static
     0.8`); `true` passes a bare flag."""
+    weight_transport: Literal["tensor", "distributed"] = "tensor"
+    """How weight syncs reach the engines. `tensor`: each bucket travels in the body of
+    `/update_weights_from_tensor` as safetensors bytes (`load_format: "safetensors"`), which only the built-in
+    engine accepts (SGLang 0.5.23 takes CUDA-IPC handles there). `distributed`: the trainer broadcasts each
+    bucket over a torch process group the engines join (`/update_weights_from_distributed`; NCCL on GPUs),
+    the route real SGLang servers take."""
 
     def check(self, root: AsyncRLConfig, found: Validation) -> None:
         if root.runner.async_mode and self.backend_type != "server":
@@ -391,6 +397,13 @@ class SGLangConfig(Section):
                 "rollout.sglang.launch",
                 "`sglang` starts real SGLang servers, which need GPUs; write `builtin` on CPU "
                 "(or set `cluster.device_type: gpu`)",
+            )
+        if self.launch == "sglang" and self.weight_transport == "tensor":
+            found.error(
+                "rollout.sglang.weight_transport",
+                "`tensor` sends safetensors bytes, which SGLang's /update_weights_from_tensor does not accept "
+                "(0.5.23 takes CUDA-IPC handles: load_format null, `direct` or `flattened_bucket`); write "
+                "`distributed` with `launch: sglang`",
             )
         if self.launch == "external":
             if not self.urls:

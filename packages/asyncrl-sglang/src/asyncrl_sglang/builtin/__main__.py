@@ -23,7 +23,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="python -m asyncrl_sglang.builtin",
         description="The asyncrl built-in engine: a small PyTorch server speaking SGLang's HTTP routes.",
     )
-    parser.add_argument("--model-path", required=True, help="HuggingFace folder (config.json, safetensors)")
+    parser.add_argument(
+        "--model-path",
+        required=True,
+        help="HuggingFace folder (config.json, safetensors), or `smollm2-135m` (the offline SmolLM2-135M)",
+    )
     parser.add_argument("--tokenizer-path", help="tokenizer folder (default: the model folder)")
     parser.add_argument(
         "--served-model-name", help="the model_name label of metrics (default: the folder name)"
@@ -63,17 +67,25 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from asyncrl_core.errors import AsyncRLError
+    from asyncrl_core.models import resolve_model_path
+
+    try:
+        model_path = resolve_model_path(args.model_path, key="--model-path")
+    except AsyncRLError as error:
+        print(f"python -m asyncrl_sglang.builtin: error: {error}", file=sys.stderr)
+        return 2
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_serve(args))
+        asyncio.run(_serve(args, model_path))
     return 0
 
 
-async def _serve(args: argparse.Namespace) -> None:
-    import json
-
+async def _serve(args: argparse.Namespace, model_path: Path) -> None:
     import torch
     from aiohttp import web
 
+    from asyncrl_core.models import read_hf_config
+    from asyncrl_core.server_process import bound_port, write_port_file
     from asyncrl_sglang.builtin.engine import Engine
     from asyncrl_sglang.builtin.model import EngineModel, ModelConfig
     from asyncrl_sglang.builtin.server import BuiltinServer, ServerArgs
@@ -83,10 +95,9 @@ async def _serve(args: argparse.Namespace) -> None:
     device = torch.device(args.device)
     dtype_name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
     dtype = getattr(torch, dtype_name)
-    model_path = Path(args.model_path)
     loop = asyncio.get_running_loop()
     if args.random_weights:
-        config = ModelConfig.from_dict(json.loads((model_path / "config.json").read_text()))
+        config = ModelConfig.from_dict(read_hf_config(model_path))
         model = await asyncio.to_thread(EngineModel.random, config, device, dtype, args.seed)
     else:
         model = await asyncio.to_thread(EngineModel.from_pretrained, model_path, device, dtype)
@@ -135,9 +146,9 @@ async def _serve(args: argparse.Namespace) -> None:
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()
-    port = _bound_port(site, args.port)
+    port = bound_port(runner, args.port)
     if args.port_file:
-        _write_port_file(Path(args.port_file), port)
+        write_port_file(Path(args.port_file), port)
     logger.info("listening on http://%s:%d", args.host, port)
     print(f"asyncrl builtin engine listening on http://{args.host}:{port}", flush=True)
 
@@ -176,13 +187,6 @@ def _warmup(engine: object) -> None:
         raise RuntimeError("warm-up generation did not finish within 600 s")
 
 
-def _write_port_file(path: Path, port: int) -> None:
-    """Write atomically, so a reader never sees a half-written number."""
-    staging = path.with_name(path.name + ".tmp")
-    staging.write_text(f"{port}\n")
-    staging.replace(path)
-
-
 def _load_tokenizer(path: str) -> Any:
     if not (Path(path) / "tokenizer.json").exists() and not (Path(path) / "tokenizer_config.json").exists():
         logger.warning("no tokenizer in %s: text input and stop strings are refused", path)
@@ -190,14 +194,6 @@ def _load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
-
-
-def _bound_port(site: object, requested: int) -> int:
-    server = getattr(site, "_server", None)
-    sockets = getattr(server, "sockets", None) or []
-    for sock in sockets:
-        return int(sock.getsockname()[1])
-    return requested
 
 
 if __name__ == "__main__":

@@ -22,18 +22,18 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
 from asyncrl_sglang.builtin.model import EngineModel, KVCache
 from asyncrl_sglang.builtin.sampling import SamplingOptions, sample_tokens
+from asyncrl_sglang.wire import PauseMode as PauseMode
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-PauseMode = Literal["abort", "retract", "in_place"]
 PREFILL_TOKEN_BUDGET = 8192
 """At most this many prompt tokens are prefilled in one batch (a single longer prompt still goes alone)."""
 KV_CAPACITY_STEP = 256
@@ -193,6 +193,11 @@ class Engine:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes held by the KV cache (0 before the first request or after a release)."""
+        return 0 if self._cache is None else self._cache.nbytes()
 
     def is_idle(self) -> bool:
         return not self.running and not self.waiting
@@ -410,6 +415,16 @@ class Engine:
                     self._input_logprobs(request, hidden[row, : len(sequences[row])])
             request.was_running = True
         self.running.extend(requests)
+        # max_new_tokens 0 is prefill only (scoring callers read the input logprobs): nothing is sampled.
+        sampling_rows = [row for row, r in enumerate(requests) if r.options.max_new_tokens != 0]
+        for request in requests:
+            if request.options.max_new_tokens == 0:
+                self._finish(request, {"type": "length", "length": 0})
+        if len(sampling_rows) < len(requests):
+            if not sampling_rows:
+                return
+            last_hidden = last_hidden[torch.tensor(sampling_rows, device=last_hidden.device)]
+            requests = [requests[row] for row in sampling_rows]
         self._accept(requests, self.model.logits(last_hidden))
 
     def _input_logprobs(self, request: Request, hidden: Tensor) -> None:

@@ -13,7 +13,6 @@ Three entry points:
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from asyncrl_core.errors import AsyncRLError
+from asyncrl_core.models import read_hf_config
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
@@ -247,7 +247,11 @@ class EngineModel:
     ) -> EngineModel:
         """Build from a HuggingFace folder (`config.json` + `*.safetensors`); all parameters must be there."""
         folder = Path(path)
-        config = ModelConfig.from_dict(json.loads((folder / "config.json").read_text()))
+        try:
+            raw = read_hf_config(folder)
+        except AsyncRLError as error:
+            raise ModelLoadError(str(error)) from None
+        config = ModelConfig.from_dict(raw)
         model = cls(config, torch.device(device), dtype)
         files = sorted(folder.glob("*.safetensors"))
         if not files:

@@ -9,27 +9,24 @@ logits by the same temperature.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
+from asyncrl_sglang.wire import DEFAULT_MAX_NEW_TOKENS, SamplingParamsBody
+
 GREEDY_TEMPERATURE = 1e-6
-DEFAULT_MAX_NEW_TOKENS = 128
 
 
 class RequestError(ValueError):
-    """A request the engine refuses. `schema`: a type error of the body (SGLang's ErrorResponse envelope)
-    rather than a bad value (the `{"error": {...}}` envelope)."""
-
-    def __init__(self, message: str, *, schema: bool = False) -> None:
-        super().__init__(message)
-        self.schema = schema
+    """A request the engine refuses for its values (the `{"error": {...}}` envelope); shape errors are the
+    wire model's (`asyncrl_sglang.wire`)."""
 
 
-# Keys SGLang accepts whose default is all the built-in engine offers: a non-default value is refused.
+# `sampling_params` keys whose default is all the built-in engine offers: a non-default value is refused.
 _UNSUPPORTED_UNLESS_DEFAULT: dict[str, object] = {
     "frequency_penalty": 0.0,
     "presence_penalty": 0.0,
@@ -43,27 +40,6 @@ _UNSUPPORTED_UNLESS_DEFAULT: dict[str, object] = {
     "logit_bias": None,
     "beam_width": None,
 }
-_ACCEPTED_AND_IGNORED = ("spaces_between_special_tokens",)
-_KNOWN_KEYS = frozenset(
-    {
-        "max_new_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "min_new_tokens",
-        "n",
-        "stop",
-        "stop_token_ids",
-        "ignore_eos",
-        "skip_special_tokens",
-        "no_stop_trim",
-        "stream_interval",
-        "sampling_seed",
-        *_UNSUPPORTED_UNLESS_DEFAULT,
-        *_ACCEPTED_AND_IGNORED,
-    }
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,40 +77,31 @@ class SamplingOptions:
         return self.top_k > 1 or self.top_p < 1.0 or self.min_p > 0.0
 
     @classmethod
-    def from_json(cls, raw: object, vocab_size: int) -> SamplingOptions:
-        """Validate a `sampling_params` object. Unknown keys and wrong types: schema errors; bad values:
-        `RequestError` with the offending key."""
-        if raw is None:
+    def from_wire(cls, params: SamplingParamsBody | None, vocab_size: int) -> SamplingOptions:
+        """The options of a validated `sampling_params` (None: all defaults); a value the engine does not
+        offer or that is out of range: `RequestError` naming the key."""
+        if params is None:
             return cls()
-        if not isinstance(raw, Mapping):
-            raise RequestError(f"sampling_params must be an object, got {type(raw).__name__}", schema=True)
-        params: Mapping[str, object] = raw  # pyright: ignore[reportUnknownVariableType]
-        unknown = sorted(set(params) - _KNOWN_KEYS)
-        if unknown:
-            raise RequestError(f"sampling_params: unknown field(s) {', '.join(unknown)}", schema=True)
         for key, default in _UNSUPPORTED_UNLESS_DEFAULT.items():
-            if key in params and params[key] is not None and params[key] != default:
+            value = getattr(params, key)
+            if value is not None and value != default:
                 raise RequestError(f"sampling_params.{key} is not supported by the built-in engine")
-        max_new_tokens = (
-            _get_int(params, "max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
-            if params.get("max_new_tokens", 0) is not None
-            else None
-        )
+        stop = params.stop
         options = cls(
-            max_new_tokens=max_new_tokens,
-            temperature=_get_float(params, "temperature", 1.0),
-            top_p=_get_float(params, "top_p", 1.0),
-            top_k=_get_int(params, "top_k", -1),
-            min_p=_get_float(params, "min_p", 0.0),
-            min_new_tokens=_get_int(params, "min_new_tokens", 0),
-            n=_get_int(params, "n", 1),
-            stop=_get_stop(params),
-            stop_token_ids=frozenset(_get_int_list(params, "stop_token_ids")),
-            ignore_eos=_get_bool(params, "ignore_eos", False),
-            skip_special_tokens=_get_bool(params, "skip_special_tokens", True),
-            no_stop_trim=_get_bool(params, "no_stop_trim", False),
-            stream_interval=_get_int(params, "stream_interval", 1),
-            sampling_seed=_get_int(params, "sampling_seed", None),
+            max_new_tokens=params.max_new_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            min_p=params.min_p,
+            min_new_tokens=params.min_new_tokens,
+            n=params.n,
+            stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
+            stop_token_ids=frozenset(params.stop_token_ids or ()),
+            ignore_eos=params.ignore_eos,
+            skip_special_tokens=params.skip_special_tokens,
+            no_stop_trim=params.no_stop_trim,
+            stream_interval=params.stream_interval if params.stream_interval is not None else 1,
+            sampling_seed=params.sampling_seed,
         )
         options.check_values(vocab_size)
         return options
@@ -163,60 +130,6 @@ class SamplingOptions:
             raise RequestError(f"stop_token_ids {bad} are outside the vocabulary (size {vocab_size})")
         if any(not s for s in self.stop):
             raise RequestError("stop strings must not be empty")
-
-
-def _type_error(key: str, expected: str, value: object) -> RequestError:
-    return RequestError(f"sampling_params.{key}: expected {expected}, got {value!r}", schema=True)
-
-
-def _get_int(params: Mapping[str, object], key: str, default: int | None) -> Any:
-    value = params.get(key, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _type_error(key, "an integer", value)
-    return value
-
-
-def _get_float(params: Mapping[str, object], key: str, default: float) -> float:
-    value = params.get(key, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _type_error(key, "a number", value)
-    result = float(value)
-    if result != result or result in (float("inf"), float("-inf")):
-        raise _type_error(key, "a finite number", value)
-    return result
-
-
-def _get_bool(params: Mapping[str, object], key: str, default: bool) -> bool:
-    value = params.get(key, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise _type_error(key, "a boolean", value)
-    return value
-
-
-def _get_int_list(params: Mapping[str, object], key: str) -> list[int]:
-    value = params.get(key)
-    if value is None:
-        return []
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):  # pyright: ignore[reportUnknownVariableType]
-        raise _type_error(key, "a list of integers", value)
-    return [int(v) for v in value]  # pyright: ignore[reportUnknownVariableType, reportUnknownArgumentType]
-
-
-def _get_stop(params: Mapping[str, object]) -> tuple[str, ...]:
-    value = params.get("stop")
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        return (value,)
-    if isinstance(value, list) and all(isinstance(v, str) for v in value):  # pyright: ignore[reportUnknownVariableType]
-        return tuple(str(v) for v in value)  # pyright: ignore[reportUnknownVariableType]
-    raise _type_error("stop", "a string or a list of strings", value)
 
 
 class SamplingState(Protocol):

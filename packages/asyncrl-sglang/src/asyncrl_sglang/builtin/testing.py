@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Generator
 from dataclasses import dataclass
 from pathlib import Path
 
 from asyncrl_core.errors import EngineUnavailableError
+from asyncrl_core.server_process import ServerProcess, ServerStartError
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +50,8 @@ def serve_builtin(
     """Run `python -m asyncrl_sglang.builtin` on 127.0.0.1 with a free port until the block exits.
 
     `extra_args` are passed through (e.g. `"--enable-metrics"`, `"--api-key", "k"`). Raises
-    `EngineUnavailableError` with the server's log if it exits or is not healthy within `start_timeout_s`.
+    `EngineUnavailableError` with the end of the server's log if it exits or is not healthy within
+    `start_timeout_s`.
     """
     with tempfile.TemporaryDirectory(prefix="asyncrl-builtin-") as folder:
         port_file = Path(folder) / "port"
@@ -68,49 +67,19 @@ def serve_builtin(
         if num_threads is not None:
             command += ["--num-threads", str(num_threads)]
         command += list(extra_args)
-        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-        with open(log_path, "wb") as log_file:
-            process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+        server = ServerProcess(command, log_path, env={"HF_HUB_OFFLINE": "1"}, name="the built-in engine")
         try:
-            port = _wait_ready(process, port_file, log_path, start_timeout_s)
-            yield BuiltinServerProcess(f"http://127.0.0.1:{port}", port, process, log_path)
+            try:
+                deadline = time.monotonic() + start_timeout_s
+                port = server.wait_port_file(port_file, start_timeout_s)
+                url = f"http://127.0.0.1:{port}"
+                server.wait_ready(f"{url}/health", max(1.0, deadline - time.monotonic()))
+            except ServerStartError as error:
+                raise EngineUnavailableError(str(error)) from None
+            yield BuiltinServerProcess(url, port, server.process, log_path)
         finally:
-            _stop(process, stop_timeout_s)
+            server.stop(stop_timeout_s)
             # Keep the log readable after the folder is gone (a failing test prints it).
             with contextlib.suppress(OSError):
-                kept = Path(tempfile.gettempdir()) / f"asyncrl-builtin-{process.pid}.log"
+                kept = Path(tempfile.gettempdir()) / f"asyncrl-builtin-{server.pid}.log"
                 kept.write_bytes(log_path.read_bytes())
-
-
-def _wait_ready(process: subprocess.Popen[bytes], port_file: Path, log_path: Path, timeout_s: float) -> int:
-    deadline = time.monotonic() + timeout_s
-    port: int | None = None
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            log = log_path.read_text(errors="replace")
-            raise EngineUnavailableError(f"the built-in engine exited with code {process.returncode}:\n{log}")
-        if port is None and port_file.exists():
-            text = port_file.read_text().strip()
-            port = int(text) if text else None
-        if port is not None:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
-                    if response.status == 200:
-                        return port
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-        time.sleep(0.2)
-    _stop(process, 5.0)
-    log = log_path.read_text(errors="replace")
-    raise EngineUnavailableError(f"the built-in engine was not healthy within {timeout_s:.0f} s:\n{log}")
-
-
-def _stop(process: subprocess.Popen[bytes], timeout_s: float) -> None:
-    if process.poll() is not None:
-        return
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait(timeout_s)

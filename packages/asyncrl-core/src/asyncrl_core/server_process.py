@@ -1,0 +1,183 @@
+"""A local HTTP server run as a child process: both ends of it, in one place.
+
+The parent side (`ServerProcess`): start a command in its own process group with its output in a log file,
+the child set to get SIGTERM when the starting thread dies (Linux); wait for the port it writes to a port
+file (when started on port 0) and for a health URL to answer 200; stop the whole group (SIGTERM, then
+SIGKILL after a grace period). The child side: `write_port_file` (atomic) and `bound_port`, the port an
+aiohttp runner listens on, read through its public `addresses`.
+
+Used by the engine launcher, the built-in engine's test helper and the retrieval server's launcher. Nothing
+here imports an HTTP framework: readiness is polled with the standard library.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Protocol, cast
+
+from asyncrl_core.errors import AsyncRLError
+
+POLL_S = 0.1
+
+
+class ServerStartError(AsyncRLError):
+    """The server exited or did not become ready in time; the message ends with the end of its log."""
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the starting thread dies (Linux; a no-op elsewhere)."""
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+class ServerProcess:
+    """One server process and its process group, its output appended to `log_path`."""
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        log_path: Path,
+        *,
+        env: Mapping[str, str] | None = None,
+        name: str = "server",
+    ) -> None:
+        self.argv = tuple(argv)
+        self.log_path = log_path
+        self.name = name
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log:
+            self._popen = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **(env or {})},
+                start_new_session=True,
+                preexec_fn=_die_with_parent,  # only calls prctl: safe between fork and exec
+            )
+
+    def __repr__(self) -> str:
+        return f"ServerProcess({self.name!r}, pid={self.pid})"
+
+    @property
+    def pid(self) -> int:
+        return self._popen.pid
+
+    @property
+    def process(self) -> subprocess.Popen[bytes]:
+        return self._popen
+
+    def returncode(self) -> int | None:
+        """The exit status once the process has exited, else None."""
+        return self._popen.poll()
+
+    def log_tail(self, num_lines: int = 40) -> str:
+        """The last lines of the server's output."""
+        try:
+            with open(self.log_path, "rb") as log:
+                log.seek(0, os.SEEK_END)
+                log.seek(max(0, log.tell() - 64 * 1024))
+                lines = log.read().decode("utf-8", errors="replace").splitlines()
+        except OSError as exc:
+            return f"(cannot read {self.log_path}: {exc})"
+        return "\n".join(lines[-num_lines:]) or "(no output)"
+
+    def failure(self, what: str) -> ServerStartError:
+        return ServerStartError(f"{self.name} {what}; the end of {self.log_path}:\n{self.log_tail()}")
+
+    def check_alive(self) -> None:
+        """`ServerStartError` if the process has exited."""
+        code = self.returncode()
+        if code is not None:
+            raise self.failure(f"exited with status {code}")
+
+    def wait_port_file(self, port_file: Path, timeout_s: float) -> int:
+        """The port the server wrote to `port_file` (see `write_port_file`)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.check_alive()
+            with contextlib.suppress(OSError, ValueError):
+                return int(port_file.read_text().strip())
+            if time.monotonic() >= deadline:
+                raise self.failure(f"wrote no port to {port_file} within {timeout_s:g} s")
+            time.sleep(POLL_S)
+
+    def wait_ready(self, url: str, timeout_s: float, *, headers: Mapping[str, str] | None = None) -> None:
+        """Poll `url` until it answers 200."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.check_alive()
+            if http_ok(url, headers=headers):
+                return
+            if time.monotonic() >= deadline:
+                raise self.failure(f"did not answer 200 at {url} within {timeout_s:g} s")
+            time.sleep(POLL_S)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM to the process group, SIGKILL after `grace_s`; returns once the process is reaped.
+        Idempotent."""
+        if self._popen.poll() is None:
+            self._signal_group(signal.SIGTERM)
+            try:
+                self._popen.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                self._signal_group(signal.SIGKILL)
+                self._popen.wait(timeout=grace_s)
+        # Children that outlived the leader still share its process group.
+        self._signal_group(signal.SIGKILL)
+
+    def _signal_group(self, signum: int) -> None:
+        try:
+            os.killpg(self._popen.pid, signum)
+        except ProcessLookupError:
+            pass
+        except OSError as exc:
+            if exc.errno not in (errno.ESRCH, errno.EPERM):
+                raise
+
+
+def http_ok(url: str, *, headers: Mapping[str, str] | None = None, timeout_s: float = 5.0) -> bool:
+    """Whether a GET of `url` answers 200 (any failure to connect is False). Never goes through a proxy."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    request = urllib.request.Request(url, headers=dict(headers or {}))
+    try:
+        with opener.open(request, timeout=timeout_s) as response:
+            return response.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return False
+
+
+# ------------------------------------------------------------------------------------------------ child side
+class _Runner(Protocol):
+    @property
+    def addresses(self) -> list[object]: ...
+
+
+def bound_port(runner: _Runner, requested: int) -> int:
+    """The TCP port an aiohttp `AppRunner` listens on (the one chosen for port 0), else `requested`."""
+    for address in runner.addresses:
+        if isinstance(address, tuple):
+            parts = cast(tuple[object, ...], address)
+            if len(parts) >= 2 and isinstance(parts[1], int):
+                return parts[1]
+    return requested
+
+
+def write_port_file(path: Path, port: int) -> None:
+    """Write `port` atomically, so a reader never sees a half-written number."""
+    staging = path.with_name(path.name + ".tmp")
+    staging.write_text(f"{port}\n")
+    staging.replace(path)

@@ -1,0 +1,51 @@
+"""What every route of the built-in server shares: the JSON body as a wire model, SGLang's error envelopes."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from aiohttp import web
+from pydantic import BaseModel
+
+from asyncrl_sglang.wire import ErrorBody, ErrorDetail, UpdateResult, WireError, parse_json, schema_error_body
+
+Json = dict[str, Any]
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+
+def error_response(message: str, status: int = 400, kind: str = "Bad Request") -> web.Response:
+    """SGLang's `ErrorResponse` envelope (schema failures, HTTPExceptions)."""
+    return web.json_response(schema_error_body(message, status, kind), status=status)
+
+
+def semantic_error(message: str, status: int = 400) -> web.Response:
+    """A request refused for its values: `{"error": {"message": ...}}`."""
+    return json_model(ErrorBody(error=ErrorDetail(message=message)), status=status)
+
+
+def update_failure(message: str) -> web.Response:
+    return json_model(UpdateResult(success=False, message=message), status=400)
+
+
+def not_found() -> web.Response:
+    return web.json_response({"detail": "Not Found"}, status=404)
+
+
+def json_model(model: BaseModel, status: int = 200) -> web.Response:
+    """A response body from a wire model, with only the keys that were set."""
+    return web.Response(
+        text=model.model_dump_json(exclude_unset=True), status=status, content_type="application/json"
+    )
+
+
+async def read_model(request: web.Request, model: type[ModelT], *, required: bool) -> ModelT:
+    """The body as `model`. An absent body is `{}` unless `required`. Invalid: `WireError`, which the
+    server's middleware answers with SGLang's `ErrorResponse` (400)."""
+    raw = await request.read()
+    if not raw.strip():
+        if required:
+            raise WireError("A JSON request body is required.")
+        raw = b"{}"
+    return parse_json(model, raw)

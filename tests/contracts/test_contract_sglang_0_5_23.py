@@ -1,0 +1,271 @@
+"""What code written for SGLang 0.5.23 expects of a server, checked against the built-in engine.
+
+The key sets below are written as data from SGLang 0.5.23's source (the wheel installs with `--no-deps`):
+`srt/managers/tokenizer_manager.py` (`_handle_batch_output`: the `meta_info` of every output,
+`add_logprob_to_meta_info`, `_handle_abort_req`), `srt/observability/req_time_stats.py`
+(`convert_to_output_meta_info`), `srt/managers/schedule_batch.py` (`FINISH_*.to_json`) and
+`srt/entrypoints/http_server.py` (`model_info`, `pause_generation`, `continue_generation`, the weight routes).
+They are deliberately not derived from asyncrl's wire model: a key the engine invented, or one SGLang always
+writes that the engine forgot, must fail here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from asyncrl_sglang.builtin.testing import serve_builtin
+from asyncrl_sglang.client import SGLangClient
+from asyncrl_sglang.wire import GenerateResponse, ModelInfo, UpdateResult
+
+# tokenizer_manager._handle_batch_output: written for every output of a generation request.
+META_ALWAYS = {
+    "id", "finish_reason", "prompt_tokens", "weight_version", "num_retractions", "reasoning_tokens",
+    "completion_tokens", "cached_tokens",
+}  # fmt: skip
+# Every other key SGLang 0.5.23 may write into meta_info (logprobs, spans, timings, metrics, speculative
+# decoding, multimodal counts, hidden states, routed experts, DP rank).
+META_OPTIONAL = {
+    "weight_versions", "cached_tokens_details", "e2e_latency", "response_sent_to_client_ts",
+    "request_received_ts", "first_token_latency", "api_server_dispatch_finish_ts", "request_finished_ts",
+    "decode_throughput", "input_token_logprobs", "output_token_logprobs", "output_token_logprobs_length",
+    "input_top_logprobs", "output_top_logprobs", "input_token_ids_logprobs", "output_token_ids_logprobs",
+    "output_token_sampling_mask", "output_token_sampling_logprobs", "output_token_sampling_mask_length",
+    "image_tokens", "audio_tokens", "video_tokens", "hidden_states", "routed_experts", "indexer_topk",
+    "dp_rank", "sequence_score", "spec_accept_rate", "spec_accept_length", "spec_num_correct_drafts",
+    "spec_num_proposed_drafts", "spec_verify_ct", "spec_cap_length", "spec_block_accept_length",
+    "spec_correct_drafts_histogram", "spec_cap_lens_histogram",
+}  # fmt: skip
+# _handle_abort_req: a request aborted before it left the waiting queue.
+META_ABORT_WAITING = {"id", "finish_reason", "weight_version", "e2e_latency", "completion_tokens"}
+RESPONSE_KEYS = {"text", "output_ids", "meta_info", "prompt_token_ids", "index"}
+FINISH_KEYS = {
+    "length": {"type", "length"},
+    "stop": {"type", "matched"},
+    "abort": {"type", "message", "status_code", "err_type"},
+}
+# http_server.model_info: every key, always.
+MODEL_INFO_KEYS = {
+    "model_path", "served_model_name", "tokenizer_path", "is_generation", "preferred_sampling_params",
+    "weight_version", "load_format", "reasoning_parser", "tool_call_parser", "disaggregation_mode",
+    "has_image_understanding", "has_audio_understanding", "model_type", "architectures",
+}  # fmt: skip
+CONTROL_KEYS = {"message", "status"}
+UPDATE_KEYS = {"success", "message"}
+
+
+def check_generate_body(body: dict[str, Any], *, finished: bool = True) -> None:
+    assert set(body) <= RESPONSE_KEYS, set(body) - RESPONSE_KEYS
+    meta = body["meta_info"]
+    reason = meta["finish_reason"]
+    if reason is not None and reason["type"] == "abort" and "prompt_tokens" not in meta:
+        assert set(meta) - {"weight_versions", "response_sent_to_client_ts"} == META_ABORT_WAITING
+    else:
+        assert set(meta) >= META_ALWAYS, META_ALWAYS - set(meta)
+        assert set(meta) <= META_ALWAYS | META_OPTIONAL, set(meta) - META_ALWAYS - META_OPTIONAL
+    if reason is not None:
+        assert set(reason) == FINISH_KEYS[reason["type"]]
+    assert finished == (reason is not None)
+    GenerateResponse.model_validate_json(json.dumps(body))
+
+
+async def test_generate_responses_carry_exactly_sglang_keys(http: httpx.AsyncClient) -> None:
+    sampling = {"max_new_tokens": 4, "ignore_eos": True}
+    single = await http.post(
+        "/generate",
+        json={
+            "input_ids": [1, 2, 3],
+            "sampling_params": sampling,
+            "return_logprob": True,
+            "top_logprobs_num": 2,
+            "logprob_start_len": 0,
+            "return_prompt_token_ids": True,
+        },
+    )
+    assert single.status_code == 200, single.text
+    check_generate_body(single.json())
+    assert single.json()["meta_info"]["reasoning_tokens"] == 0
+    batch = await http.post("/generate", json={"input_ids": [[1, 2], [3]], "sampling_params": sampling})
+    for body in batch.json():
+        check_generate_body(body)
+    stop = await http.post(
+        "/generate", json={"input_ids": [5], "sampling_params": {"max_new_tokens": 3, "stop_token_ids": [0]}}
+    )
+    check_generate_body(stop.json())
+
+
+async def test_streamed_events_carry_exactly_sglang_keys(http: httpx.AsyncClient) -> None:
+    body = {"input_ids": [[1, 2], [4]], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
+    events: list[dict[str, Any]] = []
+    async with http.stream("POST", "/generate", json={**body, "stream": True}) as reply:
+        async for line in reply.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line.removeprefix("data: ")))
+    assert events
+    for event in events:
+        check_generate_body(event, finished=event["meta_info"]["finish_reason"] is not None)
+        assert "index" in event
+
+
+async def test_model_info_has_every_key_sglang_writes(http: httpx.AsyncClient) -> None:
+    info = (await http.get("/model_info")).json()
+    assert set(info) == MODEL_INFO_KEYS
+    assert info["disaggregation_mode"] == "null"
+    ModelInfo.model_validate_json(json.dumps(info))
+
+
+async def test_control_and_update_answers_carry_sglang_keys(http: httpx.AsyncClient) -> None:
+    paused = await http.post("/pause_generation", json={"mode": "retract"})
+    continued = await http.post("/continue_generation", json={})
+    assert set(paused.json()) == CONTROL_KEYS
+    assert set(continued.json()) == CONTROL_KEYS
+    refused = await http.post("/destroy_weights_update_group", json={"group_name": "none"})
+    assert refused.status_code == 400
+    assert set(refused.json()) == UPDATE_KEYS
+    assert not UpdateResult.model_validate_json(refused.content).success
+
+
+async def test_max_new_tokens_zero_is_prefill_only(http: httpx.AsyncClient) -> None:
+    reply = await http.post(
+        "/generate",
+        json={
+            "input_ids": [4, 5, 6, 7],
+            "sampling_params": {"max_new_tokens": 0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+        },
+    )
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    meta = body["meta_info"]
+    assert body["output_ids"] == []
+    assert meta["completion_tokens"] == 0
+    assert meta["finish_reason"] == {"type": "length", "length": 0}
+    assert meta["output_token_logprobs"] == []
+    # Scoring callers read the prompt's logprobs: one per prompt token (the first has none).
+    assert [token for _, token, _ in meta["input_token_logprobs"]] == [4, 5, 6, 7]
+    assert meta["input_token_logprobs"][0][0] is None
+    assert all(isinstance(lp, float) for lp, _, _ in meta["input_token_logprobs"][1:])
+
+
+async def test_ready_is_503_while_paused(http: httpx.AsyncClient) -> None:
+    assert (await http.get("/ready")).status_code == 200
+    await http.post("/pause_generation", json={"mode": "abort"})
+    try:
+        assert (await http.get("/ready")).status_code == 503
+        assert (await http.get("/health")).status_code == 200
+    finally:
+        await http.post("/continue_generation", json={})
+    assert (await http.get("/ready")).status_code == 200
+
+
+async def _running(client: SGLangClient) -> float:
+    return (await client.metrics()).num_running_requests
+
+
+async def _wait(client: SGLangClient, *, running: int) -> None:
+    async with asyncio.timeout(60):
+        while True:
+            if await _running(client) == running:
+                return
+            await asyncio.sleep(0.02)
+
+
+LONG = {"input_ids": [9, 8, 7], "sampling_params": {"max_new_tokens": None, "ignore_eos": True}}
+"""Decodes until the context is full: long enough to be running when the client leaves."""
+
+
+async def _aborted_total(client: SGLangClient) -> float:
+    return (await client.metrics()).values["sglang:num_aborted_requests_total"]
+
+
+async def test_a_non_streaming_client_that_disconnects_has_its_request_aborted(
+    engine_url: str, client: SGLangClient
+) -> None:
+    before = await _aborted_total(client)
+    async with httpx.AsyncClient(base_url=engine_url, trust_env=False) as http:
+        call = asyncio.create_task(http.post("/generate", json=LONG, timeout=300))
+        await _wait(client, running=1)
+        call.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await call
+    await _wait(client, running=0)
+    assert await _aborted_total(client) == before + 1
+
+
+async def test_a_streaming_client_that_disconnects_is_aborted_without_an_error_log(
+    engine_url: str, client: SGLangClient, engine_log_path: Path
+) -> None:
+    before = await _aborted_total(client)
+    log_size = await asyncio.to_thread(lambda: engine_log_path.stat().st_size)
+    async with (
+        httpx.AsyncClient(base_url=engine_url, trust_env=False) as http,
+        http.stream("POST", "/generate", json={**LONG, "stream": True}, timeout=300) as reply,
+    ):
+        async for line in reply.aiter_lines():
+            if line.startswith("data: "):
+                break
+    await _wait(client, running=0)
+    assert await _aborted_total(client) == before + 1
+    await asyncio.sleep(0.5)  # let the engine write whatever it logs about the disconnect
+    written = (await asyncio.to_thread(engine_log_path.read_bytes))[log_size:].decode(errors="replace")
+    assert "ERROR" not in written, written
+    assert "Traceback" not in written, written
+
+
+def test_auth_exempts_probes_and_matches_the_scheme_case_insensitively(tiny_llama_path: Path) -> None:
+    with (
+        serve_builtin(tiny_llama_path, "--api-key", "k", "--enable-metrics") as server,
+        httpx.Client(base_url=server.url, trust_env=False, timeout=60) as http,
+    ):
+        for path in ("/health", "/health_generate", "/ready", "/metrics"):
+            assert http.get(path).status_code == 200, path
+        assert http.get("/model_info").status_code == 401
+        assert http.get("/model_info", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        for scheme in ("Bearer", "bearer", "BEARER"):
+            reply = http.get("/model_info", headers={"Authorization": f"{scheme} k"})
+            assert reply.status_code == 200, scheme
+
+
+@pytest.mark.parametrize(
+    ("model_path", "needle"),
+    [
+        ("model.Q4_1.gguf", "is a GGUF file; give a HuggingFace model folder"),
+        ("no/such/folder", "no config.json"),
+    ],
+)
+def test_the_server_command_refuses_what_it_cannot_load_in_one_line(
+    tmp_path: Path, model_path: str, needle: str
+) -> None:
+    target = tmp_path / model_path
+    if target.suffix == ".gguf":
+        target.write_bytes(b"GGUF")
+    done = subprocess.run(
+        [sys.executable, "-m", "asyncrl_sglang.builtin", "--model-path", str(target)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert needle in lines[0]
+    assert "smollm2-135m" in lines[0]
+
+
+def test_the_server_command_takes_the_model_aliases_the_launcher_takes() -> None:
+    # The launcher accepts `smollm2-135m`; the server command resolves it through the same resolver, so a
+    # name the launcher passes through is one the server loads.
+    from asyncrl_core.models import SMOLLM2_ALIAS
+    from asyncrl_sglang.builtin.__main__ import parse_args
+
+    assert parse_args(["--model-path", SMOLLM2_ALIAS]).model_path == SMOLLM2_ALIAS
