@@ -401,9 +401,9 @@ class SGLangConfig(Section):
         if self.launch == "sglang" and self.weight_transport == "tensor":
             found.error(
                 "rollout.sglang.weight_transport",
-                "`tensor` sends safetensors bytes, which SGLang's /update_weights_from_tensor does not accept "
-                "(0.5.23 takes CUDA-IPC handles: load_format null, `direct` or `flattened_bucket`); write "
-                "`distributed` with `launch: sglang`",
+                "`tensor` sends safetensors bytes, which SGLang's /update_weights_from_tensor does not "
+                "accept (0.5.23 takes CUDA-IPC handles: load_format null, `direct` or `flattened_bucket`); "
+                "write `distributed` with `launch: sglang`",
             )
         if self.launch == "external":
             if not self.urls:
