@@ -1,24 +1,29 @@
 """Built-in engines for the contract tests: started together once a session with the launcher, stopped at
 the end.
 
-- `engine_url`: metrics on, `--max-running-requests 2`, launch version `"0"` (what the launcher passes).
+- `engine_url`: metrics on, `--max-running-requests 2`, launch version `"0"` (what the launcher passes),
+  and SGLang's gRPC scheduler service at `engine_grpc_target`.
 - `plain_engine_url`: metrics off, SGLang's launch label `"default"`, and `/get_weight_version` answering
   200 like older SGLang servers do. No test changes its weights or version.
 
 Both serve the tiny random Llama of the root conftest. Tests that change `engine_url`'s weights push every
-tensor they depend on, so each starts from weights it knows.
+tensor they depend on, so each starts from weights it knows. Tests that take `connect` run once per
+generation transport (`http`, `grpc`): `connect()` gives a client of `engine_url` generating over it.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Generator
+from collections.abc import AsyncGenerator, Callable, Generator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from asyncrl_sglang.client import SGLangClient
-from asyncrl_sglang.launcher import LaunchedEngines, builtin_command, free_port, start_engines
+from asyncrl_sglang.grpc_client import GrpcSGLangClient
+from asyncrl_sglang.launcher import LaunchedEngines, builtin_command, free_port, pick_ports, start_engines
+
+TRANSPORTS = ("http", "grpc")
 
 
 @pytest.fixture(scope="session")
@@ -26,7 +31,10 @@ def launched_engines(
     tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Generator[LaunchedEngines]:
     common = {"model_path": str(tiny_llama_path), "host": "127.0.0.1", "max_running_requests": 2}
-    engine = builtin_command(port=free_port(), enable_metrics=True, extra_args={"num_threads": 1}, **common)
+    http_port, grpc_port = pick_ports("127.0.0.1", 2, None)
+    engine = builtin_command(
+        port=http_port, grpc_port=grpc_port, enable_metrics=True, extra_args={"num_threads": 1}, **common
+    )
     plain = builtin_command(
         port=free_port(),
         enable_metrics=False,
@@ -47,6 +55,30 @@ def engine_urls(launched_engines: LaunchedEngines) -> tuple[str, str]:
 def engine_log_path(launched_engines: LaunchedEngines) -> Path:
     """The output of the `engine_url` engine (its logging included)."""
     return launched_engines.processes[0].log_path
+
+
+@pytest.fixture(scope="session")
+def engine_grpc_target(launched_engines: LaunchedEngines) -> str:
+    target = launched_engines.grpc_targets[0]
+    assert target is not None
+    return target
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def connect(engine_url: str, engine_grpc_target: str, transport: str) -> Callable[[], SGLangClient]:
+    """A factory of clients of `engine_url` generating over `transport` (control always over HTTP)."""
+
+    def make() -> SGLangClient:
+        if transport == "grpc":
+            return GrpcSGLangClient(engine_url, engine_grpc_target)
+        return SGLangClient(engine_url)
+
+    return make
 
 
 @pytest.fixture(scope="session")

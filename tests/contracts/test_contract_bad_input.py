@@ -7,18 +7,22 @@ Each case runs while a long request is in flight on the engine: that request mus
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import pytest
 import torch
 from safetensors.torch import load_file
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from asyncrl_core.errors import EngineControlError, GenerationError
 from asyncrl_core.types import Generation, SamplingParams
 from asyncrl_sglang.client import SGLangClient, serialize_named_tensors
+from asyncrl_sglang.grpc_client import GrpcSGLangClient
 from asyncrl_sglang.pool import EnginePool
 from asyncrl_sglang.weight_sync import TensorTransport, sync_weights
 
@@ -27,10 +31,10 @@ pytestmark = pytest.mark.integration
 IN_FLIGHT = SamplingParams(max_new_tokens=200, temperature=0.0, ignore_eos=True)
 
 
-async def wait_running(client: SGLangClient) -> None:
+async def wait_running(client: SGLangClient, count: int = 1) -> None:
     async with asyncio.timeout(60):
         while True:
-            if (await client.metrics()).num_running_requests >= 1:
+            if (await client.metrics()).num_running_requests >= count:
                 return
             await asyncio.sleep(0.01)
 
@@ -103,12 +107,64 @@ async def test_unknown_sampling_key_is_named(client: SGLangClient, http: httpx.A
 
 
 @pytest.mark.usefixtures("in_flight")
-async def test_prompt_longer_than_the_context_is_refused(client: SGLangClient) -> None:
-    info = await client.server_info()
-    context_length = info["context_length"]
-    assert isinstance(context_length, int)
-    with pytest.raises(GenerationError, match="context"):
-        await client.generate([1] * (context_length + 1), SamplingParams(max_new_tokens=1))
+async def test_prompt_longer_than_the_context_is_refused(connect: Callable[[], SGLangClient]) -> None:
+    async with connect() as client:
+        info = await client.server_info()
+        context_length = info["context_length"]
+        assert isinstance(context_length, int)
+        with pytest.raises(GenerationError, match="context"):
+            await client.generate([1] * (context_length + 1), SamplingParams(max_new_tokens=1))
+        with pytest.raises(GenerationError, match="context"):
+            await client.generate([1] * 8, SamplingParams(max_new_tokens=context_length))
+        with pytest.raises(GenerationError, match="top_p"):
+            await client.generate([1, 2], SamplingParams(max_new_tokens=1, top_p=0.0))
+        with pytest.raises(GenerationError, match="empty"):
+            await client.generate([], SamplingParams(max_new_tokens=1))
+
+
+@pytest.mark.usefixtures("in_flight")
+@pytest.mark.parametrize(
+    ("request_fields", "named"),
+    [
+        ({"tokenized": pb.TokenizedInput(input_ids=[])}, "input_ids"),
+        ({"tokenized": pb.TokenizedInput(input_ids=[1, 10**9])}, "vocabulary"),
+        ({"sampling_params": pb.SamplingParams(top_p=0.0, temperature=1.0)}, "top_p"),
+        ({"sampling_params": pb.SamplingParams(top_p=1.0, top_k=0)}, "top_k"),
+        (
+            {"sampling_params": pb.SamplingParams(top_p=1.0, top_k=-1, frequency_penalty=0.5)},
+            "frequency_penalty",
+        ),
+        ({"sampling_params": pb.SamplingParams(top_p=1.0, top_k=-1, regex="a+")}, "regex"),
+        ({"lora_id": "adapter"}, "lora_id"),
+    ],
+)
+async def test_bad_grpc_requests_are_invalid_argument_with_a_message(
+    engine_grpc_target: str, request_fields: dict[str, Any], named: str
+) -> None:
+    fields: dict[str, Any] = {
+        "request_id": "bad",
+        "tokenized": pb.TokenizedInput(input_ids=[1, 2]),
+        "sampling_params": pb.SamplingParams(top_p=1.0, top_k=-1, max_new_tokens=1),
+        **request_fields,
+    }
+    async with grpc.aio.insecure_channel(engine_grpc_target) as channel:
+        call = pb_grpc.SglangSchedulerStub(channel).Generate(pb.GenerateRequest(**fields), timeout=60)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for _ in call:
+                pass
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert named in (refused.value.details() or "")
+
+
+@pytest.mark.usefixtures("in_flight")
+async def test_a_duplicate_rid_is_refused_over_grpc(engine_url: str, engine_grpc_target: str) -> None:
+    async with GrpcSGLangClient(engine_url, engine_grpc_target) as client:
+        first = asyncio.create_task(client.generate([1, 2], IN_FLIGHT, rid="twice"))
+        await wait_running(client, 2)
+        with pytest.raises(GenerationError, match="Duplicate request ID"):
+            await client.generate([1], SamplingParams(max_new_tokens=1), rid="twice")
+        await client.abort("twice")
+        assert (await first).finish_reason == "abort"
 
 
 @pytest.mark.usefixtures("in_flight")

@@ -1,4 +1,5 @@
-"""Weight syncs that land in the middle of a request, in each pause mode, checked token by token.
+"""Weight syncs that land in the middle of a request, in each pause mode, checked token by token, with the
+request sent over each generation transport (HTTP `/generate`, gRPC `Generate`).
 
 The engine runs greedy decoding of a long request; the sync swaps weights A (version v) for weights B
 (version v+1) while it runs. An independent reference (transformers' LlamaForCausalLM with the same weights)
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -121,12 +122,12 @@ async def wait_for_tokens(client: SGLangClient, start: float, count: int) -> Non
 
 
 async def sync_mid_request(
-    engine_url: str, reference: Reference, mode: SyncMode, old_seed: int, new_seed: int
+    connect: Callable[[], SGLangClient], reference: Reference, mode: SyncMode, old_seed: int, new_seed: int
 ) -> tuple[list[int], int, int]:
     """Run one long greedy request across a sync from A to B; returns its ids, the boundary `k`, and v."""
     old, new = reference.weights(old_seed), reference.weights(new_seed)
     reference.load(old, new)
-    async with EnginePool([SGLangClient(engine_url)]) as pool:
+    async with EnginePool([connect()]) as pool:
         client = pool.clients[0]
         version = await client.weight_version() + 1
         first = await sync_weights(pool, buckets(old), version, mode=mode, transport=TensorTransport())
@@ -157,9 +158,9 @@ async def sync_mid_request(
 
 
 async def test_retract_continues_from_the_kept_tokens_under_the_new_weights(
-    engine_url: str, reference: Reference
+    connect: Callable[[], SGLangClient], reference: Reference
 ) -> None:
-    output, boundary, _ = await sync_mid_request(engine_url, reference, "retract", 1, 2)
+    output, boundary, _ = await sync_mid_request(connect, reference, "retract", 1, 2)
     assert output[:boundary] == reference.greedy(reference.old, PROMPT, boundary)
     recomputed = reference.greedy(reference.new, PROMPT + output[:boundary], NUM_TOKENS - boundary)
     assert output[boundary:] == recomputed
@@ -167,8 +168,10 @@ async def test_retract_continues_from_the_kept_tokens_under_the_new_weights(
     assert recomputed != reference.in_place(PROMPT, output[:boundary], NUM_TOKENS - boundary)
 
 
-async def test_in_place_continues_with_the_old_kv_cache(engine_url: str, reference: Reference) -> None:
-    output, boundary, _ = await sync_mid_request(engine_url, reference, "in_place", 3, 4)
+async def test_in_place_continues_with_the_old_kv_cache(
+    connect: Callable[[], SGLangClient], reference: Reference
+) -> None:
+    output, boundary, _ = await sync_mid_request(connect, reference, "in_place", 3, 4)
     assert output[:boundary] == reference.greedy(reference.old, PROMPT, boundary)
     kept_kv = reference.in_place(PROMPT, output[:boundary], NUM_TOKENS - boundary)
     assert output[boundary:] == kept_kv
@@ -176,16 +179,18 @@ async def test_in_place_continues_with_the_old_kv_cache(engine_url: str, referen
 
 
 async def test_drain_finishes_in_flight_requests_under_the_old_weights(
-    engine_url: str, reference: Reference
+    connect: Callable[[], SGLangClient], reference: Reference
 ) -> None:
-    output, _, _ = await sync_mid_request(engine_url, reference, "drain", 5, 6)
+    output, _, _ = await sync_mid_request(connect, reference, "drain", 5, 6)
     assert output == reference.greedy(reference.old, PROMPT, NUM_TOKENS)
 
 
-async def test_drain_holds_new_requests_until_the_sync_is_done(engine_url: str, reference: Reference) -> None:
+async def test_drain_holds_new_requests_until_the_sync_is_done(
+    connect: Callable[[], SGLangClient], reference: Reference
+) -> None:
     old, new = reference.weights(7), reference.weights(8)
     reference.load(old, new)
-    async with EnginePool([SGLangClient(engine_url)]) as pool:
+    async with EnginePool([connect()]) as pool:
         client = pool.clients[0]
         version = await client.weight_version() + 1
         await sync_weights(pool, buckets(old), version, mode="drain", transport=TensorTransport())

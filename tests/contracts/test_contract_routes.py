@@ -19,6 +19,8 @@ from safetensors.torch import load_file
 from asyncrl_core.errors import EngineControlError, GenerationError
 from asyncrl_core.types import SamplingParams
 from asyncrl_sglang.client import SGLangClient, serialize_named_tensors
+from asyncrl_sglang.grpc_client import GrpcSGLangClient
+from asyncrl_sglang.launcher import builtin_command, pick_ports, start_engines
 
 pytestmark = pytest.mark.integration
 
@@ -294,12 +296,44 @@ async def test_10_abort_by_rid(http: httpx.AsyncClient, client: SGLangClient) ->
     assert (await client.generate([1], SamplingParams(max_new_tokens=2))).finish_reason == "length"
 
 
-async def test_10_abort_all(client: SGLangClient) -> None:
-    tasks = [asyncio.create_task(client.generate([i + 1], SamplingParams(**LONG))) for i in range(3)]
-    await wait_running(client, 2)
-    await client.abort_all()
-    results = await asyncio.gather(*tasks)
+async def test_10_abort_by_rid_over_each_transport(connect: Callable[[], SGLangClient]) -> None:
+    async with connect() as client:
+        task = asyncio.create_task(client.generate([5, 6, 7], SamplingParams(**LONG), rid="a2"))
+        await wait_running(client, 1)
+        await client.abort("a2")
+        aborted = await task
+        assert aborted.finish_reason == "abort"
+        assert 0 < len(aborted.output_ids) < LONG["max_new_tokens"]
+        assert len(aborted.logprobs) == len(aborted.output_ids)
+        assert aborted.versions_verified
+        assert aborted.version_spans[-1].end == len(aborted.output_ids)
+        await client.abort("nope")
+        assert (await client.generate([1], SamplingParams(max_new_tokens=2))).finish_reason == "length"
+
+
+async def test_10_abort_all(connect: Callable[[], SGLangClient]) -> None:
+    async with connect() as client:
+        tasks = [asyncio.create_task(client.generate([i + 1], SamplingParams(**LONG))) for i in range(3)]
+        await wait_running(client, 2)
+        await client.abort_all()
+        results = await asyncio.gather(*tasks)
     assert {result.finish_reason for result in results} == {"abort"}
+    # The one that never left the waiting queue has no prompt_tokens on the wire: the prompt length is used.
+    assert [result.prompt_tokens for result in results] == [1, 1, 1]
+
+
+async def test_a_cancelled_call_aborts_its_request(connect: Callable[[], SGLangClient]) -> None:
+    async with connect() as client:
+        task = asyncio.create_task(client.generate([8, 9], SamplingParams(**LONG)))
+        await wait_running(client, 1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+        async def idle() -> bool:
+            return (await client.metrics()).num_running_requests == 0
+
+        await eventually(idle, "the cancelled request aborted on the engine", timeout_s=30.0)
 
 
 async def test_14_pause_body_rules(http: httpx.AsyncClient, client: SGLangClient) -> None:
@@ -314,13 +348,22 @@ async def test_14_pause_body_rules(http: httpx.AsyncClient, client: SGLangClient
     assert (await client.generate([1], SamplingParams(max_new_tokens=1))).output_ids
 
 
-async def test_pause_abort_returns_partials_and_holds_new_requests(client: SGLangClient) -> None:
-    running = asyncio.create_task(client.generate([3, 4], SamplingParams(**LONG)))
-    await wait_running(client, 1)
-    await client.pause("abort")  # returns once the in-flight request has returned
-    assert running.done()
-    partial = running.result()
-    assert partial.finish_reason == "abort"
+async def test_pause_abort_returns_partials_and_holds_new_requests(
+    connect: Callable[[], SGLangClient], transport: str
+) -> None:
+    async with connect() as client:
+        running = asyncio.create_task(client.generate([3, 4], SamplingParams(**LONG)))
+        await wait_running(client, 1)
+        await client.pause("abort")  # returns once the in-flight request has answered
+        if transport == "http":
+            assert running.done()
+        # Over gRPC the answer and the pause's reply come on two connections: it is sent, not yet read.
+        partial = await asyncio.wait_for(running, 10)
+        assert partial.finish_reason == "abort"
+        await _holds_new_requests(client)
+
+
+async def _holds_new_requests(client: SGLangClient) -> None:
     held = asyncio.create_task(client.generate([3, 4], SamplingParams(max_new_tokens=3, ignore_eos=True)))
 
     async def gated() -> bool:
@@ -520,3 +563,34 @@ async def test_unknown_route_is_404(http: httpx.AsyncClient) -> None:
     reply = await http.get("/no_such_route")
     assert reply.status_code == 404
     assert reply.json() == {"detail": "Not Found"}
+
+
+async def test_grpc_needs_the_api_key_in_call_metadata(tiny_llama_path: Path, tmp_path: Path) -> None:
+    """With `--api-key`, every call but `HealthCheck` needs `authorization: Bearer KEY` (UNAUTHENTICATED
+    otherwise), as every HTTP route but `/health` does; the launcher's health wait needs no key."""
+    http_port, grpc_port = pick_ports("127.0.0.1", 2, None)
+    command = builtin_command(
+        model_path=str(tiny_llama_path),
+        host="127.0.0.1",
+        port=http_port,
+        grpc_port=grpc_port,
+        max_running_requests=2,
+        api_key="sesame",
+        enable_metrics=False,
+        extra_args={"num_threads": 1},
+    )
+    with start_engines([command], log_dir=tmp_path, health_timeout_s=240.0, api_key="sesame") as launched:
+        target = launched.grpc_targets[0]
+        assert target is not None
+        async with GrpcSGLangClient(launched.urls[0], target) as anonymous:
+            with pytest.raises(GenerationError, match="UNAUTHENTICATED"):
+                await anonymous.generate([1, 2], SamplingParams(max_new_tokens=1))
+        async with GrpcSGLangClient(launched.urls[0], target, api_key="wrong") as wrong:
+            with pytest.raises(GenerationError, match="UNAUTHENTICATED"):
+                await wrong.generate([1, 2], SamplingParams(max_new_tokens=1))
+        (client,) = launched.clients()
+        async with client:
+            assert isinstance(client, GrpcSGLangClient)
+            generation = await client.generate([1, 2], SamplingParams(max_new_tokens=2, ignore_eos=True))
+            assert len(generation.output_ids) == 2
+            assert (await client.grpc_model_info()).weight_version == "0"

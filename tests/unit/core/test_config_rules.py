@@ -506,3 +506,33 @@ def test_resume_from_must_exist(tmp_path: Path) -> None:
     absent.mkdir(parents=True)
     assert load_config(MINI, [f"checkpoint.resume_from={absent}"]).checkpoint.resume_from == str(absent)
     assert load_config(MINI, ["checkpoint.resume_from=latest"]).checkpoint.resume_from == "latest"
+
+
+def test_grpc_transport_is_validated() -> None:
+    assert load_config(MINI, ["rollout.sglang.transport=grpc"]).rollout.sglang.transport == "grpc"
+    assert "http" in problem_at("rollout.sglang.transport", MINI, "rollout.sglang.transport=udp")
+    assert "launch: external" in problem_at(
+        "rollout.sglang.transport", GPU, "rollout.sglang.transport=grpc", "rollout.sglang.launch=sglang"
+    )
+    external = ("rollout.sglang.launch=external", "rollout.sglang.urls=[http://a:1, http://b:1]")
+    assert "one gRPC address per URL" in problem_at(
+        "rollout.sglang.grpc_urls",
+        MINI,
+        *external,
+        "rollout.sglang.transport=grpc",
+        "rollout.sglang.grpc_urls=[a:2]",
+    )
+    assert "host:port" in problem_at(
+        "rollout.sglang.grpc_urls[1]",
+        MINI,
+        *external,
+        "rollout.sglang.transport=grpc",
+        "rollout.sglang.grpc_urls=[a:2, http://b:2]",
+    )
+    assert "transport: grpc" in problem_at(
+        "rollout.sglang.grpc_urls", MINI, *external, "rollout.sglang.grpc_urls=[a:2, b:2]"
+    )
+    config = load_config(
+        MINI, [*external, "rollout.sglang.transport=grpc", "rollout.sglang.grpc_urls=[a:2, b:2]"]
+    )
+    assert config.rollout.sglang.grpc_urls == ["a:2", "b:2"]

@@ -1,7 +1,9 @@
 """Start the rollout engines, wait until they serve, and stop every process started, whatever happens.
 
 `rollout.sglang.launch`:
-- `builtin`: `python -m asyncrl_sglang.builtin` per instance (asyncrl's torch engine);
+- `builtin`: `python -m asyncrl_sglang.builtin` per instance (asyncrl's torch engine), with
+  `--grpc-port` when `rollout.sglang.transport` is `grpc` (the launch then also waits for the gRPC
+  `HealthCheck`, and `clients()` generate over gRPC);
 - `sglang`: `python -m sglang.launch_server` per instance, with the flags an RL run needs (`--weight-version
   0` so versions are asyncrl ints from the start, `--enable-metrics` for the saturation gauges) and
   `CUDA_VISIBLE_DEVICES` set to the instance's share of the rollout devices;
@@ -37,6 +39,7 @@ from asyncrl_core.errors import EngineControlError, EngineUnavailableError
 from asyncrl_core.models import SMOLLM2_ALIAS
 from asyncrl_core.server_process import ServerProcess
 from asyncrl_sglang.client import ClientTimeouts, SGLangClient
+from asyncrl_sglang.grpc_client import GrpcSGLangClient, grpc_health_check
 from asyncrl_sglang.pool import EnginePool
 
 if TYPE_CHECKING:
@@ -53,6 +56,8 @@ class EngineCommand:
     host: str
     port: int
     env: Mapping[str, str] = field(default_factory=dict[str, str])
+    grpc_port: int | None = None
+    """The port of the engine's gRPC scheduler service (None: the engine serves HTTP only)."""
 
     @property
     def url(self) -> str:
@@ -60,6 +65,14 @@ class EngineCommand:
         # A server bound to every interface is reached on loopback from here.
         host = {"0.0.0.0": "127.0.0.1", "[::]": "[::1]"}.get(host, host)
         return f"http://{host}:{self.port}"
+
+    @property
+    def grpc_target(self) -> str | None:
+        """`host:port` of the gRPC service, reached on loopback when bound to every interface."""
+        if self.grpc_port is None:
+            return None
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
+        return f"[{host}]:{self.grpc_port}" if ":" in host else f"{host}:{self.grpc_port}"
 
 
 def resolve_model_path(model_path: str) -> str:
@@ -140,13 +153,14 @@ def builtin_command(
     context_length: int | None = None,
     api_key: str | None = None,
     enable_metrics: bool = True,
+    grpc_port: int | None = None,
     extra_args: Mapping[str, ServerArgument] | None = None,
     python: str = sys.executable,
 ) -> EngineCommand:
     """The command line of one built-in engine (same flag names as SGLang's where they exist).
 
     `devices`: the GPU for the engine (`CUDA_VISIBLE_DEVICES`, and the engine runs on `cuda`); none runs
-    it on the CPU.
+    it on the CPU. `grpc_port`: also serve SGLang's gRPC scheduler service there.
     """
     if len(devices) > 1:
         raise EngineControlError(
@@ -165,6 +179,8 @@ def builtin_command(
         arguments["context_length"] = context_length
     if api_key:
         arguments["api_key"] = api_key
+    if grpc_port is not None:
+        arguments["grpc_port"] = grpc_port
     arguments.update(extra_args or {})
     env = {"CUDA_VISIBLE_DEVICES": ",".join(str(device) for device in devices)} if devices else {}
     return EngineCommand(
@@ -172,6 +188,7 @@ def builtin_command(
         host=host,
         port=port,
         env=env,
+        grpc_port=grpc_port,
     )
 
 
@@ -284,29 +301,40 @@ def _wait_healthy(
     processes: Sequence[EngineProcess | None],
     timeout_s: float,
     api_key: str | None,
+    grpc_targets: Sequence[str | None] = (),
 ) -> None:
-    """Poll `/health` of every engine until all answer 200; fail early when a started engine exits."""
+    """Poll `/health` of every engine until all answer 200, and then the gRPC `HealthCheck` of those with a
+    gRPC target until it answers healthy; fail early when a started engine exits."""
     deadline = time.monotonic() + timeout_s
     pending = set(range(len(urls)))
+    grpc_pending = {index for index, target in enumerate(grpc_targets) if target is not None}
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     with httpx.Client(timeout=httpx.Timeout(5.0), headers=headers, trust_env=False) as http:
-        while pending:
-            for index in sorted(pending):
+        while pending or grpc_pending:
+            for index in sorted(pending | grpc_pending):
                 process = processes[index]
                 if process is not None and (code := process.returncode()) is not None:
                     raise EngineUnavailableError(
                         f"engine {index} ({urls[index]}) exited with status {code} before it was healthy; "
                         f"the end of {process.log_path}:\n{process.log_tail()}"
                     )
-                try:
-                    if http.get(f"{urls[index]}/health").status_code == 200:
-                        pending.discard(index)
-                except httpx.HTTPError:
-                    pass
-            if not pending:
+                if index in pending:
+                    try:
+                        if http.get(f"{urls[index]}/health").status_code == 200:
+                            pending.discard(index)
+                    except httpx.HTTPError:
+                        pass
+                else:
+                    target = grpc_targets[index]
+                    assert target is not None
+                    if grpc_health_check(target, api_key, timeout_s=max(1.0, deadline - time.monotonic())):
+                        grpc_pending.discard(index)
+            pending_names = [urls[index] for index in sorted(pending)]
+            pending_names += [f"{grpc_targets[index]} (gRPC)" for index in sorted(grpc_pending)]
+            if not pending_names:
                 return
             if time.monotonic() >= deadline:
-                names = ", ".join(urls[index] for index in sorted(pending))
+                names = ", ".join(pending_names)
                 raise EngineUnavailableError(f"engines not healthy within {timeout_s:.0f} s: {names}")
             time.sleep(0.25)
 
@@ -324,9 +352,14 @@ class LaunchedEngines:
         *,
         api_key: str | None = None,
         signals: contextlib.AbstractContextManager[None] | None = None,
+        grpc_targets: Sequence[str | None] = (),
     ) -> None:
-        """`signals`: the entered `_signals_exit()` context of the launch, left when the engines stop."""
+        """`signals`: the entered `_signals_exit()` context of the launch, left when the engines stop.
+        `grpc_targets`: per URL, the gRPC address generation goes to (None: HTTP); empty: all HTTP."""
+        if grpc_targets and len(grpc_targets) != len(urls):
+            raise EngineControlError(f"{len(grpc_targets)} gRPC targets for {len(urls)} engines")
         self.urls: tuple[str, ...] = tuple(urls)
+        self.grpc_targets: tuple[str | None, ...] = tuple(grpc_targets) or (None,) * len(self.urls)
         self.processes: tuple[EngineProcess, ...] = tuple(processes)
         self.api_key = api_key
         self._signals = signals
@@ -349,8 +382,14 @@ class LaunchedEngines:
             signals.__exit__(None, None, None)
 
     def clients(self, timeouts: ClientTimeouts | None = None) -> list[SGLangClient]:
-        """A new client per engine (create them inside the event loop that uses them)."""
-        return [SGLangClient(url, api_key=self.api_key, timeouts=timeouts) for url in self.urls]
+        """A new client per engine (create them inside the event loop that uses them): generating over
+        gRPC for an engine with a gRPC target, else over HTTP."""
+        return [
+            SGLangClient(url, api_key=self.api_key, timeouts=timeouts)
+            if target is None
+            else GrpcSGLangClient(url, target, api_key=self.api_key, timeouts=timeouts)
+            for url, target in zip(self.urls, self.grpc_targets, strict=True)
+        ]
 
     def pool(self, timeouts: ClientTimeouts | None = None) -> EnginePool:
         """A new pool over every engine."""
@@ -368,16 +407,25 @@ def start_engines(
     processes: list[EngineProcess] = []
     signals = _signals_exit()
     signals.__enter__()
+    grpc_targets = [command.grpc_target for command in commands]
     try:
         for index, command in enumerate(commands):
             processes.append(EngineProcess(command, log_dir / f"engine-{index}.log"))
-        _wait_healthy([command.url for command in commands], processes, health_timeout_s, api_key)
+        _wait_healthy(
+            [command.url for command in commands], processes, health_timeout_s, api_key, grpc_targets
+        )
     except BaseException:
         for process in processes:
             process.stop()
         signals.__exit__(None, None, None)
         raise
-    return LaunchedEngines([command.url for command in commands], processes, api_key=api_key, signals=signals)
+    return LaunchedEngines(
+        [command.url for command in commands],
+        processes,
+        api_key=api_key,
+        signals=signals,
+        grpc_targets=grpc_targets,
+    )
 
 
 def launch_engines(
@@ -399,8 +447,9 @@ def launch_engines(
         if not sglang.urls:
             raise EngineControlError("rollout.sglang.launch is external but rollout.sglang.urls is empty")
         urls = [url.rstrip("/") for url in sglang.urls]
-        _wait_healthy(urls, [None] * len(urls), health_timeout_s, sglang.api_key)
-        return LaunchedEngines(urls, api_key=sglang.api_key)
+        grpc_targets = list(sglang.grpc_urls) if sglang.transport == "grpc" else []
+        _wait_healthy(urls, [None] * len(urls), health_timeout_s, sglang.api_key, grpc_targets)
+        return LaunchedEngines(urls, api_key=sglang.api_key, grpc_targets=grpc_targets)
     tp = rollout.tensor_parallel_size
     num_instances = rollout.num_instances or max(1, len(devices) // tp)
     if gpu and len(devices) < num_instances * tp:
@@ -412,6 +461,14 @@ def launch_engines(
         raise EngineControlError("rollout.model_path is not set (it defaults to actor.model_path)")
     model_path = resolve_model_path(rollout.model_path)
     ports = pick_ports(sglang.host, num_instances, sglang.base_port)
+    grpc_ports: list[int | None] = [None] * num_instances
+    if sglang.transport == "grpc":
+        if sglang.launch == "sglang":
+            raise EngineControlError(
+                "rollout.sglang.transport grpc: the launcher starts SGLang's HTTP server only; use "
+                "launch: external with grpc_urls"
+            )
+        grpc_ports = list(pick_ports(sglang.host, num_instances, sglang.grpc_base_port, taken=ports))
     commands: list[EngineCommand] = []
     for index, port in enumerate(ports):
         share = tuple(devices[index * tp : (index + 1) * tp]) if gpu else ()
@@ -439,6 +496,7 @@ def launch_engines(
                     devices=share,
                     context_length=rollout.context_length,
                     api_key=sglang.api_key,
+                    grpc_port=grpc_ports[index],
                 )
             )
     return start_engines(

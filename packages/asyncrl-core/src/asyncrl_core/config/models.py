@@ -69,6 +69,7 @@ GREEDY_TEMPERATURE = 1e-6
 
 _EXPONENT = re.compile(r"^\s*[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+\s*$")
 _URL = re.compile(r"^https?://[^\s/:]+(:\d{1,5})?/?$")
+_GRPC_ADDRESS = re.compile(r"^[^\s/:]+:\d{1,5}$")
 
 
 def _exponent_as_float(value: object) -> object:
@@ -384,6 +385,15 @@ class SGLangConfig(Section):
     engine accepts (SGLang 0.5.23 takes CUDA-IPC handles there). `distributed`: the trainer broadcasts each
     bucket over a torch process group the engines join (`/update_weights_from_distributed`; NCCL on GPUs),
     the route real SGLang servers take."""
+    transport: Literal["http", "grpc"] = "http"
+    """How generation reaches the engines: `http` (`/generate`, JSON) or `grpc` (SGLang's `SglangScheduler`
+    service, token ids as protobuf). Pause, weight sync and versions always use HTTP."""
+    grpc_base_port: Annotated[int, Field(ge=1024, le=65535)] = 31000
+    """First gRPC port of launched servers with `transport: grpc`; instance `i` listens on
+    `grpc_base_port + i` (or the next free port)."""
+    grpc_urls: list[str] = Field(default_factory=list[str])
+    """gRPC addresses (`host:port`) of external servers with `transport: grpc`, one per entry of `urls`
+    and in the same order; `launch: external` only."""
 
     def check(self, root: AsyncRLConfig, found: Validation) -> None:
         if root.runner.async_mode and self.backend_type != "server":
@@ -424,6 +434,34 @@ class SGLangConfig(Section):
                 )
         if len(set(self.urls)) != len(self.urls):
             found.error("rollout.sglang.urls", "a URL is listed twice; list each server once")
+        self._check_transport(found)
+
+    def _check_transport(self, found: Validation) -> None:
+        if self.transport == "grpc" and self.launch == "sglang":
+            found.error(
+                "rollout.sglang.transport",
+                "`grpc` is served by the built-in engine; the launcher starts SGLang's HTTP server only. "
+                "Write `http`, or start SGLang's gRPC server beside its HTTP one yourself and use "
+                "`launch: external` with `grpc_urls`",
+            )
+        if self.grpc_urls and (self.transport != "grpc" or self.launch != "external"):
+            found.error(
+                "rollout.sglang.grpc_urls",
+                "gRPC addresses are used only with `transport: grpc` and `launch: external`; remove them or "
+                "set both",
+            )
+        if self.transport == "grpc" and self.launch == "external" and len(self.grpc_urls) != len(self.urls):
+            found.error(
+                "rollout.sglang.grpc_urls",
+                f"`transport: grpc` with `launch: external` needs one gRPC address per URL "
+                f"({len(self.urls)}), got {len(self.grpc_urls)}; e.g. `grpc_urls: [10.0.0.2:31000]`",
+            )
+        for index, address in enumerate(self.grpc_urls):
+            if not _GRPC_ADDRESS.match(address):
+                found.error(
+                    f"rollout.sglang.grpc_urls[{index}]",
+                    f"{address!r} is not a gRPC address; write `host:port`",
+                )
 
 
 class SamplingConfig(Section):

@@ -35,6 +35,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     parser.add_argument("--port", type=int, default=30000, help="0 picks a free port (see --port-file)")
     parser.add_argument("--port-file", help="write the bound port to this file once the server listens")
+    parser.add_argument(
+        "--grpc-port",
+        type=int,
+        help="also serve SGLang's gRPC scheduler service (generation) on this port; 0 picks a free one",
+    )
     parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route but /health")
     parser.add_argument("--max-running-requests", type=int, default=32)
     parser.add_argument("--context-length", type=int, help="default: min(max_position_embeddings, 4096)")
@@ -147,6 +152,13 @@ async def _serve(args: argparse.Namespace, model_path: Path) -> None:
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()
     port = bound_port(runner, args.port)
+    service = grpc_server = None
+    if args.grpc_port is not None:
+        from asyncrl_sglang.builtin.grpc_service import SchedulerService, start_grpc_server
+
+        service = SchedulerService(engine, server.gate, server_args)
+        grpc_server, grpc_port = await start_grpc_server(service, args.host, args.grpc_port, args.api_key)
+        print(f"asyncrl builtin engine serving gRPC on {args.host}:{grpc_port}", flush=True)
     if args.port_file:
         write_port_file(Path(args.port_file), port)
     logger.info("listening on http://%s:%d", args.host, port)
@@ -159,11 +171,17 @@ async def _serve(args: argparse.Namespace, model_path: Path) -> None:
         if not args.skip_server_warmup:
             await asyncio.to_thread(_warmup, engine)
         server.ready = True
+        if service is not None:
+            service.ready = True
         logger.info("The server is fired up and ready to roll!")
         await stop.wait()
     finally:
         server.ready = False
+        if service is not None:
+            service.ready = False
         await asyncio.to_thread(engine.stop)
+        if grpc_server is not None:
+            await grpc_server.stop(grace=5.0)
         await runner.cleanup()
 
 
