@@ -106,16 +106,33 @@ def test_mini_world_is_deterministic_and_sized_as_documented(tmp_path: Path) -> 
 def test_mini_demonstrations_parse_as_the_task_reads_them() -> None:
     task = SearchR1MiniTask()
     demonstrations = task.demonstrations()
-    assert len(demonstrations) == 2
+    samples = {sample.messages: sample for sample in task.dataset("train")}
+    assert len(demonstrations) == len(samples)  # one per train question
+    # The few-shot pair comes first: one hop, then two.
+    assert "Who founded" in demonstrations[0].messages[-1].content
+    assert "In which city was the founder" in demonstrations[1].messages[-1].content
     for demonstration in demonstrations:
-        turns = demonstration.response.split("</search>")
-        for turn in turns[:-1]:
-            assert isinstance(task.parse_turn(turn + "</search>"), ToolCall)
-        answer = task.parse_turn(turns[-1])
+        # The model's turns parse as the task reads them; the observations are what the task would show.
+        model_turns = [text for text, is_model_text in demonstration.segments() if is_model_text]
+        for turn in model_turns[:-1]:
+            assert isinstance(task.parse_turn(turn), ToolCall)
+        answer = task.parse_turn(model_turns[-1])
         assert isinstance(answer, FinalAnswer)
-        question = demonstration.messages[-1].content
-        sample = next(s for s in task.dataset("train") if s.messages[-1].content == question)
-        assert task.reward(sample, answer) == 1.0
+        assert task.reward(samples[demonstration.messages], answer) == 1.0
+        observations = [text for text, is_model_text in demonstration.segments() if not is_model_text]
+        assert len(observations) == len(model_turns) - 1
+        for observation in observations:
+            assert observation.startswith("\n\n<information>Doc 1(Title: ")
+            assert observation.count("Doc ") == task.topk
+
+
+def test_mini_max_hops_keeps_the_easy_questions() -> None:
+    easy = SearchR1MiniTask(max_hops=1)
+    assert 0 < len(easy.dataset("train")) < len(SearchR1MiniTask().dataset("train"))
+    assert len(easy.demonstrations()) == len(easy.dataset("train"))
+    assert all(len(d.observation_spans) == 1 for d in easy.demonstrations())
+    with pytest.raises(AsyncRLError, match="max_hops must be at least 1"):
+        SearchR1MiniTask(max_hops=0)
 
 
 def test_tasks_are_registered_and_meet_the_protocol() -> None:

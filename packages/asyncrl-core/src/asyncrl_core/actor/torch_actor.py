@@ -104,7 +104,8 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _load_causal_lm(path: Path, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
+def load_causal_lm(path: Path, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
+    """The causal LM of the folder `path` on `device`, dropout off and no KV cache (a model to train)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -170,7 +171,7 @@ class TorchActor:
             else:
                 logger.warning("%s has no native bfloat16: the torch actor computes in float32", self.device)
 
-        self.module = _load_causal_lm(self.model_path, self.device, torch.float32)
+        self.module = load_causal_lm(self.model_path, self.device, torch.float32)
         if actor.gradient_checkpointing:
             # transformers 5 renamed the method; the old name remains as a deprecated alias.
             enable = getattr(self.module, "activation_checkpointing_enable", None)
@@ -190,7 +191,7 @@ class TorchActor:
             )
         self.reference: PreTrainedModel | None = None
         if self.settings.needs_reference:
-            self.reference = _load_causal_lm(self.model_path, self.device, self.compute_dtype).eval()
+            self.reference = load_causal_lm(self.model_path, self.device, self.compute_dtype).eval()
             self.reference.requires_grad_(False)
 
         parameters = [p for p in self.module.parameters() if p.requires_grad]

@@ -23,6 +23,7 @@ from asyncrl_core.config.models import (
     SamplingConfig,
     SGLangConfig,
     TorchActorConfig,
+    WarmStartConfig,
 )
 from asyncrl_core.config.task_args import TaskArguments
 from asyncrl_core.config.validate import derived_max_inflight_groups
@@ -46,6 +47,7 @@ __all__ = [
     "SamplingConfig",
     "TaskArguments",
     "TorchActorConfig",
+    "WarmStartConfig",
     "derived_max_inflight_groups",
     "load_config",
     "parse_overrides",

@@ -977,6 +977,23 @@ class CheckpointConfig(Section):
             )
 
 
+class WarmStartConfig(Section):
+    """Supervised fine-tuning of `actor.model_path` on the task's demonstrations before RL starts
+    (`asyncrl_core.actor.warm_start`); actor and engines then load the fine-tuned model. Off by default."""
+
+    num_steps: NonNegativeInt = 0
+    """Optimiser steps of the fine-tuning; 0 turns the warm start off."""
+    lr: Annotated[float, Field(gt=0.0)] = 1e-3
+    """Peak learning rate (AdamW): a linear warm-up over the first tenth of the steps, then a cosine decay
+    to a tenth of it."""
+    batch_size: PositiveInt = 16
+    """Demonstrations per optimiser step."""
+    max_len: PositiveInt = 1024
+    """Most tokens of one demonstration (prompt and response); longer ones are cut at the end."""
+    weight_decay: Annotated[float, Field(ge=0.0)] = 0.0
+    """Decoupled weight decay of AdamW."""
+
+
 class AsyncRLConfig(Section):
     """The whole configuration of a run (the root of the YAML file)."""
 
@@ -1000,6 +1017,8 @@ class AsyncRLConfig(Section):
     """Metrics output."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     """Checkpoints."""
+    warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
+    """Supervised fine-tuning on the task's demonstrations before RL."""
 
     _derived_keys: frozenset[str] = PrivateAttr(default=frozenset())
     _warnings: tuple[ConfigProblem, ...] = PrivateAttr(default=())
