@@ -59,6 +59,12 @@ def make_task(name: str, args: dict[str, Any]) -> Task:
     return factory(**args)
 
 
+def earliest_version(group: Group) -> int:
+    """The earliest weight version that sampled a token of `group` (its finish version if none did)."""
+    versions = group.version_range()
+    return versions[0] if versions is not None else group.finish_version
+
+
 def quarter_means(values: list[float]) -> tuple[float, float]:
     quarter = max(1, len(values) // 4)
     return statistics.fmean(values[:quarter]), statistics.fmean(values[-quarter:])
@@ -175,7 +181,7 @@ async def rl_loop(
                     admit()
                 async with ready:
                     await asyncio.wait_for(ready.wait_for(lambda: len(finished) >= batch_size), 1800)
-                    finished.sort(key=lambda item: (item[1].version_range()[0], item[0]))
+                    finished.sort(key=lambda item: (earliest_version(item[1]), item[0]))
                     batch = [group for _, group in finished[:batch_size]]
                     del finished[:batch_size]
                 if mode == "sync":
@@ -184,7 +190,7 @@ async def rl_loop(
                     admit()
                 wait_s = time.perf_counter() - step_started
                 generated_groups += len(batch)
-                staleness = [actor.version - group.version_range()[0] for group in batch]
+                staleness = [actor.version - earliest_version(group) for group in batch]
                 trained = time.perf_counter()
                 metrics = await asyncio.to_thread(actor.train_step, batch)
                 train_s = time.perf_counter() - trained
