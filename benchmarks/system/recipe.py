@@ -108,7 +108,6 @@ async def rl_loop(
                 actor_config,  # pyright: ignore[reportArgumentType]
                 config.algorithm,
                 device="cpu",
-                temperature=rollout.sampling.temperature,
             )
             task = make_task(task_name, {**task_args, **served})
             pool = engines.pool()
