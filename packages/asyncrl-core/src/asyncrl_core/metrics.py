@@ -142,8 +142,6 @@ TRAJECTORY_NUM_INVALID_TURNS: Final = "num_invalid_turns"
 """Turns whose output could not be parsed."""
 TRAJECTORY_NUM_OBSERVATIONS_CUT: Final = "num_observations_cut"
 """Observations truncated to fit the response budget."""
-TRAJECTORY_LATEST_VERSION: Final = "latest_version"
-"""Latest weight version that generated any token of the trajectory."""
 
 # --- Groupings
 
