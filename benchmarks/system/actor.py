@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from asyncrl_core.metrics import TRAIN_LOSS
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 SMOLLM2_SHAPE = {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9,
@@ -261,7 +263,7 @@ def main() -> int:
         losses: list[float] = []
 
         def actor_step() -> None:
-            losses.append(actor.train_step(groups)["train/loss"])
+            losses.append(actor.train_step(groups)[TRAIN_LOSS])
 
         # Interleave (a) and (b) so drift in clocks or load hits both alike.
         runs["megatron_bare"] = timed(bare, args.warmup, args.steps)

@@ -28,32 +28,40 @@ from typing import Any
 
 from asyncrl_agents.loop import AgentLoopWorker
 from asyncrl_agents.tasks.searchr1 import SearchR1MiniTask
+from asyncrl_core.metrics import (
+    TRAJECTORY_BOOKKEEPING_S,
+    TRAJECTORY_GENERATION_S,
+    TRAJECTORY_NUM_MODEL_TOKENS,
+    TRAJECTORY_NUM_TOOL_CALLS,
+    TRAJECTORY_PARSE_S,
+    TRAJECTORY_TOOL_S,
+)
 from asyncrl_core.types import Generation, Group, SamplingParams, VersionSpan
 
-PHASES = ("generation_s", "parse_s", "tool_s", "bookkeeping_s")
+PHASES = (TRAJECTORY_GENERATION_S, TRAJECTORY_PARSE_S, TRAJECTORY_TOOL_S, TRAJECTORY_BOOKKEEPING_S)
 
 
 def per_turn(groups: Sequence[Group], wall_s: float) -> dict[str, float]:
     """Totals over all trajectories, as means per model turn (tool time per tool call)."""
     trajectories = [t for g in groups for t in g.trajectories]
     turns = sum(t.num_turns for t in trajectories)
-    calls = sum(t.metrics["num_tool_calls"] for t in trajectories)
+    calls = sum(t.metrics[TRAJECTORY_NUM_TOOL_CALLS] for t in trajectories)
     totals = {phase: sum(t.metrics[phase] for t in trajectories) for phase in PHASES}
-    overhead = totals["parse_s"] + totals["tool_s"] + totals["bookkeeping_s"]
+    overhead = totals[TRAJECTORY_PARSE_S] + totals[TRAJECTORY_TOOL_S] + totals[TRAJECTORY_BOOKKEEPING_S]
     return {
         "num_trajectories": len(trajectories),
         "num_turns": turns,
         "num_tool_calls": calls,
-        "num_model_tokens": sum(t.metrics["num_model_tokens"] for t in trajectories),
+        "num_model_tokens": sum(t.metrics[TRAJECTORY_NUM_MODEL_TOKENS] for t in trajectories),
         "mean_reward": sum(t.reward for t in trajectories) / max(1, len(trajectories)),
-        "generation_ms_per_turn": 1e3 * totals["generation_s"] / max(1, turns),
-        "parse_ms_per_turn": 1e3 * totals["parse_s"] / max(1, turns),
-        "bookkeeping_ms_per_turn": 1e3 * totals["bookkeeping_s"] / max(1, turns),
-        "tool_ms_per_call": 1e3 * totals["tool_s"] / max(1, calls),
-        "tool_ms_per_turn": 1e3 * totals["tool_s"] / max(1, turns),
+        "generation_ms_per_turn": 1e3 * totals[TRAJECTORY_GENERATION_S] / max(1, turns),
+        "parse_ms_per_turn": 1e3 * totals[TRAJECTORY_PARSE_S] / max(1, turns),
+        "bookkeeping_ms_per_turn": 1e3 * totals[TRAJECTORY_BOOKKEEPING_S] / max(1, turns),
+        "tool_ms_per_call": 1e3 * totals[TRAJECTORY_TOOL_S] / max(1, calls),
+        "tool_ms_per_turn": 1e3 * totals[TRAJECTORY_TOOL_S] / max(1, turns),
         "overhead_ms_per_turn": 1e3 * overhead / max(1, turns),
-        "overhead_over_generation": overhead / totals["generation_s"]
-        if totals["generation_s"]
+        "overhead_over_generation": overhead / totals[TRAJECTORY_GENERATION_S]
+        if totals[TRAJECTORY_GENERATION_S]
         else float("nan"),
         "wall_s": wall_s,
     }

@@ -37,6 +37,20 @@ from typing import TYPE_CHECKING
 
 from asyncrl_core import prompts
 from asyncrl_core.errors import AsyncRLError, GenerationError, PromptTooLongError
+from asyncrl_core.metrics import (
+    TRAJECTORY_BOOKKEEPING_S,
+    TRAJECTORY_GENERATION_S,
+    TRAJECTORY_LOOP_OVERHEAD_S,
+    TRAJECTORY_NUM_INVALID_TURNS,
+    TRAJECTORY_NUM_MODEL_TOKENS,
+    TRAJECTORY_NUM_OBSERVATION_TOKENS,
+    TRAJECTORY_NUM_OBSERVATIONS_CUT,
+    TRAJECTORY_NUM_TOOL_CALLS,
+    TRAJECTORY_NUM_TOOL_ERRORS,
+    TRAJECTORY_PARSE_S,
+    TRAJECTORY_TOOL_S,
+    TRAJECTORY_TOTAL_S,
+)
 from asyncrl_core.protocols import GenerationClient, Task, Tool
 from asyncrl_core.types import (
     NO_VERSION,
@@ -285,18 +299,18 @@ class AgentLoopWorker:
         reward = self.task.reward(sample, episode.answer)
         total_s = time.perf_counter() - started
         metrics = {
-            "generation_s": episode.generation_s,
-            "tool_s": episode.tool_s,
-            "parse_s": episode.parse_s,
-            "bookkeeping_s": episode.bookkeeping_s,
-            "loop_overhead_s": max(0.0, total_s - episode.generation_s - episode.tool_s),
-            "total_s": total_s,
-            "num_model_tokens": float(sum(episode.loss_mask)),
-            "num_observation_tokens": float(episode.response_len - sum(episode.loss_mask)),
-            "num_tool_calls": float(episode.num_tool_calls),
-            "num_tool_errors": float(episode.num_tool_errors),
-            "num_invalid_turns": float(episode.num_invalid_turns),
-            "num_observations_cut": float(episode.num_observations_cut),
+            TRAJECTORY_GENERATION_S: episode.generation_s,
+            TRAJECTORY_TOOL_S: episode.tool_s,
+            TRAJECTORY_PARSE_S: episode.parse_s,
+            TRAJECTORY_BOOKKEEPING_S: episode.bookkeeping_s,
+            TRAJECTORY_LOOP_OVERHEAD_S: max(0.0, total_s - episode.generation_s - episode.tool_s),
+            TRAJECTORY_TOTAL_S: total_s,
+            TRAJECTORY_NUM_MODEL_TOKENS: float(sum(episode.loss_mask)),
+            TRAJECTORY_NUM_OBSERVATION_TOKENS: float(episode.response_len - sum(episode.loss_mask)),
+            TRAJECTORY_NUM_TOOL_CALLS: float(episode.num_tool_calls),
+            TRAJECTORY_NUM_TOOL_ERRORS: float(episode.num_tool_errors),
+            TRAJECTORY_NUM_INVALID_TURNS: float(episode.num_invalid_turns),
+            TRAJECTORY_NUM_OBSERVATIONS_CUT: float(episode.num_observations_cut),
         }
         return Trajectory(
             token_ids=episode.token_ids,

@@ -53,6 +53,14 @@ from asyncrl_core.algorithms import (
     token_logprobs_and_entropy,
 )
 from asyncrl_core.errors import AsyncRLError
+from asyncrl_core.metrics import (
+    TRAIN_GRAD_NORM,
+    TRAIN_LR,
+    TRAIN_NUM_LOSS_TOKENS,
+    TRAIN_NUM_TOKENS,
+    TRAIN_NUM_TRAJECTORIES,
+    TRAIN_NUM_UPDATES,
+)
 from asyncrl_core.protocols import NamedTensors
 from asyncrl_core.types import Group
 from asyncrl_megatron import parallel
@@ -315,18 +323,18 @@ class MegatronActor:
         if self.dp_size > 1:
             dist.all_reduce(reduced, group=self.dp_group)
         self.update_metrics = tuple(
-            dict(zip(names, values, strict=True)) | {"train/grad_norm": grad_norm}
+            dict(zip(names, values, strict=True)) | {TRAIN_GRAD_NORM: grad_norm}
             for values, grad_norm in zip(reduced.tolist(), grad_norms, strict=True)
         )
         result = {
             name: sum(metrics[name] for metrics in self.update_metrics) / num_updates
             for name in self.update_metrics[0]
         }
-        result["train/lr"] = self.settings.lr
-        result["train/num_updates"] = float(num_updates)
-        result["train/num_trajectories"] = float(sum(batch.num_rows for batch in batches))
-        result["train/num_tokens"] = float(sum(batch.num_tokens for batch in batches))
-        result["train/num_loss_tokens"] = float(sum(batch.num_loss_tokens for batch in batches))
+        result[TRAIN_LR] = self.settings.lr
+        result[TRAIN_NUM_UPDATES] = float(num_updates)
+        result[TRAIN_NUM_TRAJECTORIES] = float(sum(batch.num_rows for batch in batches))
+        result[TRAIN_NUM_TOKENS] = float(sum(batch.num_tokens for batch in batches))
+        result[TRAIN_NUM_LOSS_TOKENS] = float(sum(batch.num_loss_tokens for batch in batches))
         return result
 
     def _accumulate_gradients(

@@ -34,6 +34,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from asyncrl_core.errors import EngineControlError
+from asyncrl_core.metrics import SYNC_PAUSED_REQUESTS, TIME_SYNC_WEIGHTS
 from asyncrl_sglang.client import DEFAULT_GROUP_NAME, dtype_name, serialize_named_tensors
 from asyncrl_sglang.pool import EnginePool
 from asyncrl_sglang.process_group import join_weight_update_group
@@ -65,8 +66,8 @@ class SyncResult:
     def metrics(self) -> dict[str, float]:
         """The step metrics of this sync (`time/sync_weights` is the name the runner logs)."""
         return {
-            "time/sync_weights": self.time_s,
-            "rollout/sync_paused_requests": float(self.num_paused_requests),
+            TIME_SYNC_WEIGHTS: self.time_s,
+            SYNC_PAUSED_REQUESTS: float(self.num_paused_requests),
         }
 
 

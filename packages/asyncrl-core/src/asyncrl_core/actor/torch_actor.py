@@ -48,6 +48,14 @@ from asyncrl_core.algorithms import (
     token_logprobs,
 )
 from asyncrl_core.errors import AsyncRLError
+from asyncrl_core.metrics import (
+    TRAIN_GRAD_NORM,
+    TRAIN_LR,
+    TRAIN_NUM_LOSS_TOKENS,
+    TRAIN_NUM_TOKENS,
+    TRAIN_NUM_TRAJECTORIES,
+    TRAIN_NUM_UPDATES,
+)
 from asyncrl_core.protocols import NamedTensors
 from asyncrl_core.types import Group
 
@@ -262,18 +270,18 @@ class TorchActor:
 
         reduced = all_reduce_sum(torch.stack(per_update)).tolist()
         self.update_metrics = tuple(
-            dict(zip(names, values, strict=True)) | {"train/grad_norm": grad_norm}
+            dict(zip(names, values, strict=True)) | {TRAIN_GRAD_NORM: grad_norm}
             for values, grad_norm in zip(reduced, grad_norms, strict=True)
         )
         result = {
             name: sum(metrics[name] for metrics in self.update_metrics) / num_updates
             for name in self.update_metrics[0]
         }
-        result["train/lr"] = float(self.optimizer.param_groups[0]["lr"])
-        result["train/num_updates"] = float(num_updates)
-        result["train/num_trajectories"] = float(sum(batch.num_rows for batch in batches))
-        result["train/num_tokens"] = float(sum(batch.num_tokens for batch in batches))
-        result["train/num_loss_tokens"] = float(sum(batch.num_loss_tokens for batch in batches))
+        result[TRAIN_LR] = float(self.optimizer.param_groups[0]["lr"])
+        result[TRAIN_NUM_UPDATES] = float(num_updates)
+        result[TRAIN_NUM_TRAJECTORIES] = float(sum(batch.num_rows for batch in batches))
+        result[TRAIN_NUM_TOKENS] = float(sum(batch.num_tokens for batch in batches))
+        result[TRAIN_NUM_LOSS_TOKENS] = float(sum(batch.num_loss_tokens for batch in batches))
         return result
 
     def export_weights(

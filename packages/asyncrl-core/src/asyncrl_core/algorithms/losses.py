@@ -28,6 +28,17 @@ import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from asyncrl_core.algorithms.batch import LossAggregation
+from asyncrl_core.metrics import (
+    TRAIN_CLIP_FRAC,
+    TRAIN_ENTROPY,
+    TRAIN_KL,
+    TRAIN_LOSS,
+    TRAIN_OFF_POLICY_BEHAVIOUR_KL,
+    TRAIN_OFF_POLICY_TRUNCATED_FRAC,
+    TRAIN_OFF_POLICY_WEIGHT_MEAN,
+    TRAIN_PG_LOSS,
+    TRAIN_PPO_RATIO_MEAN,
+)
 
 if TYPE_CHECKING:
     from asyncrl_core.config import AlgorithmConfig
@@ -329,25 +340,25 @@ def policy_loss(
         raw_weight = torch.exp(behaviour_log_ratio)
         importance = raw_weight.clamp(max=settings.off_policy_max_weight)
         per_token = per_token * importance
-        metrics["train/off_policy/weight_mean"] = weighted(importance)
-        metrics["train/off_policy/truncated_frac"] = weighted(
+        metrics[TRAIN_OFF_POLICY_WEIGHT_MEAN] = weighted(importance)
+        metrics[TRAIN_OFF_POLICY_TRUNCATED_FRAC] = weighted(
             (raw_weight > settings.off_policy_max_weight).float()
         )
-        metrics["train/off_policy/behaviour_kl"] = weighted(kl_penalty(behaviour, anchor, "k3"))
-    metrics["train/pg_loss"] = weighted(per_token)
-    metrics["train/clip_frac"] = weighted((clipped > unclipped).float())
-    metrics["train/ppo_ratio/mean"] = weighted(ratio)
+        metrics[TRAIN_OFF_POLICY_BEHAVIOUR_KL] = weighted(kl_penalty(behaviour, anchor, "k3"))
+    metrics[TRAIN_PG_LOSS] = weighted(per_token)
+    metrics[TRAIN_CLIP_FRAC] = weighted((clipped > unclipped).float())
+    metrics[TRAIN_PPO_RATIO_MEAN] = weighted(ratio)
 
     total = per_token
     if ref_logprobs is not None:
         kl = kl_penalty(logprobs.float(), ref_logprobs.detach().float(), settings.kl_estimator)
-        metrics["train/kl"] = weighted(kl)
+        metrics[TRAIN_KL] = weighted(kl)
         if settings.kl_coef > 0.0:
             total = total + settings.kl_coef * kl
     if entropy is not None:
-        metrics["train/entropy"] = weighted(entropy)
+        metrics[TRAIN_ENTROPY] = weighted(entropy)
         if settings.entropy_coef > 0.0:
             total = total - settings.entropy_coef * entropy.float()
     loss = (torch.where(trained, total, 0.0) * weights).sum()
-    metrics["train/loss"] = loss.detach()
+    metrics[TRAIN_LOSS] = loss.detach()
     return loss, metrics
