@@ -33,6 +33,7 @@ from asyncrl_agents.loop import AgentLoopWorker
 from asyncrl_core import plugins
 from asyncrl_core.config import AsyncRLConfig, load_config
 from asyncrl_core.errors import PromptTooLongError
+from asyncrl_core.metrics import TRAIN_LOSS, TRAJECTORY_NUM_MODEL_TOKENS
 from asyncrl_core.protocols import Task
 from asyncrl_core.types import Group, SamplingParams
 
@@ -207,7 +208,9 @@ async def rl_loop(
                     "step": step + 1,
                     "reward": statistics.fmean(t.reward for t in trajectories),
                     "turns": statistics.fmean(t.num_turns for t in trajectories),
-                    "model_tokens": statistics.fmean(t.metrics["num_model_tokens"] for t in trajectories),
+                    "model_tokens": statistics.fmean(
+                        t.metrics[TRAJECTORY_NUM_MODEL_TOKENS] for t in trajectories
+                    ),
                     "response_len": statistics.fmean(t.response_len for t in trajectories),
                     "answered": statistics.fmean(t.finish_reason == "answer" for t in trajectories),
                     "staleness_max": max(staleness),
@@ -216,7 +219,7 @@ async def rl_loop(
                     "sync_s": sync_s,
                     "sync_paused": result.num_paused_requests,
                     "step_s": time.perf_counter() - step_started,
-                    "loss": metrics.get("train/loss", float("nan")),
+                    "loss": metrics.get(TRAIN_LOSS, float("nan")),
                     "groups_per_s": generated_groups / (time.perf_counter() - rollout_started),
                 }
                 steps.append(record)
