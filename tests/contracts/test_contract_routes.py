@@ -593,4 +593,13 @@ async def test_grpc_needs_the_api_key_in_call_metadata(tiny_llama_path: Path, tm
             assert isinstance(client, GrpcSGLangClient)
             generation = await client.generate([1, 2], SamplingParams(max_new_tokens=2, ignore_eos=True))
             assert len(generation.output_ids) == 2
-            assert (await client.grpc_model_info()).weight_version == "0"
+            info = await client.grpc_model_info()
+            assert info.weight_version == "0"
+            assert info.max_context_length == info.max_req_input_len + 1
+            server = await client.grpc_server_info()
+            assert server.server_type == "grpc"
+            assert not server.is_paused
+            assert "api_key" not in server.server_args
+            loads = await client.grpc_loads()
+            assert loads.loads[0].max_running_requests == 2
+            assert loads.loads[0].num_running_reqs == 0
