@@ -13,12 +13,15 @@ import pytest
 import torch
 from aiohttp import ClientResponse
 from aiohttp.test_utils import TestClient, TestServer
+from pydantic import TypeAdapter
 
 from asyncrl_sglang.builtin.engine import Engine
 from asyncrl_sglang.builtin.model import EngineModel
 from asyncrl_sglang.builtin.server import BuiltinServer, ServerArgs, encode_safetensors
+from asyncrl_sglang.wire import GenerateResponse
 
 WAIT_S = 60.0
+GENERATE_RESPONSES = TypeAdapter(list[GenerateResponse])
 Factory = Callable[..., Any]
 
 
@@ -75,8 +78,15 @@ async def _json(response: ClientResponse) -> Any:
 
 
 async def _generate(client: TestClient[Any, Any], **body: Any) -> tuple[int, Any]:
+    """POST /generate; a 200 body must be the wire model's response (one object, or a list of them)."""
     response = await client.post("/generate", json=body)
-    return response.status, await _json(response)
+    text = await response.text()
+    if response.status == 200:
+        if text.startswith("["):
+            GENERATE_RESPONSES.validate_json(text)
+        else:
+            GenerateResponse.model_validate_json(text)
+    return response.status, json.loads(text)
 
 
 async def _until(predicate: Callable[[], bool]) -> None:
