@@ -34,8 +34,8 @@ GROUPS: tuple[PluginGroup, ...] = ("asyncrl.tasks", "asyncrl.actors", "asyncrl.r
 BUILTINS: dict[PluginGroup, dict[str, str]] = {
     "asyncrl.tasks": {},
     "asyncrl.actors": {
-        "torch": "asyncrl_core.actor:TorchActor",
-        "megatron": "asyncrl_megatron.actor:MegatronActor",
+        "torch": "asyncrl_core.actor:TorchActor.from_run_config",
+        "megatron": "asyncrl_megatron.actor:MegatronActor.from_run_config",
     },
     "asyncrl.rollout_backends": {
         "sglang": "asyncrl_sglang.launcher:launch_engines",

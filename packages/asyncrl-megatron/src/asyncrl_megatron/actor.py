@@ -71,7 +71,7 @@ if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.models.gpt import GPTModel
 
-    from asyncrl_core.config import AlgorithmConfig, MegatronActorConfig
+    from asyncrl_core.config import AlgorithmConfig, AsyncRLConfig, MegatronActorConfig
 
 logger = logging.getLogger(__name__)
 
@@ -249,6 +249,19 @@ class MegatronActor:
     def from_config(cls, actor: MegatronActorConfig, algorithm: AlgorithmConfig) -> MegatronActor:
         """The actor for the configuration's `actor` (`backend: megatron`) and `algorithm` sections."""
         return cls(MegatronActorSettings.from_config(actor), LossSettings.from_config(algorithm))
+
+    @classmethod
+    def from_run_config(cls, config: AsyncRLConfig, *, model_path: str, device: str) -> MegatronActor:
+        """The actor plugin factory (`asyncrl.actors`): the run's actor on `model_path`, sampling at the
+        engines' temperature. Megatron picks its device itself (the rank's GPU, else the CPU)."""
+        del device
+        if config.actor.backend != "megatron":
+            raise MegatronActorError(f"the Megatron actor cannot run actor.backend {config.actor.backend!r}")
+        return cls.from_config(
+            config.actor.model_copy(update={"model_path": model_path}),  # pyright: ignore[reportArgumentType]
+            config.algorithm,
+            temperature=config.rollout.sampling.temperature,
+        )
 
     # --- the Actor protocol ---------------------------------------------------------------------------------
 

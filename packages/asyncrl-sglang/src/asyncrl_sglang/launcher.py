@@ -500,3 +500,10 @@ def launch_engines(
     return start_engines(
         commands, log_dir=run_dir / "engines", health_timeout_s=health_timeout_s, api_key=sglang.api_key
     )
+
+
+def connect_engines(urls: Sequence[str], *, api_key: str | None, request_timeout_s: float) -> EnginePool:
+    """One pool over the running engines at `urls` (from another process than the one that launched them),
+    each request allowed `request_timeout_s` seconds, pauses for weight syncs included."""
+    timeouts = ClientTimeouts(generate_s=request_timeout_s)
+    return EnginePool([SGLangClient(url, api_key=api_key, timeouts=timeouts) for url in urls])

@@ -47,6 +47,7 @@ from asyncrl_core.algorithms import (
     token_entropy,
     token_logprobs,
 )
+from asyncrl_core.config.models import TorchActorConfig
 from asyncrl_core.errors import AsyncRLError
 from asyncrl_core.metrics import (
     TRAIN_GRAD_NORM,
@@ -62,7 +63,7 @@ from asyncrl_core.types import Group
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from asyncrl_core.config import AlgorithmConfig, TorchActorConfig
+    from asyncrl_core.config import AlgorithmConfig, AsyncRLConfig
 
 logger = logging.getLogger(__name__)
 
@@ -218,6 +219,20 @@ class TorchActor:
         pad_id = getattr(self.module.config, "pad_token_id", None)
         self.pad_id: int = pad_id if isinstance(pad_id, int) else 0
         self._version = 0
+
+    @classmethod
+    def from_run_config(cls, config: AsyncRLConfig, *, model_path: str, device: str) -> TorchActor:
+        """The actor plugin factory (`asyncrl.actors`): the run's actor on `model_path` and `device`,
+        sampling at the engines' temperature."""
+        actor = config.actor
+        if not isinstance(actor, TorchActorConfig):
+            raise ActorError(f"the torch actor cannot run actor.backend {actor.backend!r}")
+        return cls(
+            actor.model_copy(update={"model_path": model_path}),
+            config.algorithm,
+            device=device,
+            temperature=config.rollout.sampling.temperature,
+        )
 
     # --- the Actor protocol ---------------------------------------------------------------------------------
 

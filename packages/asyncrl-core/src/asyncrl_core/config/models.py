@@ -163,6 +163,12 @@ class RunnerConfig(Section):
     run_dir: Annotated[str, Field(min_length=1)] | None = None
     """Folder for `config.yaml`, `warnings.log`, metrics, TensorBoard events and checkpoints.
     Derived: `runs/<name>`, relative to the working directory."""
+    eval_every_steps: PositiveInt | None = None
+    """Evaluate on the task's `test` split every this many steps (one trajectory per prompt, at most 64
+    prompts), beside training in async mode; unset never evaluates."""
+    ray_address: Annotated[str, Field(min_length=1)] | None = None
+    """Address of a Ray cluster started with `ray start` (`host:port`, or `auto`); unset starts a local Ray
+    instance for the run and stops it at the end."""
 
     def derive(self, root: AsyncRLConfig, found: Validation) -> None:
         if self.run_dir is None:

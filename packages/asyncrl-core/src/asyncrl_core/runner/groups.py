@@ -1,0 +1,251 @@
+"""Ray actors for the workers, placed on the devices `cluster.component_placement` gives each component.
+
+Device ids are global over the cluster's nodes: node `k` (the head first, then the others by id) holds ids
+`k * n .. (k + 1) * n - 1`, where `n` is its GPU count (`device_type: gpu`) or its CPU count. Each worker runs
+on the node of its ids through a node-affinity scheduling strategy and uses its ids itself: GPU ids become
+`CUDA_VISIBLE_DEVICES`, CPU ids the process's core affinity. Ray is only told the workers use no resources of
+its own accounting, so the placement, not Ray's packing, decides where they run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from asyncrl_core.runner.workers import (
+    ActorWorker,
+    AgentLoopWorker,
+    BufferWorker,
+    RankSettings,
+    RolloutWorker,
+    RunnerError,
+)
+from asyncrl_core.types import Group
+
+if TYPE_CHECKING:
+    from asyncrl_core.config import AsyncRLConfig
+
+MAX_BUFFER_CALLS = 64
+"""Concurrent calls the buffer worker serves (blocking admissions of every agent-loop worker, completions
+and the driver's hand-off at once)."""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeDevices:
+    """The devices of one Ray node: its id and the global ids of its devices."""
+
+    node_id: str
+    first_id: int
+    num_devices: int
+
+
+def cluster_devices(device_type: str) -> list[NodeDevices]:
+    """The alive nodes, head first, with the global device ids they hold."""
+    import ray
+
+    nodes: list[dict[str, Any]] = [node for node in ray.nodes() if node.get("Alive")]
+    resource = "GPU" if device_type == "gpu" else "CPU"
+    nodes.sort(key=lambda node: (not node.get("Resources", {}).get("node:__internal_head__"), node["NodeID"]))
+    found: list[NodeDevices] = []
+    first = 0
+    for node in nodes:
+        count = int(node.get("Resources", {}).get(resource, 0))
+        found.append(NodeDevices(node["NodeID"], first, count))
+        first += count
+    return found
+
+
+def place(
+    devices: Sequence[int], nodes: Sequence[NodeDevices], component: str
+) -> tuple[str, tuple[int, ...]]:
+    """The node holding all of `devices` and their ids on that node."""
+    for node in nodes:
+        if all(node.first_id <= device < node.first_id + node.num_devices for device in devices):
+            return node.node_id, tuple(device - node.first_id for device in devices)
+    layout = ", ".join(f"{n.first_id}-{n.first_id + n.num_devices - 1}" for n in nodes)
+    raise RunnerError(
+        f"cluster.component_placement: the {component} devices {list(devices)} are not all on one node "
+        f"(the nodes hold ids {layout})"
+    )
+
+
+def remote_options(config: AsyncRLConfig, node_id: str, local_devices: Sequence[int]) -> dict[str, Any]:
+    """Ray options that run an actor on `node_id` with `local_devices` as its GPUs (or nothing to do on a
+    CPU, where the worker pins itself to its cores)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if config.cluster.device_type == "gpu":
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(device) for device in local_devices)
+    return {
+        "num_cpus": 0,
+        "num_gpus": 0,
+        "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False),
+        "runtime_env": {"env_vars": env},
+    }
+
+
+class RayBufferPort:
+    """A `BufferPort` over the buffer worker's Ray actor handle (what agent-loop workers call)."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    async def admit(self, max_groups: int, timeout_s: float) -> list[tuple[int, int]]:
+        return await self.handle.admit.remote(max_groups, timeout_s)
+
+    async def complete(self, group: Group) -> bool:
+        return await self.handle.complete.remote(group)
+
+    async def abandon(self, group_id: int) -> None:
+        await self.handle.abandon.remote(group_id)
+
+
+class WorkerGroups:
+    """Every Ray actor of a run: buffer, agent loops, rollout engines and actor ranks; `stop` ends them all.
+
+    Created in the order a run needs them: the rollout engines and actor first (they take the longest to
+    start, so they start together), then the agent loops (they need the engines' URLs) and the buffer.
+    """
+
+    def __init__(
+        self,
+        config: AsyncRLConfig,
+        *,
+        actor_model_path: str,
+        rollout_model_path: str,
+        run_dir: Path,
+        task_services: dict[str, str],
+    ) -> None:
+        import ray
+
+        from asyncrl_core.actor.distributed import free_port
+
+        self.config = config
+        self._handles: list[Any] = []
+        nodes = cluster_devices(config.cluster.device_type)
+        gpu = config.cluster.device_type == "gpu"
+
+        rollout_node, rollout_devices = place(config.cluster.devices_of("rollout"), nodes, "rollout")
+        tp = config.rollout.tensor_parallel_size
+        num_instances = config.rollout.num_instances or 1
+        rollout_class = ray.remote(RolloutWorker)
+        self.rollouts = []
+        for index in range(num_instances):
+            share = rollout_devices[index * tp : (index + 1) * tp] if gpu else rollout_devices
+            self.rollouts.append(
+                self._keep(
+                    rollout_class.options(**remote_options(config, rollout_node, share)).remote(
+                        config, model_path=rollout_model_path, index=index, devices=share, run_dir=run_dir
+                    )
+                )
+            )
+
+        actor_node, actor_devices = place(config.cluster.devices_of("actor"), nodes, "actor")
+        world_size = config.actor_data_parallel_size * config.actor.tensor_parallel_size
+        per_rank = max(1, len(actor_devices) // world_size) if gpu else len(actor_devices)
+        port = free_port()
+        actor_class = ray.remote(ActorWorker)
+        self.actors = []
+        for rank in range(world_size):
+            share = actor_devices[rank * per_rank : (rank + 1) * per_rank] if gpu else actor_devices
+            self.actors.append(
+                self._keep(
+                    actor_class.options(**remote_options(config, actor_node, share)).remote(
+                        config,
+                        model_path=actor_model_path,
+                        devices=share,
+                        rank=RankSettings(rank, world_size, port),
+                    )
+                )
+            )
+        self.urls: list[str] = self.get([rollout.url.remote() for rollout in self.rollouts], "engine start")
+        self.get([actor.get_version.remote() for actor in self.actors], "actor start")
+
+        loop_class = ray.remote(AgentLoopWorker)
+        self.agent_loops = [
+            self._keep(
+                loop_class.options(**remote_options(config, rollout_node, ())).remote(
+                    config,
+                    model_path=rollout_model_path,
+                    urls=self.urls,
+                    task_services=task_services,
+                    worker_index=i,
+                )
+            )
+            for i in range(config.agentloop.num_workers)
+        ]
+        dataset_size: int = self.get(self.agent_loops[0].dataset_size.remote(), "agent loop start")
+        buffer_class = ray.remote(BufferWorker)
+        self.buffer = self._keep(
+            buffer_class.options(
+                **remote_options(config, nodes[0].node_id, ()), max_concurrency=MAX_BUFFER_CALLS
+            ).remote(config, dataset_size)
+        )
+        self.buffer_port = RayBufferPort(self.buffer)
+
+    def _keep(self, handle: Any) -> Any:
+        self._handles.append(handle)
+        return handle
+
+    def get(self, refs: Any, what: str, timeout_s: float | None = None) -> Any:
+        """`ray.get` with a timeout (`rollout.request_timeout_s` by default) and an error naming `what`."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        timeout = timeout_s if timeout_s is not None else self.config.rollout.request_timeout_s
+        try:
+            return ray.get(refs, timeout=timeout)
+        except GetTimeoutError as error:
+            raise RunnerError(f"{what} did not finish within {timeout:.0f} s") from error
+        except RayActorError as error:
+            raise RunnerError(f"a worker died during {what}: {error}") from error
+
+    def sync_weights(self, mode: str) -> dict[str, float]:
+        """Push the actor's weights into every engine in `mode`; in `drain` mode the agent loops hold new
+        requests and wait for theirs first, and reopen afterwards whatever happens."""
+        if mode == "drain":
+            timeout_s = self.config.rollout.request_timeout_s
+            self.get([loop.drain.remote(timeout_s) for loop in self.agent_loops], "draining the agent loops")
+        try:
+            results = self.get(
+                [actor.sync_weights.remote(self.urls, mode) for actor in self.actors], "weight sync"
+            )
+        finally:
+            if mode == "drain":
+                self.get([loop.reopen.remote() for loop in self.agent_loops], "reopening the agent loops")
+        return results[0]
+
+    def stop(self) -> None:
+        """Close the agent loops, stop the engines, then end every actor."""
+        import ray
+
+        for loop in self.agent_loops:
+            loop.stop.remote()
+        closing = [loop.aclose.remote() for loop in self.agent_loops]
+        stopping = [rollout.stop.remote() for rollout in self.rollouts]
+        ray.wait(closing + stopping, num_returns=len(closing) + len(stopping), timeout=60)
+        for handle in self._handles:
+            ray.kill(handle)
+
+
+def start_ray(config: AsyncRLConfig) -> None:
+    """Join `runner.ray_address`, or start a local Ray instance: CPUs set explicitly, no dashboard, no
+    usage reporting, logs of the workers forwarded to this terminal."""
+    import ray
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    if ray.is_initialized():
+        return
+    if config.runner.ray_address is not None:
+        ray.init(address=config.runner.ray_address, include_dashboard=False, logging_level=logging.WARNING)
+        return
+    # A local instance serves this process only: no token is written to the home folder.
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    num_cpus = len(os.sched_getaffinity(0))
+    ray.init(num_cpus=num_cpus, num_gpus=None, include_dashboard=False, logging_level=logging.WARNING)

@@ -1,0 +1,37 @@
+"""The synchronous driver: generate the whole batch, train on it, push the weights; repeat.
+
+Rollout and training take turns, so `time/step = time/rollout + time/training + time/sync_weights` (plus
+the buffer's bookkeeping): the baseline the asynchronous driver is measured against.
+"""
+
+from __future__ import annotations
+
+import time
+
+from asyncrl_core import metrics
+from asyncrl_core.runner.context import RunContext
+
+
+def run_sync(ctx: RunContext) -> None:
+    workers, batch_size = ctx.workers, ctx.config.data.rollout_batch_size
+    for step in range(ctx.start_step, ctx.config.runner.num_steps):
+        started = time.perf_counter()
+        workers.get(
+            [loop.run_groups.remote(workers.buffer_port, num, ctx.timeout_s) for loop, num in ctx.shares()],
+            "rollout",
+        )
+        rollout_s = time.perf_counter() - started
+        batch = workers.buffer.take_batch.remote(batch_size, ctx.version, ctx.timeout_s)
+        train_metrics = ctx.train(batch)
+        sync_metrics = workers.sync_weights(ctx.config.rollout.pause_mode)
+        buffer_metrics = workers.get(workers.buffer.end_step.remote(), "buffer statistics")
+        ctx.end_step(
+            step,
+            {
+                **train_metrics,
+                **sync_metrics,
+                **buffer_metrics,
+                metrics.TIME_ROLLOUT: rollout_s,
+                metrics.TIME_STEP: time.perf_counter() - started,
+            },
+        )

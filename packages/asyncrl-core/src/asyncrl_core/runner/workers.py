@@ -1,0 +1,492 @@
+"""The workers of a run (ARCHITECTURE.md section 5), as plain classes a test can build in one process.
+
+- `BufferWorker` owns the dataloader (`PromptLoader`) and the `GroupBuffer`: it issues prompts under the two
+  admission limits, buffers finished groups and hands the oldest to the actor.
+- `AgentLoopWorker` runs a task's trajectories against the engines: a fixed number of groups (sync mode), or
+  continuously while admission allows (async mode), and evaluations on the task's test split.
+- `RolloutWorker` owns one engine server process on its devices.
+- `ActorWorker` trains on batches and pushes its weights into the engines after each step.
+
+`asyncrl_core.runner.groups` puts each of them in Ray actors; the drivers (`runner.sync`, `runner.async_`)
+call them. asyncrl-core never imports asyncrl-sglang, asyncrl-agents or asyncrl-megatron: the rollout backend,
+the actor and the agent loop are found through the plugin registry (`asyncrl_core.plugins`) when a worker
+starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, cast
+
+from asyncrl_core import metrics, plugins
+from asyncrl_core.buffer import Batch, GroupBuffer
+from asyncrl_core.errors import AsyncRLError
+from asyncrl_core.runner.dataloader import LoaderState, PromptLoader
+from asyncrl_core.types import Group, SamplingParams
+
+if TYPE_CHECKING:
+    from asyncrl_core.config import AsyncRLConfig
+    from asyncrl_core.protocols import Actor, GenerationClient, Task
+
+logger = logging.getLogger(__name__)
+
+AGENT_LOOP_TARGET = "asyncrl_agents.loop:AgentLoopWorker"
+"""The agent loop the runner drives (asyncrl-agents'), loaded when an `AgentLoopWorker` starts."""
+CONNECT_TARGET = "asyncrl_sglang.launcher:connect_engines"
+"""Clients of running SGLang-protocol engines, as one `GenerationClient` with the drain gate."""
+WEIGHT_SYNC_TARGET = "asyncrl_sglang.weight_sync:sync_weights"
+TENSOR_TRANSPORT_TARGET = "asyncrl_sglang.weight_sync:TensorTransport"
+
+
+def load_target(target: str) -> object:
+    """The object at `module:attr` of another asyncrl package, imported only when a worker needs it."""
+    return plugins.load("asyncrl.rollout_backends", target)
+
+
+class RunnerError(AsyncRLError):
+    """A worker of the run failed or did not answer in time; the run stops with this message."""
+
+
+def pin_to_cores(cores: Sequence[int]) -> None:
+    """Run this process (and the processes it starts) on `cores` only, with one torch thread per core.
+
+    On a machine without GPUs the placement's ids are CPU cores: pinning makes actor and rollout really run
+    side by side instead of competing for every core.
+    """
+    if not cores:
+        return
+    available = os.sched_getaffinity(0)
+    chosen = {core for core in cores if core in available}
+    if not chosen:
+        raise RunnerError(
+            f"none of the cores {list(cores)} is available to this process ({sorted(available)})"
+        )
+    os.sched_setaffinity(0, chosen)
+    os.environ["OMP_NUM_THREADS"] = str(len(chosen))
+    import torch
+
+    torch.set_num_threads(len(chosen))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Buffer
+
+
+class BufferWorker:
+    """The dataloader and the `GroupBuffer`: admission, finished groups, hand-off to the actor.
+
+    Thread-safe: agent-loop workers admit and complete from several threads while the driver takes batches.
+    """
+
+    def __init__(self, config: AsyncRLConfig, dataset_size: int) -> None:
+        self.buffer = GroupBuffer.from_config(config)
+        self._last_batch_version = 0
+        seed = config.data.seed if config.data.seed is not None else config.runner.seed
+        self.loader = PromptLoader(dataset_size, shuffle=config.data.shuffle, seed=seed)
+        self._loader_lock = threading.Lock()
+        self._admitted: dict[int, int] = {}
+        """Prompt index of each group in flight, by group id (to return it when the group is abandoned)."""
+        self.num_issued = 0
+        self.num_returned = 0
+
+    def admit(self, max_groups: int, timeout_s: float) -> list[tuple[int, int]]:
+        """Admit up to `max_groups` new prompts, waiting up to `timeout_s` for the first one.
+
+        Returns `(group_id, prompt_index)` per admitted prompt; empty when the limits stayed closed.
+        """
+        admitted: list[tuple[int, int]] = []
+        with self._loader_lock:
+            prompt_index = self.loader.peek()
+            group_id = self.buffer.wait_admit(prompt_index, timeout_s)
+            while group_id is not None:
+                self.loader.advance()
+                self._admitted[group_id] = prompt_index
+                admitted.append((group_id, prompt_index))
+                if len(admitted) == max_groups:
+                    break
+                prompt_index = self.loader.peek()
+                group_id = self.buffer.try_admit(prompt_index)
+            self.num_issued += len(admitted)
+        return admitted
+
+    def complete(self, group: Group) -> bool:
+        """Buffer a finished group; False when it was already buffered (a retried call changes nothing)."""
+        group.finish_version = max(group.finish_version, self._last_batch_version)
+        accepted = self.buffer.complete(group)
+        with self._loader_lock:
+            self._admitted.pop(group.group_id, None)
+        return accepted
+
+    def abandon(self, group_id: int) -> None:
+        """A group's generation failed: free its slot and issue its prompt again in a later epoch."""
+        prompt_index = self.buffer.abandon(group_id)
+        with self._loader_lock:
+            self._admitted.pop(group_id, None)
+            self.loader.give_back(prompt_index)
+            self.num_returned += 1
+
+    def take_batch(self, num_groups: int, actor_version: int, timeout_s: float) -> Batch | None:
+        """The `num_groups` oldest fresh groups for the actor at `actor_version`, waiting up to `timeout_s`
+        for them; None when they are not ready by then. Stale groups dropped meanwhile go back to the
+        dataloader either way."""
+        result = self.buffer.take_batch(num_groups, actor_version, timeout_s=timeout_s)
+        self._last_batch_version = actor_version
+        if result.dropped_prompt_indices:
+            with self._loader_lock:
+                for prompt_index in result.dropped_prompt_indices:
+                    self.loader.give_back(prompt_index)
+                self.num_returned += len(result.dropped_prompt_indices)
+        return result if len(result.groups) == num_groups else None
+
+    def end_step(self) -> dict[str, float]:
+        """Close the step's buffer statistics: the staleness, drop and admission-wait metrics."""
+        return self.buffer.end_step().metrics()
+
+    def counts(self) -> dict[str, int]:
+        """Issued and returned prompts, and groups in flight and buffered (for tests and logs)."""
+        return {
+            "issued": self.num_issued,
+            "returned": self.num_returned,
+            "inflight": self.buffer.num_inflight,
+            "buffered": self.buffer.num_buffered,
+            "epoch": self.loader.epoch,
+        }
+
+    def loader_state(self) -> LoaderState:
+        with self._loader_lock:
+            return self.loader.state()
+
+    def restore_loader(self, state: LoaderState) -> None:
+        with self._loader_lock:
+            self.loader.restore(state)
+
+
+class BufferPort(Protocol):
+    """How an agent-loop worker reaches the buffer worker: in-process, or through a Ray actor handle."""
+
+    async def admit(self, max_groups: int, timeout_s: float) -> list[tuple[int, int]]: ...
+    async def complete(self, group: Group) -> bool: ...
+    async def abandon(self, group_id: int) -> None: ...
+
+
+class LocalBufferPort:
+    """A `BufferPort` over a `BufferWorker` of this process (blocking calls run in a thread)."""
+
+    def __init__(self, worker: BufferWorker) -> None:
+        self.worker = worker
+
+    async def admit(self, max_groups: int, timeout_s: float) -> list[tuple[int, int]]:
+        return await asyncio.to_thread(self.worker.admit, max_groups, timeout_s)
+
+    async def complete(self, group: Group) -> bool:
+        return await asyncio.to_thread(self.worker.complete, group)
+
+    async def abandon(self, group_id: int) -> None:
+        await asyncio.to_thread(self.worker.abandon, group_id)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Agent loop
+
+
+def group_metrics(groups: Sequence[Group]) -> dict[str, float]:
+    """Reward, turns and token counts of finished groups, under their metric names."""
+    trajectories = [trajectory for group in groups for trajectory in group.trajectories]
+    if not trajectories:
+        return {}
+    count = len(trajectories)
+    return {
+        metrics.REWARD_MEAN: sum(t.reward for t in trajectories) / count,
+        metrics.TURNS_MEAN: sum(t.num_turns for t in trajectories) / count,
+        metrics.RESPONSE_LEN_MEAN: sum(t.response_len for t in trajectories) / count,
+        metrics.NUM_MODEL_TOKENS: float(sum(sum(t.loss_mask) for t in trajectories)),
+    }
+
+
+class AgentLoopWorker:
+    """Runs groups of a task's trajectories against the engines at `urls`.
+
+    `task_services` are the keyword arguments the task's `serve()` yielded in the driver (e.g. the
+    retriever's URL); they are added to `agentloop.task_args`.
+    """
+
+    def __init__(
+        self,
+        config: AsyncRLConfig,
+        *,
+        model_path: str,
+        urls: Sequence[str],
+        task_services: Mapping[str, str],
+        worker_index: int = 0,
+    ) -> None:
+        self.config = config
+        self.worker_index = worker_index
+        task_name = config.agentloop.task_name
+        if task_name is None:
+            raise RunnerError("agentloop.task_name is not set")
+        factory = cast("Callable[..., Task]", plugins.load("asyncrl.tasks", task_name))
+        self.task = factory(**{**config.agentloop.task_args, **task_services})
+        self.client = _connect_engines(config, urls)
+        self.model_path = model_path
+        self.loop = self._make_loop(group_size=config.algorithm.group_size)
+        self._stop = asyncio.Event()
+        self._eval_loop: Any = None
+        self.num_running = 0
+        self.num_groups = 0
+        self.num_failed = 0
+
+    def _make_loop(self, *, group_size: int) -> Any:
+        config = self.config
+        sampling = config.rollout.sampling
+        assert sampling.max_new_tokens is not None  # derived
+        max_concurrent = config.agentloop.max_concurrent_groups
+        assert max_concurrent is not None  # derived
+        loop_class = cast("Callable[..., Any]", load_target(AGENT_LOOP_TARGET))
+        return loop_class(
+            self.task,
+            self.client,
+            self.model_path,
+            group_size=group_size,
+            sampling=SamplingParams(
+                max_new_tokens=sampling.max_new_tokens,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k,
+            ),
+            max_prompt_len=config.data.max_prompt_len,
+            max_response_len=config.data.max_response_len,
+            context_len=config.rollout.context_length,
+            max_turns=config.agentloop.max_turns,
+            max_concurrent_groups=max_concurrent,
+        )
+
+    def dataset_size(self, split: str = "train") -> int:
+        return len(self.loop.dataset(split))
+
+    async def _run_one(self, buffer: BufferPort, group_id: int, prompt_index: int) -> None:
+        self.num_running += 1
+        try:
+            group = await self.loop.run_group(prompt_index, group_id=group_id)
+        except asyncio.CancelledError:
+            await buffer.abandon(group_id)
+            raise
+        except AsyncRLError as error:
+            # The engine refused or lost the whole group: its prompt goes back to the dataloader.
+            logger.warning("group %d (prompt %d) failed: %s", group_id, prompt_index, error)
+            self.num_failed += 1
+            await buffer.abandon(group_id)
+            return
+        finally:
+            self.num_running -= 1
+        await buffer.complete(group)
+        self.num_groups += 1
+
+    async def run_groups(self, buffer: BufferPort, num_groups: int, timeout_s: float) -> int:
+        """Admit and run `num_groups` groups (sync mode); returns how many finished. Admission waits for
+        the limits like in async mode, so a batch larger than the in-flight limit runs in waves."""
+        deadline = time.monotonic() + timeout_s
+        started = 0
+        finished_before = self.num_groups
+        async with asyncio.TaskGroup() as tasks:
+            while started < num_groups:
+                remaining_s = deadline - time.monotonic()
+                if remaining_s <= 0:
+                    raise RunnerError(f"admitted only {started} of {num_groups} groups in {timeout_s:.0f} s")
+                for group_id, prompt_index in await buffer.admit(num_groups - started, min(remaining_s, 1.0)):
+                    tasks.create_task(self._run_one(buffer, group_id, prompt_index))
+                    started += 1
+        return self.num_groups - finished_before
+
+    async def serve(self, buffer: BufferPort) -> None:
+        """Async mode: keep admitting prompts and running their groups until `stop`; then wait for the
+        groups already running. A failed group's prompt is returned; an error of the loop itself stops it."""
+        self._stop.clear()
+        async with asyncio.TaskGroup() as tasks:
+            while not self._stop.is_set():
+                max_groups = self.loop_capacity()
+                if max_groups == 0:
+                    await asyncio.sleep(0.01)
+                    continue
+                for group_id, prompt_index in await buffer.admit(max_groups, 0.2):
+                    tasks.create_task(self._run_one(buffer, group_id, prompt_index))
+
+    def loop_capacity(self) -> int:
+        """Groups this worker can start now without queueing them behind its own concurrency limit."""
+        max_concurrent = self.config.agentloop.max_concurrent_groups or 1
+        return max(0, max_concurrent - self.num_running)
+
+    def stop(self) -> None:
+        """End `serve`: no new prompt is admitted; the running groups finish and are buffered."""
+        self._stop.set()
+
+    async def evaluate(self, split: str = "test", max_prompts: int | None = None) -> dict[str, float]:
+        """Mean reward of one trajectory per prompt of `split` (the engines' current weights; runs beside
+        training groups), with the weight versions the evaluation saw."""
+        if self._eval_loop is None:
+            self._eval_loop = self._make_loop(group_size=1)
+        dataset = self._eval_loop.dataset(split)
+        count = len(dataset) if max_prompts is None else min(max_prompts, len(dataset))
+        groups: list[Group] = await asyncio.gather(
+            *(self._eval_loop.run_group(index, split=split) for index in range(count))
+        )
+        rewards = [t.reward for group in groups for t in group.trajectories]
+        versions = [r for group in groups for t in group.trajectories if (r := t.version_range()) is not None]
+        result = {metrics.EVAL_REWARD_MEAN: sum(rewards) / max(1, len(rewards))}
+        if versions:
+            result[metrics.EVAL_WEIGHT_VERSION_MIN] = float(min(v[0] for v in versions))
+            result[metrics.EVAL_WEIGHT_VERSION_MAX] = float(max(v[1] for v in versions))
+        return result
+
+    async def drain(self, timeout_s: float) -> None:
+        """Hold new requests at the client and wait for those in flight (the `drain` pause mode)."""
+        self.client.close_admission()
+        await self.client.wait_idle(timeout_s)
+
+    def reopen(self) -> None:
+        self.client.open_admission()
+
+    async def aclose(self) -> None:
+        await self.loop.aclose()  # closes the task, which the evaluation loop shares
+        await self.client.aclose()
+
+
+def _connect_engines(config: AsyncRLConfig, urls: Sequence[str]) -> Any:
+    """A `GenerationClient` over every engine, from the rollout backend's `connect` function."""
+    connect = cast("Callable[..., GenerationClient]", load_target(CONNECT_TARGET))
+    return connect(
+        urls, api_key=config.rollout.sglang.api_key, request_timeout_s=config.rollout.request_timeout_s
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Rollout
+
+
+class RolloutWorker:
+    """One engine server process (built-in or SGLang) on `devices`, started through the rollout backend."""
+
+    def __init__(
+        self, config: AsyncRLConfig, *, model_path: str, index: int, devices: Sequence[int], run_dir: Path
+    ) -> None:
+        gpu = config.cluster.device_type == "gpu"
+        if not gpu:
+            pin_to_cores(devices)
+        launch = cast(
+            "Callable[..., Any]", plugins.load("asyncrl.rollout_backends", config.rollout.rollout_backend)
+        )
+        rollout = config.rollout.model_copy(
+            update={
+                "model_path": model_path,
+                "num_instances": 1,
+                "sglang": config.rollout.sglang.model_copy(
+                    update={"base_port": config.rollout.sglang.base_port + index}
+                ),
+            }
+        )
+        self.engines = launch(rollout, run_dir=run_dir / f"rollout-{index}", devices=tuple(devices), gpu=gpu)
+
+    def url(self) -> str:
+        return str(self.engines.urls[0])
+
+    def stop(self) -> None:
+        self.engines.stop()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Actor
+
+
+@dataclass(frozen=True, slots=True)
+class RankSettings:
+    """Where one data-parallel rank of the actor meets the others (torch.distributed over TCP)."""
+
+    rank: int
+    world_size: int
+    master_port: int
+    master_address: str = "127.0.0.1"
+
+
+class ActorWorker:
+    """One rank of the actor: trains on batches; rank 0 also pushes the weights into the engines."""
+
+    def __init__(
+        self,
+        config: AsyncRLConfig,
+        *,
+        model_path: str,
+        devices: Sequence[int],
+        rank: RankSettings | None = None,
+    ) -> None:
+        gpu = config.cluster.device_type == "gpu"
+        rank = rank or RankSettings(0, 1, 0)
+        if not gpu:
+            pin_to_cores(devices)
+        os.environ.update(
+            RANK=str(rank.rank),
+            LOCAL_RANK="0",
+            WORLD_SIZE=str(rank.world_size),
+            MASTER_ADDR=rank.master_address,
+            MASTER_PORT=str(rank.master_port),
+        )
+        self.config = config
+        self.rank = rank.rank
+        factory = cast("Callable[..., Actor]", plugins.load("asyncrl.actors", config.actor.backend))
+        self.actor = factory(config, model_path=model_path, device="cuda" if gpu else "cpu")
+
+    @property
+    def version(self) -> int:
+        return self.actor.version
+
+    def get_version(self) -> int:
+        return self.actor.version
+
+    def train(self, batch: Batch) -> dict[str, float]:
+        """One training step on `batch`: the actor's `train/...` metrics and the batch's rollout metrics."""
+        started = time.perf_counter()
+        result = self.actor.train_step(batch.groups)
+        result[metrics.TIME_TRAINING] = time.perf_counter() - started
+        result.update(group_metrics(batch.groups))
+        return result
+
+    def sync_weights(self, urls: Sequence[str], mode: str) -> dict[str, float]:
+        """Push the current weights into the engines at `urls` as this version (rank 0 only), in `mode`.
+
+        In `drain` mode the caller has drained the agent loops first; this side then finds the engines idle
+        and flushes their caches with the last bucket."""
+        if self.rank != 0:
+            return {}
+        return asyncio.run(_push_weights(self.config, self.actor, urls, mode))
+
+    def save_checkpoint(self, path: str) -> None:
+        self.actor.save_checkpoint(path)
+
+    def load_checkpoint(self, path: str) -> None:
+        self.actor.load_checkpoint(path)
+
+
+async def _push_weights(
+    config: AsyncRLConfig, actor: Actor, urls: Sequence[str], mode: str
+) -> dict[str, float]:
+    # A module function, not a method: a Ray actor class with a coroutine method becomes an asyncio actor,
+    # and the actor worker must stay a plain threaded one (training blocks).
+    sync = cast("Callable[..., Awaitable[Any]]", load_target(WEIGHT_SYNC_TARGET))
+    transport = cast("Callable[..., Any]", load_target(TENSOR_TRANSPORT_TARGET))
+    client = _connect_engines(config, urls)
+    try:
+        result = await sync(
+            client,
+            actor.export_weights(config.actor.weight_export_bucket_mb << 20),
+            actor.version,
+            mode=mode,
+            transport=transport(config.rollout.tensor_parallel_size),
+        )
+    finally:
+        await client.aclose()
+    return cast("dict[str, float]", result.metrics())
