@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from asyncrl_core.runner.tracking import RunTracker
 
 CHECKPOINT_PREFIX = "step_"
+SUMMARY_FILE = "summary.json"
+"""Written at the end of a run: steps, final weight version, and where every issued prompt went."""
 EVAL_MAX_PROMPTS = 64
 """Test prompts of one evaluation (one trajectory each), so that it stays short beside training."""
 
@@ -123,6 +125,14 @@ class RunContext:
                 self.tracker.log_step(self.config.runner.num_steps, final)
         if self.config.checkpoint.save_at_end:
             self.save_checkpoint(self.config.runner.num_steps)
+        counts = self.workers.get(self.workers.buffer.counts.remote(), "the buffer's counts")
+        summary = {
+            "num_steps": self.config.runner.num_steps,
+            "version": self.version,
+            "prompts": counts,
+            "nodes": self.workers.nodes,
+        }
+        (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
 
     # --- checkpoints -----------------------------------------------------------------------------------
 

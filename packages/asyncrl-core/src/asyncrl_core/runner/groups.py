@@ -146,6 +146,8 @@ class WorkerGroups:
             )
 
         actor_node, actor_devices = place(config.cluster.devices_of("actor"), nodes, "actor")
+        self.nodes = {"actor": actor_node, "rollout": rollout_node}
+        """The Ray node id each component runs on."""
         world_size = config.actor_data_parallel_size * config.actor.tensor_parallel_size
         per_rank = max(1, len(actor_devices) // world_size) if gpu else len(actor_devices)
         port = free_port()

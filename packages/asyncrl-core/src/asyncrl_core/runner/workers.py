@@ -94,7 +94,9 @@ class BufferWorker:
         self._admitted: dict[int, int] = {}
         """Prompt index of each group in flight, by group id (to return it when the group is abandoned)."""
         self.num_issued = 0
-        self.num_returned = 0
+        self.num_abandoned = 0
+        self.num_dropped = 0
+        self.num_trained = 0
 
     def admit(self, max_groups: int, timeout_s: float) -> list[tuple[int, int]]:
         """Admit up to `max_groups` new prompts, waiting up to `timeout_s` for the first one.
@@ -130,7 +132,7 @@ class BufferWorker:
         with self._loader_lock:
             self._admitted.pop(group_id, None)
             self.loader.give_back(prompt_index)
-            self.num_returned += 1
+            self.num_abandoned += 1
 
     def take_batch(self, num_groups: int, actor_version: int, timeout_s: float) -> Batch | None:
         """The `num_groups` oldest fresh groups for the actor at `actor_version`, waiting up to `timeout_s`
@@ -142,18 +144,23 @@ class BufferWorker:
             with self._loader_lock:
                 for prompt_index in result.dropped_prompt_indices:
                     self.loader.give_back(prompt_index)
-                self.num_returned += len(result.dropped_prompt_indices)
-        return result if len(result.groups) == num_groups else None
+                self.num_dropped += len(result.dropped_prompt_indices)
+        if len(result.groups) < num_groups:
+            return None
+        self.num_trained += num_groups
+        return result
 
     def end_step(self) -> dict[str, float]:
         """Close the step's buffer statistics: the staleness, drop and admission-wait metrics."""
         return self.buffer.end_step().metrics()
 
     def counts(self) -> dict[str, int]:
-        """Issued and returned prompts, and groups in flight and buffered (for tests and logs)."""
+        """Where every issued prompt went: `issued = trained + dropped + abandoned + inflight + buffered`."""
         return {
             "issued": self.num_issued,
-            "returned": self.num_returned,
+            "trained": self.num_trained,
+            "dropped": self.num_dropped,
+            "abandoned": self.num_abandoned,
             "inflight": self.buffer.num_inflight,
             "buffered": self.buffer.num_buffered,
             "epoch": self.loader.epoch,

@@ -1,0 +1,115 @@
+"""The two admission limits swept on one async workload: what each costs or buys.
+
+- `rollout_buffer.max_buffered_groups` at 1 x B and 2 x B (B = `data.rollout_batch_size`): with room for
+  only one batch, the engines stop while the actor trains on it, so when training is the bottleneck the
+  step is slower than with 2 x B, where the next batch is generated during training.
+- `rollout_buffer.max_inflight_groups` below and above what the engines can run at once (their saturation:
+  `rollout.max_running_requests * instances / group_size`): past saturation, more groups in flight only wait
+  in the engines' queues, so throughput stays flat while the data gets staler.
+
+    uv run python benchmarks/system/limits.py [CONFIG] [key=value ...] [--steps 8] [--out FILE]
+
+Every point is one run of the runner (same seed and placement); prints per point the median step time, the
+admission waits per limit, the staleness and the engines' tokens per second, and writes them as JSON
+(default `benchmarks/results/limits.json`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from asyncrl_core import metrics
+from asyncrl_core.config import load_config
+from asyncrl_core.runner import run
+
+REPORTED = (
+    metrics.TIME_STEP,
+    metrics.TIME_WAIT_DATA,
+    metrics.TIME_TRAINING,
+    metrics.ADMISSION_WAIT_INFLIGHT_LIMIT,
+    metrics.ADMISSION_WAIT_BUFFER_FULL,
+    metrics.DATA_STALENESS_MEAN,
+    metrics.DATA_STALENESS_MAX,
+    metrics.TOKENS_PER_S,
+)
+
+
+def run_point(config_path: str | None, overrides: list[str], run_dir: Path, warmup: int) -> dict[str, float]:
+    config = load_config(config_path, [*overrides, f"runner.run_dir={run_dir}"])
+    run(config)
+    with open(run_dir / "metrics.jsonl", encoding="utf-8") as lines:
+        records = [record for line in lines if metrics.TIME_STEP in (record := json.loads(line))]
+    kept = records[warmup:] or records
+    return {name: statistics.median(r[name] for r in kept if name in r) for name in REPORTED}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("arguments", nargs="*", metavar="CONFIG key=value")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup-steps", type=int, default=2)
+    parser.add_argument("--runs-dir", type=Path, default=Path("runs/limits"))
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/limits.json"))
+    args = parser.parse_args()
+    config_path = args.arguments[0] if args.arguments and "=" not in args.arguments[0] else None
+    overrides = args.arguments[1:] if config_path else args.arguments
+    overrides = [
+        *overrides,
+        "runner.async_mode=true",
+        f"runner.num_steps={args.steps}",
+        "logging.progress_bar=false",
+        "checkpoint.save_at_end=false",
+        "runner.eval_every_steps=null",
+        "agentloop.max_actor_accept_staleness=null",
+    ]
+    base = load_config(config_path, overrides)
+    batch = base.data.rollout_batch_size
+    instances = base.rollout.num_instances or 1
+    saturation = math.ceil(base.rollout.max_running_requests * instances / base.algorithm.group_size)
+    large = 4 * saturation + batch
+    points = {
+        "buffer 1xB": [f"rollout_buffer.max_buffered_groups={batch}", f"rollout_buffer.max_inflight_groups={batch}"],
+        "buffer 2xB": [
+            f"rollout_buffer.max_buffered_groups={2 * batch}",
+            f"rollout_buffer.max_inflight_groups={batch}",
+        ],
+        f"inflight {max(1, saturation // 2)} (below saturation {saturation})": [
+            f"rollout_buffer.max_inflight_groups={max(1, saturation // 2)}",
+            f"rollout_buffer.max_buffered_groups={large + batch}",
+        ],
+        f"inflight {saturation} (saturation)": [
+            f"rollout_buffer.max_inflight_groups={saturation}",
+            f"rollout_buffer.max_buffered_groups={large + batch}",
+        ],
+        f"inflight {large} (4x saturation)": [
+            f"rollout_buffer.max_inflight_groups={large}",
+            f"rollout_buffer.max_buffered_groups={large + batch}",
+        ],
+    }
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    results: dict[str, dict[str, float]] = {}
+    for index, (name, point) in enumerate(points.items()):
+        print(f"point {name} ...", flush=True)
+        run_dir = args.runs_dir / f"{stamp}-{index}"
+        results[name] = run_point(config_path, [*overrides, *point], run_dir, args.warmup_steps)
+
+    short = [name.split("/")[-1] for name in REPORTED]
+    print(f"\n{'point':<40}" + "".join(f"{name:>22}" for name in short))
+    for name, values in results.items():
+        print(f"{name:<40}" + "".join(f"{values[metric]:>22.3f}" for metric in REPORTED))
+    out: dict[str, Any] = {"command": " ".join(sys.argv), "saturation_groups": saturation, "points": results}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
