@@ -51,7 +51,9 @@ def run_point(config_path: str | None, overrides: list[str], run_dir: Path, warm
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("arguments", nargs="*", metavar="CONFIG key=value")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup-steps", type=int, default=2)
@@ -75,7 +77,10 @@ def main() -> int:
     saturation = math.ceil(base.rollout.max_running_requests * instances / base.algorithm.group_size)
     large = 4 * saturation + batch
     points = {
-        "buffer 1xB": [f"rollout_buffer.max_buffered_groups={batch}", f"rollout_buffer.max_inflight_groups={batch}"],
+        "buffer 1xB": [
+            f"rollout_buffer.max_buffered_groups={batch}",
+            f"rollout_buffer.max_inflight_groups={batch}",
+        ],
         "buffer 2xB": [
             f"rollout_buffer.max_buffered_groups={2 * batch}",
             f"rollout_buffer.max_inflight_groups={batch}",

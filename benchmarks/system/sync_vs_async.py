@@ -66,7 +66,9 @@ def one_mode(config_path: str | None, overrides: list[str], *, async_mode: bool,
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("arguments", nargs="*", metavar="CONFIG key=value")
     parser.add_argument("--steps", type=int, default=12, help="training steps of each run")
     parser.add_argument("--warmup-steps", type=int, default=2, help="first steps left out of the medians")
@@ -85,7 +87,9 @@ def main() -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     runs: dict[str, list[dict[str, float]]] = {}
     for name, async_mode in (("sync", False), ("async", True)):
-        run_dir = one_mode(config_path, overrides, async_mode=async_mode, run_dir=args.runs_dir / f"{stamp}-{name}")
+        run_dir = one_mode(
+            config_path, overrides, async_mode=async_mode, run_dir=args.runs_dir / f"{stamp}-{name}"
+        )
         runs[name] = read_steps(run_dir)
 
     sync, asynchronous = (medians(runs[name], args.warmup_steps) for name in ("sync", "async"))
@@ -99,10 +103,15 @@ def main() -> int:
         cells = [f"{m[name]:>10.3f}" if name in m else f"{'-':>10}" for m in (sync, asynchronous)]
         print(f"{name:<28}{''.join(cells)}")
     print(f"\nspeedup of the step rate (async over sync): {speedup:.2f}x")
-    print(f"ideal from the sync run's parts:            {ideal:.2f}x  (measured = {speedup / ideal:.0%} of it)")
+    print(
+        f"ideal from the sync run's parts:            {ideal:.2f}x  (measured = {speedup / ideal:.0%} of it)"
+    )
     print("\nreward per step")
     for name, records in runs.items():
-        print(f"  {name:<6}" + " ".join(f"{record.get(metrics.REWARD_MEAN, float('nan')):.2f}" for record in records))
+        print(
+            f"  {name:<6}"
+            + " ".join(f"{record.get(metrics.REWARD_MEAN, float('nan')):.2f}" for record in records)
+        )
 
     result: dict[str, Any] = {
         "command": " ".join(sys.argv),

@@ -16,7 +16,11 @@ def run_config(tmp_path: Path, model_path: Path, **sections: dict[str, Any]) -> 
     """A two-step async run on cores 0 (actor) and 1 (rollout); `sections` replace keys per section."""
     base: dict[str, dict[str, Any]] = {
         "runner": {"async_mode": True, "num_steps": 2, "seed": 3, "run_dir": str(tmp_path / "run")},
-        "cluster": {"device_type": "cpu", "num_devices": 2, "component_placement": {"actor": 0, "rollout": 1}},
+        "cluster": {
+            "device_type": "cpu",
+            "num_devices": 2,
+            "component_placement": {"actor": 0, "rollout": 1},
+        },
         "data": {"rollout_batch_size": 2, "max_prompt_len": 256, "max_response_len": 48},
         "algorithm": {"group_size": 2, "kl_coef": 0.001},
         "actor": {"model_path": str(model_path), "dtype": "float32", "micro_batch_size": 4, "lr": 1e-4},

@@ -7,11 +7,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from runner_testing import read_metrics, read_summary, run_config
 
 from asyncrl_core import metrics
 from asyncrl_core.runner import run
-
-from runner_testing import read_metrics, read_summary, run_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 

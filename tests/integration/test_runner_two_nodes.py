@@ -9,11 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from runner_testing import read_metrics, read_summary, run_config
 
 from asyncrl_core import metrics
 from asyncrl_core.runner import run
-
-from runner_testing import read_metrics, read_summary, run_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from asyncrl_core.cli import EXIT_INVALID, EXIT_NO_RUNNER, main, prepare_run_dir
+from asyncrl_core.cli import EXIT_INVALID, main, prepare_run_dir
 from asyncrl_core.config import load_config
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
@@ -245,20 +245,6 @@ def test_version(tmp_path: Path) -> None:
     assert done.returncode == 0
     assert done.stdout.strip() == f"asyncrl-run {metadata.version('asyncrl-core')}"
     assert "pydantic" not in imported_modules(done.stderr)
-
-
-def runner_exists() -> bool:
-    return module_exists("asyncrl_core.runner") and hasattr(
-        importlib.import_module("asyncrl_core.runner"), "run"
-    )
-
-
-@pytest.mark.skipif(runner_exists(), reason="a runner is installed: this would run")
-def test_launch_without_a_runner_exits_3_and_writes_nothing(tmp_path: Path, task_site: Path) -> None:
-    done = run_cli(str(MINI), "agentloop.task_name=good", cwd=tmp_path, site=task_site)
-    assert done.returncode == EXIT_NO_RUNNER
-    assert "no runner" in done.stderr
-    assert not (tmp_path / "runs").exists()
 
 
 def test_launch_refuses_gpus_that_are_not_here(

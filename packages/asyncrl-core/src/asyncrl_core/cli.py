@@ -4,7 +4,7 @@ Nothing heavy is imported before the configuration is validated: `--help`, `--sc
 (apart from the tasks themselves) and an invalid configuration never load torch, Ray, Megatron or SGLang.
 
 Exit status: 0 done, 1 the run stopped with an error, 2 invalid configuration or arguments (nothing was
-started), 3 this installation has no runner, 130 interrupted.
+started), 130 interrupted.
 
 Before anything starts, the selected task is imported and `agentloop.task_args` is checked against the
 arguments model it declares (`asyncrl_core.config.TaskArguments`), in a dry run too.
@@ -27,7 +27,6 @@ if TYPE_CHECKING:
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_INVALID = 2
-EXIT_NO_RUNNER = 3
 EXIT_INTERRUPTED = 130
 
 _PROGRAM = "asyncrl-run"
@@ -53,7 +52,8 @@ def _parser() -> argparse.ArgumentParser:
             "  asyncrl-run examples/searchr1-mini.yaml '~agentloop.max_actor_accept_staleness'\n"
             "  asyncrl-run examples/searchr1-mini.yaml 'runner.run_dir=${oc.env:HOME}/runs/${runner.name}'\n"
             "\n"
-            "exit status: 0 done, 1 the run failed, 2 invalid configuration (nothing started), 3 no runner"
+            "exit status: 0 done, 1 the run failed, 2 invalid configuration (nothing started), "
+            "130 interrupted"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -235,32 +235,23 @@ def _model_install_problems(config: AsyncRLConfig) -> list[ConfigProblem]:
 
 
 def _launch(config: AsyncRLConfig) -> int:
-    import importlib
-    import importlib.util
-
-    # The runner package also holds the run folder's tracking, which may be installed without `run`.
-    if importlib.util.find_spec("asyncrl_core.runner") is None or not hasattr(
-        importlib.import_module("asyncrl_core.runner"), "run"
-    ):
-        print(
-            f"{_PROGRAM}: this installation of asyncrl-core has no runner (`asyncrl_core.runner`), so the "
-            "configuration is valid but cannot be run; `--dry-run` shows what would run",
-            file=sys.stderr,
-        )
-        return EXIT_NO_RUNNER
     try:
         run_dir = prepare_run_dir(config)
     except FileExistsError as error:
         return _report_invalid([_run_dir_problem(str(error))])
     print(f"{_PROGRAM}: run folder {run_dir}", file=sys.stderr)
     from asyncrl_core.errors import AsyncRLError
-    from asyncrl_core.runner import run  # pyright: ignore[reportAttributeAccessIssue, reportUnknownVariableType]
+    from asyncrl_core.runner import run
 
     try:
         run(config)
     except AsyncRLError as error:  # a failure the run explains itself (e.g. the drop guard); no traceback
         print(f"{_PROGRAM}: the run stopped: {error}", file=sys.stderr)
         return EXIT_FAILED
+    print(
+        f"{_PROGRAM}: done; metrics in {run_dir / 'metrics.jsonl'}, curves in {run_dir / 'curves.png'}",
+        file=sys.stderr,
+    )
     return EXIT_OK
 
 

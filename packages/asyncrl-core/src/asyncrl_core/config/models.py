@@ -148,6 +148,13 @@ class Section(BaseModel):
         del root, found
 
 
+def _shared_warning(device_ids: tuple[int, ...]) -> str:
+    return (
+        f"actor and rollout share {format_device_ids(device_ids)} (`cluster.allow_shared_devices`): they "
+        "time-share it, so generation and training overlap less than on separate devices"
+    )
+
+
 class RunnerConfig(Section):
     """How the run is driven: mode, length, seed and where its outputs go."""
 
@@ -189,6 +196,11 @@ class ClusterConfig(Section):
     """Number of devices the ids index (ids run from 0 to `num_devices - 1`). Derived: the GPUs visible
     here, or `os.cpu_count()` for CPU cores; stays unset when GPUs are asked for and none is visible (a dry
     run then skips the device-count checks with a warning; a launch fails)."""
+
+    allow_shared_devices: bool = False
+    """Let `actor` and `rollout` be placed on the same devices in async mode (then a warning, not an
+    error): both run as separate processes and time-share the devices, so async mode overlaps less. For
+    one-GPU machines and benchmarks; a real run gives each its own devices."""
 
     def devices_of(self, component: str) -> tuple[int, ...]:
         """The sorted device ids of `component`, gathered from every placement key that names it."""
@@ -278,6 +290,9 @@ class ClusterConfig(Section):
                 shared = tuple(sorted(set(parsed[first]) & set(parsed[second])))
                 if not shared:
                     continue
+                if self.allow_shared_devices and {first, second} == {"actor", "rollout"}:
+                    found.warn(f"{where}.{second}", _shared_warning(shared))
+                    continue
                 names = components(first) + components(second)
                 fix = "give each key its own devices"
                 if not (async_mode and {"actor", "rollout"} <= set(names)):
@@ -293,6 +308,9 @@ class ClusterConfig(Section):
                 found.error(where, f"no devices for `{component}`; add a key such as `{example}`")
         # Under two keys, shared devices are already an overlap error; under one key they are colocated.
         if async_mode and "actor" in owner and owner.get("rollout") == owner["actor"]:
+            if self.allow_shared_devices:
+                found.warn(f"{where}.{owner['actor']}", _shared_warning(parsed[owner["actor"]]))
+                return
             found.error(
                 f"{where}.{owner['actor']}",
                 "async mode needs the actor and the rollout on different devices, but both use "
@@ -308,7 +326,7 @@ class ClusterConfig(Section):
         the runner, which sees the cluster's resources.
         """
         parsed = self.placement()
-        if os.environ.get("RAY_ADDRESS") or not parsed:
+        if os.environ.get("RAY_ADDRESS") or root.runner.ray_address is not None or not parsed:
             return []
         used = [device_id for ids in parsed.values() for device_id in ids]
         if not used:

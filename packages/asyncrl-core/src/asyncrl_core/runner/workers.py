@@ -87,7 +87,6 @@ class BufferWorker:
 
     def __init__(self, config: AsyncRLConfig, dataset_size: int) -> None:
         self.buffer = GroupBuffer.from_config(config)
-        self._last_batch_version = 0
         seed = config.data.seed if config.data.seed is not None else config.runner.seed
         self.loader = PromptLoader(dataset_size, shuffle=config.data.shuffle, seed=seed)
         self._loader_lock = threading.Lock()
@@ -120,7 +119,6 @@ class BufferWorker:
 
     def complete(self, group: Group) -> bool:
         """Buffer a finished group; False when it was already buffered (a retried call changes nothing)."""
-        group.finish_version = max(group.finish_version, self._last_batch_version)
         accepted = self.buffer.complete(group)
         with self._loader_lock:
             self._admitted.pop(group.group_id, None)
@@ -139,13 +137,12 @@ class BufferWorker:
         for them; None when they are not ready by then. Stale groups dropped meanwhile go back to the
         dataloader either way."""
         result = self.buffer.take_batch(num_groups, actor_version, timeout_s=timeout_s)
-        self._last_batch_version = actor_version
         if result.dropped_prompt_indices:
             with self._loader_lock:
                 for prompt_index in result.dropped_prompt_indices:
                     self.loader.give_back(prompt_index)
                 self.num_dropped += len(result.dropped_prompt_indices)
-        if len(result.groups) < num_groups:
+        if not result.ready:
             return None
         self.num_trained += num_groups
         return result
