@@ -8,11 +8,10 @@ started is stopped, engines included, also on an error or Ctrl-C.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
-from asyncrl_core import models, plugins
+from asyncrl_core import models
 
 if TYPE_CHECKING:
     from asyncrl_core.config import AsyncRLConfig
@@ -31,6 +30,7 @@ def run(config: AsyncRLConfig) -> Path:
     from asyncrl_core.runner.groups import WorkerGroups, start_ray
     from asyncrl_core.runner.sync import run_sync
     from asyncrl_core.runner.tracking import RunTracker
+    from asyncrl_core.runner.workers import build_task
 
     assert config.runner.run_dir is not None  # derived
     assert config.agentloop.task_name is not None  # required
@@ -39,8 +39,7 @@ def run(config: AsyncRLConfig) -> Path:
     owns_ray = not ray.is_initialized() and config.runner.ray_address is None
     start_ray(config)
     try:
-        factory = cast("Callable[..., Task]", plugins.load("asyncrl.tasks", config.agentloop.task_name))
-        task = factory(**config.agentloop.task_args)
+        task = build_task(config, {})
         with task.serve() as task_services:
             actor_path, rollout_path = _model_paths(config, task, run_dir)
             workers = WorkerGroups(

@@ -45,6 +45,19 @@ WEIGHT_SYNC_TARGET = "asyncrl_sglang.weight_sync:sync_weights"
 TENSOR_TRANSPORT_TARGET = "asyncrl_sglang.weight_sync:TensorTransport"
 
 
+LOAD_TASK_TARGET = "asyncrl_agents.tasks:load_task"
+"""Builds a task by name with its arguments checked against the task's arguments model."""
+
+
+def build_task(config: AsyncRLConfig, task_services: Mapping[str, str]) -> Task:
+    """The run's task, with `agentloop.task_args` and the services its `serve()` yielded (a URL, say)."""
+    task_name = config.agentloop.task_name
+    if task_name is None:
+        raise RunnerError("agentloop.task_name is not set")
+    load_task = cast("Callable[[str, Mapping[str, object]], Task]", load_target(LOAD_TASK_TARGET))
+    return load_task(task_name, {**config.agentloop.task_args, **task_services})
+
+
 def load_target(target: str) -> object:
     """The object at `module:attr` of another asyncrl package, imported only when a worker needs it."""
     return plugins.load("asyncrl.rollout_backends", target)
@@ -232,11 +245,7 @@ class AgentLoopWorker:
     ) -> None:
         self.config = config
         self.worker_index = worker_index
-        task_name = config.agentloop.task_name
-        if task_name is None:
-            raise RunnerError("agentloop.task_name is not set")
-        factory = cast("Callable[..., Task]", plugins.load("asyncrl.tasks", task_name))
-        self.task = factory(**{**config.agentloop.task_args, **task_services})
+        self.task = build_task(config, task_services)
         self.client = _connect_engines(config, urls)
         self.model_path = model_path
         self.loop = self._make_loop(group_size=config.algorithm.group_size)
@@ -326,7 +335,7 @@ class AgentLoopWorker:
         max_concurrent = self.config.agentloop.max_concurrent_groups or 1
         return max(0, max_concurrent - self.num_running)
 
-    def stop(self) -> None:
+    async def stop(self) -> None:
         """End `serve`: no new prompt is admitted; the running groups finish and are buffered."""
         self._stop.set()
 
@@ -353,7 +362,8 @@ class AgentLoopWorker:
         self.client.close_admission()
         await self.client.wait_idle(timeout_s)
 
-    def reopen(self) -> None:
+    async def reopen(self) -> None:
+        """Let the requests held by `drain` through."""
         self.client.open_admission()
 
     async def aclose(self) -> None:
