@@ -252,15 +252,14 @@ class MegatronActor:
 
     @classmethod
     def from_run_config(cls, config: AsyncRLConfig, *, model_path: str, device: str) -> MegatronActor:
-        """The actor plugin factory (`asyncrl.actors`): the run's actor on `model_path`, sampling at the
-        engines' temperature. Megatron picks its device itself (the rank's GPU, else the CPU)."""
+        """The actor plugin factory (`asyncrl.actors`): the run's actor on `model_path`. Megatron picks its
+        device itself (the rank's GPU, else the CPU)."""
         del device
         if config.actor.backend != "megatron":
             raise MegatronActorError(f"the Megatron actor cannot run actor.backend {config.actor.backend!r}")
         return cls.from_config(
             config.actor.model_copy(update={"model_path": model_path}),  # pyright: ignore[reportArgumentType]
             config.algorithm,
-            temperature=config.rollout.sampling.temperature,
         )
 
     # --- the Actor protocol ---------------------------------------------------------------------------------

@@ -222,8 +222,7 @@ class TorchActor:
 
     @classmethod
     def from_run_config(cls, config: AsyncRLConfig, *, model_path: str, device: str) -> TorchActor:
-        """The actor plugin factory (`asyncrl.actors`): the run's actor on `model_path` and `device`,
-        sampling at the engines' temperature."""
+        """The actor plugin factory (`asyncrl.actors`): the run's actor on `model_path` and `device`."""
         actor = config.actor
         if not isinstance(actor, TorchActorConfig):
             raise ActorError(f"the torch actor cannot run actor.backend {actor.backend!r}")
@@ -231,7 +230,6 @@ class TorchActor:
             actor.model_copy(update={"model_path": model_path}),
             config.algorithm,
             device=device,
-            temperature=config.rollout.sampling.temperature,
         )
 
     # --- the Actor protocol ---------------------------------------------------------------------------------

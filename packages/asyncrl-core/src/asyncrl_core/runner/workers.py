@@ -43,6 +43,7 @@ CONNECT_TARGET = "asyncrl_sglang.launcher:connect_engines"
 """Clients of running SGLang-protocol engines, as one `GenerationClient` with the drain gate."""
 WEIGHT_SYNC_TARGET = "asyncrl_sglang.weight_sync:sync_weights"
 TENSOR_TRANSPORT_TARGET = "asyncrl_sglang.weight_sync:TensorTransport"
+DISTRIBUTED_TRANSPORT_TARGET = "asyncrl_sglang.weight_sync:DistributedTransport"
 
 
 LOAD_TASK_TARGET = "asyncrl_agents.tasks:load_task"
@@ -453,6 +454,7 @@ class ActorWorker:
         self.rank = rank.rank
         factory = cast("Callable[..., Actor]", plugins.load("asyncrl.actors", config.actor.backend))
         self.actor = factory(config, model_path=model_path, device="cuda" if gpu else "cpu")
+        self._transport: Any = None
 
     @property
     def version(self) -> int:
@@ -476,7 +478,9 @@ class ActorWorker:
         and flushes their caches with the last bucket."""
         if self.rank != 0:
             return {}
-        return asyncio.run(_push_weights(self.config, self.actor, urls, mode))
+        if self._transport is None:
+            self._transport = _weight_transport(self.config)
+        return asyncio.run(_push_weights(self.config, self.actor, self._transport, urls, mode))
 
     def save_checkpoint(self, path: str) -> None:
         self.actor.save_checkpoint(path)
@@ -486,21 +490,42 @@ class ActorWorker:
 
 
 async def _push_weights(
-    config: AsyncRLConfig, actor: Actor, urls: Sequence[str], mode: str
+    config: AsyncRLConfig, actor: Actor, transport: Any, urls: Sequence[str], mode: str
 ) -> dict[str, float]:
     # A module function, not a method: a Ray actor class with a coroutine method becomes an asyncio actor,
     # and the actor worker must stay a plain threaded one (training blocks).
     sync = cast("Callable[..., Awaitable[Any]]", load_target(WEIGHT_SYNC_TARGET))
-    transport = cast("Callable[..., Any]", load_target(TENSOR_TRANSPORT_TARGET))
     client = _connect_engines(config, urls)
     try:
+        if config.rollout.sglang.weight_transport == "distributed":
+            await transport.connect(client)
         result = await sync(
             client,
             actor.export_weights(config.actor.weight_export_bucket_mb << 20),
             actor.version,
             mode=mode,
-            transport=transport(config.rollout.tensor_parallel_size),
+            transport=transport,
         )
     finally:
         await client.aclose()
     return cast("dict[str, float]", result.metrics())
+
+
+def _weight_transport(config: AsyncRLConfig) -> Any:
+    """The transport `rollout.sglang.weight_transport` names: request bodies, or a process group that the
+    trainer (rank 0 of the actor) forms with the engines at the first sync and keeps."""
+    num_ranks = config.rollout.tensor_parallel_size
+    if config.rollout.sglang.weight_transport == "tensor":
+        return cast("Callable[..., Any]", load_target(TENSOR_TRANSPORT_TARGET))(num_ranks)
+    from asyncrl_core.actor.distributed import free_port
+
+    gpu = config.cluster.device_type == "gpu"
+    distributed = cast("Callable[..., Any]", load_target(DISTRIBUTED_TRANSPORT_TARGET))
+    return distributed(
+        master_address=config.rollout.sglang.host,
+        master_port=free_port(config.rollout.sglang.host),
+        backend="nccl" if gpu else "gloo",
+        num_ranks=num_ranks,
+        device="cuda" if gpu else "cpu",
+        timeout_s=config.rollout.request_timeout_s,
+    )
