@@ -72,8 +72,13 @@ def run(config: AsyncRLConfig) -> Path:
 
 
 def _model_paths(config: AsyncRLConfig, task: Task, run_dir: Path) -> tuple[str, str]:
-    """The model folders of actor and engines: the configured ones (aliases resolved), or the warm-started
-    model both begin from."""
+    """The model folders of actor and engines: the warm-started model both begin from (`warm_start`), or
+    the configured ones (aliases resolved)."""
+    from asyncrl_core.actor.warm_start import warm_start
+
+    if config.warm_start.num_steps > 0:
+        folder = str(warm_start(config, task, run_dir / "warm_start"))
+        return folder, folder
     actor = models.resolve_model_path(config.actor.model_path, key="actor.model_path")
     rollout_key = config.rollout.model_path or config.actor.model_path
     rollout = models.resolve_model_path(rollout_key, key="rollout.model_path")

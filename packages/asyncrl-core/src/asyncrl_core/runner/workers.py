@@ -343,6 +343,7 @@ class AgentLoopWorker:
     async def evaluate(self, split: str = "test", max_prompts: int | None = None) -> dict[str, float]:
         """Mean reward of one trajectory per prompt of `split` (the engines' current weights; runs beside
         training groups), with the weight versions the evaluation saw."""
+        started = time.perf_counter()
         if self._eval_loop is None:
             self._eval_loop = self._make_loop(group_size=1)
         dataset = self._eval_loop.dataset(split)
@@ -352,7 +353,10 @@ class AgentLoopWorker:
         )
         rewards = [t.reward for group in groups for t in group.trajectories]
         versions = [r for group in groups for t in group.trajectories if (r := t.version_range()) is not None]
-        result = {metrics.EVAL_REWARD_MEAN: sum(rewards) / max(1, len(rewards))}
+        result = {
+            metrics.EVAL_REWARD_MEAN: sum(rewards) / max(1, len(rewards)),
+            metrics.TIME_EVAL: time.perf_counter() - started,
+        }
         if versions:
             result[metrics.EVAL_WEIGHT_VERSION_MIN] = float(min(v[0] for v in versions))
             result[metrics.EVAL_WEIGHT_VERSION_MAX] = float(max(v[1] for v in versions))
