@@ -502,8 +502,15 @@ def launch_engines(
     )
 
 
-def connect_engines(urls: Sequence[str], *, api_key: str | None, request_timeout_s: float) -> EnginePool:
-    """One pool over the running engines at `urls` (from another process than the one that launched them),
-    each request allowed `request_timeout_s` seconds, pauses for weight syncs included."""
-    timeouts = ClientTimeouts(generate_s=request_timeout_s)
-    return EnginePool([SGLangClient(url, api_key=api_key, timeouts=timeouts) for url in urls])
+def connect_engines(
+    urls: Sequence[str],
+    *,
+    grpc_targets: Sequence[str | None] = (),
+    api_key: str | None,
+    request_timeout_s: float,
+) -> EnginePool:
+    """One pool over running engines (from another process than the one that launched them): generation
+    over gRPC where a target is given, else HTTP; each request allowed `request_timeout_s` seconds, pauses
+    for weight syncs included."""
+    engines = LaunchedEngines(urls, api_key=api_key, grpc_targets=grpc_targets)
+    return engines.pool(ClientTimeouts(generate_s=request_timeout_s))

@@ -20,6 +20,7 @@ from asyncrl_core.runner.workers import (
     ActorWorker,
     AgentLoopWorker,
     BufferWorker,
+    EngineEndpoint,
     RankSettings,
     RolloutWorker,
     RunnerError,
@@ -165,7 +166,9 @@ class WorkerGroups:
                     )
                 )
             )
-        self.urls: list[str] = self.get([rollout.url.remote() for rollout in self.rollouts], "engine start")
+        self.endpoints: list[EngineEndpoint] = self.get(
+            [rollout.endpoint.remote() for rollout in self.rollouts], "engine start"
+        )
         self.get([actor.get_version.remote() for actor in self.actors], "actor start")
 
         loop_class = ray.remote(AgentLoopWorker)
@@ -174,7 +177,7 @@ class WorkerGroups:
                 loop_class.options(**remote_options(config, rollout_node, ())).remote(
                     config,
                     model_path=rollout_model_path,
-                    urls=self.urls,
+                    endpoints=self.endpoints,
                     task_services=task_services,
                     worker_index=i,
                 )
@@ -215,7 +218,7 @@ class WorkerGroups:
             self.get([loop.drain.remote(timeout_s) for loop in self.agent_loops], "draining the agent loops")
         try:
             results = self.get(
-                [actor.sync_weights.remote(self.urls, mode) for actor in self.actors], "weight sync"
+                [actor.sync_weights.remote(self.endpoints, mode) for actor in self.actors], "weight sync"
             )
         finally:
             if mode == "drain":

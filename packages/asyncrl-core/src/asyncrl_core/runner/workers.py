@@ -229,7 +229,7 @@ def group_metrics(groups: Sequence[Group]) -> dict[str, float]:
 
 
 class AgentLoopWorker:
-    """Runs groups of a task's trajectories against the engines at `urls`.
+    """Runs groups of a task's trajectories against the engines at `endpoints`.
 
     `task_services` are the keyword arguments the task's `serve()` yielded in the driver (e.g. the
     retriever's URL); they are added to `agentloop.task_args`.
@@ -240,14 +240,14 @@ class AgentLoopWorker:
         config: AsyncRLConfig,
         *,
         model_path: str,
-        urls: Sequence[str],
+        endpoints: Sequence[EngineEndpoint],
         task_services: Mapping[str, str],
         worker_index: int = 0,
     ) -> None:
         self.config = config
         self.worker_index = worker_index
         self.task = build_task(config, task_services)
-        self.client = _connect_engines(config, urls)
+        self.client = _connect_engines(config, endpoints)
         self.model_path = model_path
         self.loop = self._make_loop(group_size=config.algorithm.group_size)
         self._stop = asyncio.Event()
@@ -376,11 +376,15 @@ class AgentLoopWorker:
         await self.client.aclose()
 
 
-def _connect_engines(config: AsyncRLConfig, urls: Sequence[str]) -> Any:
-    """A `GenerationClient` over every engine, from the rollout backend's `connect` function."""
+def _connect_engines(config: AsyncRLConfig, endpoints: Sequence[EngineEndpoint]) -> Any:
+    """A `GenerationClient` over every engine: control over HTTP, generation by `rollout.sglang.transport`."""
     connect = cast("Callable[..., GenerationClient]", load_target(CONNECT_TARGET))
+    rollout = config.rollout
     return connect(
-        urls, api_key=config.rollout.sglang.api_key, request_timeout_s=config.rollout.request_timeout_s
+        [endpoint.url for endpoint in endpoints],
+        grpc_targets=[endpoint.grpc_target for endpoint in endpoints],
+        api_key=rollout.sglang.api_key,
+        request_timeout_s=rollout.request_timeout_s,
     )
 
 
@@ -411,8 +415,9 @@ class RolloutWorker:
         )
         self.engines = launch(rollout, run_dir=run_dir / f"rollout-{index}", devices=tuple(devices), gpu=gpu)
 
-    def url(self) -> str:
-        return str(self.engines.urls[0])
+    def endpoint(self) -> EngineEndpoint:
+        """Where the engine answers: HTTP for control, and gRPC for generation when configured."""
+        return EngineEndpoint(str(self.engines.urls[0]), self.engines.grpc_targets[0])
 
     def stop(self) -> None:
         self.engines.stop()
@@ -420,6 +425,15 @@ class RolloutWorker:
 
 # ---------------------------------------------------------------------------------------------------------
 # Actor
+
+
+@dataclass(frozen=True, slots=True)
+class EngineEndpoint:
+    """One engine's addresses: its HTTP base URL and, with `rollout.sglang.transport: grpc`, its gRPC
+    target for generation."""
+
+    url: str
+    grpc_target: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -475,8 +489,8 @@ class ActorWorker:
         result.update(group_metrics(batch.groups))
         return result
 
-    def sync_weights(self, urls: Sequence[str], mode: str) -> dict[str, float]:
-        """Push the current weights into the engines at `urls` as this version (rank 0 only), in `mode`.
+    def sync_weights(self, endpoints: Sequence[EngineEndpoint], mode: str) -> dict[str, float]:
+        """Push the current weights into the engines as this version (rank 0 only), in `mode`.
 
         In `drain` mode the caller has drained the agent loops first; this side then finds the engines idle
         and flushes their caches with the last bucket."""
@@ -484,7 +498,7 @@ class ActorWorker:
             return {}
         if self._transport is None:
             self._transport = _weight_transport(self.config)
-        return asyncio.run(_push_weights(self.config, self.actor, self._transport, urls, mode))
+        return asyncio.run(_push_weights(self.config, self.actor, self._transport, endpoints, mode))
 
     def save_checkpoint(self, path: str) -> None:
         self.actor.save_checkpoint(path)
@@ -494,12 +508,12 @@ class ActorWorker:
 
 
 async def _push_weights(
-    config: AsyncRLConfig, actor: Actor, transport: Any, urls: Sequence[str], mode: str
+    config: AsyncRLConfig, actor: Actor, transport: Any, endpoints: Sequence[EngineEndpoint], mode: str
 ) -> dict[str, float]:
     # A module function, not a method: a Ray actor class with a coroutine method becomes an asyncio actor,
     # and the actor worker must stay a plain threaded one (training blocks).
     sync = cast("Callable[..., Awaitable[Any]]", load_target(WEIGHT_SYNC_TARGET))
-    client = _connect_engines(config, urls)
+    client = _connect_engines(config, endpoints)
     try:
         if config.rollout.sglang.weight_transport == "distributed":
             await transport.connect(client)
