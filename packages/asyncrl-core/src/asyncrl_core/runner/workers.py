@@ -103,9 +103,9 @@ class BufferWorker:
         self.buffer = GroupBuffer.from_config(config)
         seed = config.data.seed if config.data.seed is not None else config.runner.seed
         self.loader = PromptLoader(dataset_size, shuffle=config.data.shuffle, seed=seed)
+        # Held while an admission waits for capacity (at most its timeout), so that two admitters never
+        # take the same prompt.
         self._loader_lock = threading.Lock()
-        self._admitted: dict[int, int] = {}
-        """Prompt index of each group in flight, by group id (to return it when the group is abandoned)."""
         self.num_issued = 0
         self.num_abandoned = 0
         self.num_dropped = 0
@@ -122,7 +122,6 @@ class BufferWorker:
             group_id = self.buffer.wait_admit(prompt_index, timeout_s)
             while group_id is not None:
                 self.loader.advance()
-                self._admitted[group_id] = prompt_index
                 admitted.append((group_id, prompt_index))
                 if len(admitted) == max_groups:
                     break
@@ -133,16 +132,12 @@ class BufferWorker:
 
     def complete(self, group: Group) -> bool:
         """Buffer a finished group; False when it was already buffered (a retried call changes nothing)."""
-        accepted = self.buffer.complete(group)
-        with self._loader_lock:
-            self._admitted.pop(group.group_id, None)
-        return accepted
+        return self.buffer.complete(group)
 
     def abandon(self, group_id: int) -> None:
         """A group's generation failed: free its slot and issue its prompt again in a later epoch."""
         prompt_index = self.buffer.abandon(group_id)
         with self._loader_lock:
-            self._admitted.pop(group_id, None)
             self.loader.give_back(prompt_index)
             self.num_abandoned += 1
 
