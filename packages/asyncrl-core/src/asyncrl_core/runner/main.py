@@ -8,6 +8,7 @@ started is stopped, engines included, also on an error or Ctrl-C.
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
     from asyncrl_core.protocols import Task
 
 logger = logging.getLogger(__name__)
+_STDERR = logging.StreamHandler(sys.stderr)
 
 
 def run(config: AsyncRLConfig) -> Path:
@@ -36,12 +38,15 @@ def run(config: AsyncRLConfig) -> Path:
     assert config.agentloop.task_name is not None  # required
     run_dir = Path(config.runner.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    _log_to_stderr(config.logging.level)
     owns_ray = not ray.is_initialized() and config.runner.ray_address is None
     start_ray(config)
+    logger.info("Ray: %s", config.runner.ray_address or "a local instance")
     try:
         task = build_task(config, {})
         with task.serve() as task_services:
             actor_path, rollout_path = _model_paths(config, task, run_dir)
+            logger.info("starting the engines, the actor and the agent loops (model %s)", rollout_path)
             workers = WorkerGroups(
                 config,
                 actor_model_path=actor_path,
@@ -61,6 +66,8 @@ def run(config: AsyncRLConfig) -> Path:
                     context = RunContext(config, workers, tracker, run_dir)
                     if checkpoint is not None:
                         context.resume(checkpoint)
+                    mode = "async" if config.runner.async_mode else "sync"
+                    logger.info("training: %d steps, %s mode", config.runner.num_steps, mode)
                     (run_async if config.runner.async_mode else run_sync)(context)
                     context.finish()
             finally:
@@ -71,12 +78,22 @@ def run(config: AsyncRLConfig) -> Path:
     return run_dir
 
 
+def _log_to_stderr(level: str) -> None:
+    """Show the run's progress messages (`logging.level`) on stderr."""
+    root = logging.getLogger("asyncrl_core")
+    if _STDERR not in root.handlers:
+        _STDERR.setFormatter(logging.Formatter("asyncrl-run: %(message)s"))
+        root.addHandler(_STDERR)
+    root.setLevel(level)
+
+
 def _model_paths(config: AsyncRLConfig, task: Task, run_dir: Path) -> tuple[str, str]:
     """The model folders of actor and engines: the warm-started model both begin from (`warm_start`), or
     the configured ones (aliases resolved)."""
     from asyncrl_core.actor.warm_start import warm_start
 
     if config.warm_start.num_steps > 0:
+        logger.info("warm start: %d steps on the task's demonstrations", config.warm_start.num_steps)
         folder = str(warm_start(config, task, run_dir / "warm_start"))
         return folder, folder
     actor = models.resolve_model_path(config.actor.model_path, key="actor.model_path")
