@@ -463,7 +463,7 @@ impl<C: Clock> GroupBuffer<C> {
     }
 
     /// The state as checkpoint bytes (`from_bytes` restores it).
-    pub fn to_bytes(&self) -> Vec<u8> {
+    pub fn to_bytes(&self) -> Result<Vec<u8>> {
         state::encode(&self.state())
     }
 

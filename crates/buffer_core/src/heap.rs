@@ -2,8 +2,10 @@
 
 use std::collections::BTreeMap;
 
+use serde::{Deserialize, Serialize};
+
 /// The actor weight versions of one group.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct GroupVersions {
     /// The oldest version that sampled any token of the group.
     pub earliest_version: i64,
@@ -14,7 +16,7 @@ pub struct GroupVersions {
 }
 
 /// A finished group as the buffer keeps it: ids and versions; the payload stays with the caller.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct FinishedGroup {
     pub group_id: u64,
     pub prompt_index: u64,

@@ -2,6 +2,8 @@
 
 use std::collections::BTreeMap;
 
+use serde::{Deserialize, Serialize};
+
 use crate::admission::Blocked;
 use crate::heap::FinishedGroup;
 
@@ -10,7 +12,7 @@ use crate::heap::FinishedGroup;
 /// The metrics are ratios of these totals: `rollout/data_staleness/mean = staleness_sum / num_groups`,
 /// `rollout/buffer/admission_wait_inflight_limit = admission_wait_inflight_limit_ns / wall_ns`, and so on.
 /// This one declaration crosses into Python as `asyncrl_core._buffer_core.StepStats`, with these names.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(
     feature = "python",
     pyo3::pyclass(frozen, get_all, module = "asyncrl_core._buffer_core")

@@ -1,9 +1,11 @@
 //! The buffer's configuration, validated once.
 
+use serde::{Deserialize, Serialize};
+
 use crate::error::{BufferError, Result};
 
 /// The limits of one buffer, named as the configuration keys that set them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Limits {
     /// `rollout_buffer.max_inflight_groups`: groups being generated at once (engine load).
     pub max_inflight_groups: u32,

@@ -4,7 +4,7 @@
 //! GIL around the blocking wait, and turns each `BufferError` into its exception class from
 //! `asyncrl_core.errors` (one conversion, `From<BufferError> for PyErr`).
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -111,7 +111,7 @@ impl StepStats {
     fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let names = py.import("asyncrl_core.metrics")?;
         let metrics = PyDict::new(py);
-        let mut put = |constant: &str, value: f64| -> PyResult<()> {
+        let put = |constant: &str, value: f64| -> PyResult<()> {
             metrics.set_item(names.getattr(constant)?, value)
         };
         put("DROPPED_GROUPS", self.dropped_groups as f64)?;
@@ -263,7 +263,10 @@ impl PyGroupBuffer {
     }
 
     /// The state's bytes and the payload of every group buffered in that state, at one instant.
-    fn snapshot<'py>(&self, py: Python<'py>) -> (Bound<'py, PyBytes>, HashMap<u64, Py<PyAny>>) {
+    fn snapshot<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<(Bound<'py, PyBytes>, HashMap<u64, Py<PyAny>>)> {
         let payloads = self.lock_payloads();
         // No completion is between the core's acceptance and its payload while we hold the lock; a
         // hand-off may be between the core and its claim, so its payloads are still here and left out.
@@ -277,7 +280,7 @@ impl PyGroupBuffer {
             })
             .collect();
         drop(payloads);
-        (PyBytes::new(py, &crate::state::encode(&state)), buffered)
+        Ok((PyBytes::new(py, &crate::state::encode(&state)?), buffered))
     }
 
     #[getter]

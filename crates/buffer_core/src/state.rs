@@ -1,20 +1,23 @@
 //! The whole buffer state as plain data, and its byte format for checkpoints.
 //!
-//! Format (all integers little-endian):
+//! Format:
 //!
 //! ```text
 //! magic   8 bytes  b"ARLBUFST"
-//! format  u32      FORMAT_VERSION
-//! length  u64      payload length in bytes
-//! payload          the fields of `BufferState`, in declaration order (see `encode_payload`)
-//! crc32   u32      CRC-32 (IEEE) of every byte before it
+//! format  u32      FORMAT_VERSION, little-endian
+//! payload          `BufferState` in postcard's format (serde; varint integers, length-prefixed lists)
+//! crc32   u32      CRC-32 (IEEE) of every byte before it, little-endian
 //! ```
 //!
-//! Decoding checks the magic, the format version, the length and the checksum before it reads a field,
-//! then reads with bounds checks and validates the result as a buffer state, so any damaged or
-//! foreign input is a `BufferError::CorruptState` and never a panic or a huge allocation.
+//! The codec is serde's derives with postcard (compact, no schema in the bytes, so the format version
+//! says which `BufferState` layout the payload has) and `crc32fast`. Decoding checks the magic, the
+//! format version and the checksum before it reads a field, lets postcard read with its bounds checks
+//! (serde never preallocates more than a small cap from a length it reads), and validates the result as
+//! a buffer state, so any damaged or foreign input is a `BufferError::CorruptState`, never a panic.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::HashSet;
+
+use serde::{Deserialize, Serialize};
 
 use crate::error::{BufferError, Result};
 use crate::heap::{FinishedGroup, GroupVersions};
@@ -22,12 +25,13 @@ use crate::ledger::StepStats;
 use crate::limits::Limits;
 
 const MAGIC: &[u8; 8] = b"ARLBUFST";
-const FORMAT_VERSION: u32 = 1;
-const HEADER_LEN: usize = 8 + 4 + 8;
+/// 2: postcard payload (1 was a hand-written fixed-width layout).
+const FORMAT_VERSION: u32 = 2;
+const HEADER_LEN: usize = 8 + 4;
 const CRC_LEN: usize = 4;
 
 /// Everything a buffer knows, detached from its atomics and locks.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BufferState {
     pub limits: Limits,
     /// The id the next admitted group gets; every id below it was handed out once.
@@ -127,258 +131,49 @@ impl BufferState {
     }
 }
 
-/// Serialise `state` to bytes (see the module docs for the format).
-pub fn encode(state: &BufferState) -> Vec<u8> {
-    let mut payload =
-        Vec::with_capacity(128 + 16 * state.inflight.len() + 40 * state.finished.len());
-    encode_payload(state, &mut payload);
-    let mut bytes = Vec::with_capacity(HEADER_LEN + payload.len() + CRC_LEN);
-    bytes.extend_from_slice(MAGIC);
-    bytes.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
-    bytes.extend_from_slice(&(payload.len() as u64).to_le_bytes());
-    bytes.extend_from_slice(&payload);
-    let checksum = crc32(&bytes);
+/// Serialise `state` to bytes (see the module docs for the format). Writing into memory does not
+/// fail for these types; postcard's error is still passed on rather than unwrapped.
+pub fn encode(state: &BufferState) -> Result<Vec<u8>> {
+    let mut header = Vec::with_capacity(64 + 12 * state.inflight.len() + 24 * state.finished.len());
+    header.extend_from_slice(MAGIC);
+    header.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    let mut bytes = postcard::to_extend(state, header).map_err(|error| {
+        BufferError::CorruptState(format!("the state could not be written: {error}"))
+    })?;
+    let checksum = crc32fast::hash(&bytes);
     bytes.extend_from_slice(&checksum.to_le_bytes());
-    bytes
+    Ok(bytes)
 }
 
 /// Parse and validate bytes written by `encode`.
 pub fn decode(bytes: &[u8]) -> Result<BufferState> {
-    let corrupt = |message: &str| BufferError::CorruptState(message.to_owned());
+    let corrupt = |message: String| BufferError::CorruptState(message);
     if bytes.len() < HEADER_LEN + CRC_LEN {
-        return Err(corrupt("too short to be a buffer snapshot"));
+        return Err(corrupt("too short to be a buffer snapshot".into()));
     }
-    if &bytes[..8] != MAGIC {
-        return Err(corrupt("not a buffer snapshot (wrong magic bytes)"));
+    let (magic, rest) = bytes.split_at(MAGIC.len());
+    if magic != MAGIC {
+        return Err(corrupt("not a buffer snapshot (wrong magic bytes)".into()));
     }
-    let mut header = Reader::new(&bytes[8..HEADER_LEN]);
-    let format_version = header.u32()?;
+    let (format, _) = rest.split_at(4);
+    let format_version = u32::from_le_bytes([format[0], format[1], format[2], format[3]]);
     if format_version != FORMAT_VERSION {
-        return Err(BufferError::CorruptState(format!(
+        return Err(corrupt(format!(
             "snapshot format {format_version} is not supported (this build reads format {FORMAT_VERSION})"
         )));
     }
-    let payload_len = header.u64()?;
-    let expected_len = u64::try_from(bytes.len() - HEADER_LEN - CRC_LEN).unwrap_or(u64::MAX);
-    if payload_len != expected_len {
-        return Err(BufferError::CorruptState(format!(
-            "the payload should be {payload_len} bytes but {expected_len} are present (truncated or padded)"
-        )));
+    let (body, checksum) = bytes.split_at(bytes.len() - CRC_LEN);
+    let checksum = u32::from_le_bytes([checksum[0], checksum[1], checksum[2], checksum[3]]);
+    if checksum != crc32fast::hash(body) {
+        return Err(corrupt("checksum mismatch (truncated or damaged)".into()));
     }
-    let (body, checksum_bytes) = bytes.split_at(bytes.len() - CRC_LEN);
-    let mut checksum = Reader::new(checksum_bytes);
-    if checksum.u32()? != crc32(body) {
-        return Err(corrupt("checksum mismatch"));
-    }
-    let mut reader = Reader::new(&body[HEADER_LEN..]);
-    let state = decode_payload(&mut reader)?;
-    if !reader.is_empty() {
-        return Err(corrupt("trailing bytes after the state"));
+    let (state, trailing) = postcard::take_from_bytes::<BufferState>(&body[HEADER_LEN..])
+        .map_err(|error| corrupt(format!("the state does not decode: {error}")))?;
+    if !trailing.is_empty() {
+        return Err(corrupt("trailing bytes after the state".into()));
     }
     state.validate()?;
     Ok(state)
-}
-
-fn encode_payload(state: &BufferState, out: &mut Vec<u8>) {
-    let limits = &state.limits;
-    put_u32(out, limits.max_inflight_groups);
-    put_u32(out, limits.max_buffered_groups);
-    put_u64(out, limits.max_dropped_groups_per_step);
-    put_option_u64(out, limits.max_actor_accept_staleness);
-    put_u64(out, state.next_group_id);
-    put_option_u64(out, state.last_actor_version.map(|v| v as u64));
-    put_option_u64(out, state.max_finish_version.map(|v| v as u64));
-    put_u64(out, state.inflight.len() as u64);
-    for &(group_id, prompt_index) in &state.inflight {
-        put_u64(out, group_id);
-        put_u64(out, prompt_index);
-    }
-    put_u64(out, state.finished.len() as u64);
-    for group in &state.finished {
-        put_u64(out, group.group_id);
-        put_u64(out, group.prompt_index);
-        put_u64(out, group.versions.earliest_version as u64);
-        put_u64(out, group.versions.latest_version as u64);
-        put_u64(out, group.versions.finish_version as u64);
-    }
-    let step = &state.step;
-    put_u64(out, step.num_groups);
-    put_u64(out, step.staleness_sum);
-    put_u64(out, step.staleness_max);
-    put_u64(out, step.staleness_counts.len() as u64);
-    for (&staleness, &count) in &step.staleness_counts {
-        put_u64(out, staleness);
-        put_u64(out, count);
-    }
-    put_u64(out, step.version_span_sum);
-    put_u64(out, step.queue_steps_sum);
-    put_u64(out, step.dropped_groups);
-    put_u64(out, step.admission_wait_inflight_limit_ns);
-    put_u64(out, step.admission_wait_buffer_full_ns);
-    put_u64(out, step.wall_ns);
-}
-
-fn decode_payload(reader: &mut Reader<'_>) -> Result<BufferState> {
-    let limits = Limits {
-        max_inflight_groups: reader.u32()?,
-        max_buffered_groups: reader.u32()?,
-        max_dropped_groups_per_step: reader.u64()?,
-        max_actor_accept_staleness: reader.option_u64()?,
-    };
-    let next_group_id = reader.u64()?;
-    let last_actor_version = reader.option_u64()?.map(|v| v as i64);
-    let max_finish_version = reader.option_u64()?.map(|v| v as i64);
-    let num_inflight = reader.length(16)?;
-    let mut inflight = Vec::with_capacity(num_inflight);
-    for _ in 0..num_inflight {
-        inflight.push((reader.u64()?, reader.u64()?));
-    }
-    let num_finished = reader.length(40)?;
-    let mut finished = Vec::with_capacity(num_finished);
-    for _ in 0..num_finished {
-        finished.push(FinishedGroup {
-            group_id: reader.u64()?,
-            prompt_index: reader.u64()?,
-            versions: GroupVersions {
-                earliest_version: reader.u64()? as i64,
-                latest_version: reader.u64()? as i64,
-                finish_version: reader.u64()? as i64,
-            },
-        });
-    }
-    let num_groups = reader.u64()?;
-    let staleness_sum = reader.u64()?;
-    let staleness_max = reader.u64()?;
-    let num_counts = reader.length(16)?;
-    let mut staleness_counts = BTreeMap::new();
-    for _ in 0..num_counts {
-        let staleness = reader.u64()?;
-        if staleness_counts.insert(staleness, reader.u64()?).is_some() {
-            return Err(BufferError::CorruptState(format!(
-                "staleness {staleness} appears twice in the histogram"
-            )));
-        }
-    }
-    let step = StepStats {
-        num_groups,
-        staleness_sum,
-        staleness_max,
-        staleness_counts,
-        version_span_sum: reader.u64()?,
-        queue_steps_sum: reader.u64()?,
-        dropped_groups: reader.u64()?,
-        admission_wait_inflight_limit_ns: reader.u64()?,
-        admission_wait_buffer_full_ns: reader.u64()?,
-        wall_ns: reader.u64()?,
-    };
-    Ok(BufferState {
-        limits,
-        next_group_id,
-        last_actor_version,
-        max_finish_version,
-        inflight,
-        finished,
-        step,
-    })
-}
-
-fn put_u32(out: &mut Vec<u8>, value: u32) {
-    out.extend_from_slice(&value.to_le_bytes());
-}
-
-fn put_u64(out: &mut Vec<u8>, value: u64) {
-    out.extend_from_slice(&value.to_le_bytes());
-}
-
-fn put_option_u64(out: &mut Vec<u8>, value: Option<u64>) {
-    match value {
-        Some(value) => {
-            out.push(1);
-            put_u64(out, value);
-        }
-        None => out.push(0),
-    }
-}
-
-/// A bounds-checked little-endian reader.
-struct Reader<'a> {
-    bytes: &'a [u8],
-}
-
-impl<'a> Reader<'a> {
-    fn new(bytes: &'a [u8]) -> Self {
-        Self { bytes }
-    }
-
-    fn is_empty(&self) -> bool {
-        self.bytes.is_empty()
-    }
-
-    fn take<const N: usize>(&mut self) -> Result<[u8; N]> {
-        let Some((head, rest)) = self.bytes.split_first_chunk::<N>() else {
-            return Err(BufferError::CorruptState("the state is truncated".into()));
-        };
-        self.bytes = rest;
-        Ok(*head)
-    }
-
-    fn u32(&mut self) -> Result<u32> {
-        self.take::<4>().map(u32::from_le_bytes)
-    }
-
-    fn u64(&mut self) -> Result<u64> {
-        self.take::<8>().map(u64::from_le_bytes)
-    }
-
-    fn option_u64(&mut self) -> Result<Option<u64>> {
-        match self.take::<1>()? {
-            [0] => Ok(None),
-            [1] => self.u64().map(Some),
-            [tag] => Err(BufferError::CorruptState(format!(
-                "invalid option tag {tag}"
-            ))),
-        }
-    }
-
-    /// A count of entries of `entry_len` bytes each, checked against the bytes left so a corrupt
-    /// count cannot trigger a huge allocation.
-    fn length(&mut self, entry_len: usize) -> Result<usize> {
-        let count = self.u64()?;
-        match usize::try_from(count) {
-            Ok(count) if count <= self.bytes.len() / entry_len => Ok(count),
-            _ => Err(BufferError::CorruptState(format!(
-                "a count of {count} entries exceeds the bytes left"
-            ))),
-        }
-    }
-}
-
-/// CRC-32 with the IEEE polynomial (as zlib and PNG use), table-driven.
-fn crc32(bytes: &[u8]) -> u32 {
-    const TABLE: [u32; 256] = {
-        let mut table = [0u32; 256];
-        let mut index = 0;
-        while index < 256 {
-            let mut crc = index as u32;
-            let mut bit = 0;
-            while bit < 8 {
-                crc = if crc & 1 == 1 {
-                    (crc >> 1) ^ 0xEDB8_8320
-                } else {
-                    crc >> 1
-                };
-                bit += 1;
-            }
-            table[index] = crc;
-            index += 1;
-        }
-        table
-    };
-    let mut crc = u32::MAX;
-    for &byte in bytes {
-        crc = TABLE[((crc ^ u32::from(byte)) & 0xFF) as usize] ^ (crc >> 8);
-    }
-    !crc
 }
 
 #[cfg(all(test, not(loom)))]
@@ -386,7 +181,31 @@ mod tests {
     use super::*;
 
     #[test]
-    fn crc32_matches_the_standard_check_value() {
-        assert_eq!(crc32(b"123456789"), 0xCBF4_3926);
+    fn the_checksum_is_the_standard_crc32() {
+        assert_eq!(crc32fast::hash(b"123456789"), 0xCBF4_3926);
+    }
+
+    #[test]
+    fn another_format_version_is_refused_by_name() {
+        let state = BufferState {
+            limits: Limits::new(1, 1, 0, None).unwrap(),
+            next_group_id: 0,
+            last_actor_version: None,
+            max_finish_version: None,
+            inflight: Vec::new(),
+            finished: Vec::new(),
+            step: StepStats::default(),
+        };
+        let mut bytes = encode(&state).unwrap();
+        assert_eq!(decode(&bytes), Ok(state));
+        bytes[8] = 1;
+        let body = bytes.len() - CRC_LEN;
+        let checksum = crc32fast::hash(&bytes[..body]).to_le_bytes();
+        bytes[body..].copy_from_slice(&checksum);
+        let error = decode(&bytes).unwrap_err();
+        assert!(
+            error.to_string().contains("format 1 is not supported"),
+            "{error}"
+        );
     }
 }

@@ -314,7 +314,7 @@ proptest! {
                     prop_assert_eq!(buffer.end_step(), std::mem::take(&mut model.step));
                 }
                 Op::Restore => {
-                    let bytes = buffer.to_bytes();
+                    let bytes = buffer.to_bytes().unwrap();
                     let restored = GroupBuffer::from_state(buffer_core::state::decode(&bytes).unwrap(), ManualClock::new(0)).unwrap();
                     prop_assert_eq!(restored.state(), buffer.state());
                     buffer = restored;
@@ -335,7 +335,7 @@ proptest! {
                 buffer.complete(group_id, versions).unwrap();
             }
         }
-        let mut bytes = buffer.to_bytes();
+        let mut bytes = buffer.to_bytes().unwrap();
         let position = position.index(bytes.len());
         bytes[position] ^= 1 << bit;
         prop_assert!(matches!(GroupBuffer::from_bytes(&bytes), Err(BufferError::CorruptState(_))));

@@ -466,7 +466,7 @@ fn state_round_trips_exactly_and_the_restored_buffer_continues() {
     buffer.take_batch(1, 2).unwrap();
     clock.advance_ns(7);
     let state = buffer.state();
-    let bytes = buffer.to_bytes();
+    let bytes = buffer.to_bytes().unwrap();
     let restored = GroupBuffer::from_state(
         buffer_core::state::decode(&bytes).unwrap(),
         ManualClock::new(0),
@@ -474,7 +474,7 @@ fn state_round_trips_exactly_and_the_restored_buffer_continues() {
     .unwrap();
     assert_eq!(restored.state(), state);
     assert_eq!(restored.counts(), buffer.counts());
-    assert_eq!(restored.to_bytes(), bytes);
+    assert_eq!(restored.to_bytes().unwrap(), bytes);
     // The restored buffer keeps its counters, its next id and its version watermarks.
     assert_eq!(restored.try_admit(62), None);
     assert_eq!(restored.abandon(4), Ok(61));
@@ -491,7 +491,7 @@ fn corrupt_bytes_are_a_typed_error() {
     let group_id = admit(&buffer, 1);
     buffer.complete(group_id, versions(0, 0, 0)).unwrap();
     admit(&buffer, 2);
-    let bytes = buffer.to_bytes();
+    let bytes = buffer.to_bytes().unwrap();
     let mut cases: Vec<Vec<u8>> = vec![
         Vec::new(),
         bytes[..bytes.len() - 1].to_vec(),
@@ -517,7 +517,7 @@ fn an_impossible_state_with_a_valid_checksum_is_rejected() {
     let group_id = admit(&buffer, 1);
     let mut state = buffer.state();
     state.inflight.push((group_id, 9));
-    let bytes = buffer_core::state::encode(&state);
+    let bytes = buffer_core::state::encode(&state).unwrap();
     let error = GroupBuffer::from_bytes(&bytes).err().unwrap();
     assert!(error.to_string().contains("appears twice"), "{error}");
 }

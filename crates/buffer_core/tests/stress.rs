@@ -20,10 +20,11 @@ fn record(high_water: &(AtomicU32, AtomicU32), counts: Counts) {
         .fetch_max(counts.inflight + counts.buffered, Ordering::Relaxed);
 }
 
-#[test]
-fn packed_counters_never_exceed_either_limit_under_contention() {
-    const MAX_INFLIGHT: u32 = 3;
-    const MAX_BUFFERED: u32 = 5;
+const MAX_INFLIGHT: u32 = 3;
+const MAX_BUFFERED: u32 = 5;
+
+/// One contended run; returns the high-water marks of `inflight` and `inflight + buffered`.
+fn contended_admission_run() -> (u32, u32) {
     let admission = Admission::new(MAX_INFLIGHT, MAX_BUFFERED, Counts::default());
     // Every value a successful CAS or a finish installs is recorded (only those can raise a count),
     // plus a sample of the word after each admission.
@@ -78,12 +79,32 @@ fn packed_counters_never_exceed_either_limit_under_contention() {
         admitted.load(Ordering::Relaxed) > 1000,
         "the test must exercise admission"
     );
-    // The limits were reached (the test exercised them) and never exceeded.
-    assert_eq!(high_water.0.load(Ordering::Relaxed), MAX_INFLIGHT);
-    assert_eq!(high_water.1.load(Ordering::Relaxed), MAX_BUFFERED);
     let end = admission.counts();
     assert_eq!(end.inflight, 0);
     assert_eq!(end.buffered, *buffered_now.lock().unwrap());
+    (
+        high_water.0.load(Ordering::Relaxed),
+        high_water.1.load(Ordering::Relaxed),
+    )
+}
+
+#[test]
+fn packed_counters_never_exceed_either_limit_under_contention() {
+    // Never exceeded in any run; reached (so the run exercised the limits) in at least one. On a loaded
+    // machine one run may not bring the threads together often enough to reach both.
+    let mut reached = (0, 0);
+    for _ in 0..20 {
+        let (inflight, total) = contended_admission_run();
+        assert!(
+            inflight <= MAX_INFLIGHT && total <= MAX_BUFFERED,
+            "{inflight}, {total}"
+        );
+        reached = (reached.0.max(inflight), reached.1.max(total));
+        if reached == (MAX_INFLIGHT, MAX_BUFFERED) {
+            return;
+        }
+    }
+    panic!("the limits were never reached: high water {reached:?}");
 }
 
 #[test]
