@@ -124,7 +124,35 @@ async def wait_for_tokens(client: SGLangClient, start: float, count: int) -> Non
 async def sync_mid_request(
     connect: Callable[[], SGLangClient], reference: Reference, mode: SyncMode, old_seed: int, new_seed: int
 ) -> tuple[list[int], int, int]:
-    """Run one long greedy request across a sync from A to B; returns its ids, the boundary `k`, and v."""
+    """Run one long greedy request across a sync from A to B; returns its ids, the boundary `k`, and v.
+
+    On a loaded machine the engine may finish the request between the wait for its first tokens and the
+    pause (the sync then finds nothing left to pause): that run shows nothing and is repeated, a few times
+    at most."""
+    for _ in range(MAX_ATTEMPTS - 1):
+        try:
+            return await _sync_mid_request_once(connect, reference, mode, old_seed, new_seed)
+        except _FinishedBeforeThePause:
+            continue
+    return await _sync_mid_request_once(connect, reference, mode, old_seed, new_seed, last_attempt=True)
+
+
+MAX_ATTEMPTS = 3
+
+
+class _FinishedBeforeThePause(Exception):
+    pass
+
+
+async def _sync_mid_request_once(
+    connect: Callable[[], SGLangClient],
+    reference: Reference,
+    mode: SyncMode,
+    old_seed: int,
+    new_seed: int,
+    *,
+    last_attempt: bool = False,
+) -> tuple[list[int], int, int]:
     old, new = reference.weights(old_seed), reference.weights(new_seed)
     reference.load(old, new)
     async with EnginePool([connect()]) as pool:
@@ -147,6 +175,8 @@ async def sync_mid_request(
     if mode == "drain":
         assert spans == (VersionSpan(version, 0, NUM_TOKENS),)
         return generation.output_ids, NUM_TOKENS, version
+    if spans == (VersionSpan(version, 0, NUM_TOKENS),) and not last_attempt:
+        raise _FinishedBeforeThePause
     boundary = spans[0].end
     assert spans == (VersionSpan(version, 0, boundary), VersionSpan(version + 1, boundary, NUM_TOKENS))
     assert 8 <= boundary < NUM_TOKENS

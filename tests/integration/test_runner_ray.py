@@ -18,10 +18,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900
 @pytest.fixture(scope="module", autouse=True)
 def local_ray() -> Iterator[None]:
     ray = pytest.importorskip("ray")
-    import os
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
     yield
     ray.shutdown()

@@ -8,6 +8,7 @@ started is stopped, engines included, also on an error or Ctrl-C.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,6 +26,10 @@ _STDERR = logging.StreamHandler(sys.stderr)
 def run(config: AsyncRLConfig) -> Path:
     """Train as `config` says; returns the run folder (`runner.run_dir`, already created by the CLI or
     here). Raises `AsyncRLError` subclasses for failures the run explains itself."""
+    # Ray's `uv run` hook would package the working directory for every worker and start each one with
+    # `uv run` there: the workers must import this interpreter's installed packages instead. The hook reads
+    # this variable when Ray is first imported.
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     import ray
 
     from asyncrl_core.runner.async_ import run_async
