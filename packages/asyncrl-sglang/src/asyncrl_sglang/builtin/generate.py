@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from asyncrl_sglang.builtin._http import Json, read_model, semantic_error
 from asyncrl_sglang.builtin.engine import Engine, Request
 from asyncrl_sglang.builtin.gate import AdmissionGate, Ticket
-from asyncrl_sglang.builtin.sampling import RequestError, SamplingOptions
+from asyncrl_sglang.builtin.sampling import RequestError, SamplingOptions, check_fits
 from asyncrl_sglang.wire import (
     AbortRequest,
     ErrorBody,
@@ -149,7 +149,7 @@ class GenerateRoutes:
         requests: list[Request] = []
         for index, prompt in enumerate(prompts):
             item_options = options[index]
-            self._check_fits(prompt, item_options)
+            check_fits(prompt, item_options, self.engine.context_length)
             if item_options.stop and self.tokenizer is None:
                 raise RequestError("stop strings need a tokenizer; this server runs without one")
             # n > 1: the samples of one prompt get fresh random rids (as SGLang regenerates them).
@@ -212,24 +212,6 @@ class GenerateRoutes:
         if len(rid) != count:
             raise RequestError(f"rid has {len(rid)} entries for a batch of {count}")
         return list(rid)
-
-    def _check_fits(self, prompt: list[int], options: SamplingOptions) -> None:
-        context = self.engine.context_length
-        if options.max_new_tokens is None:
-            if len(prompt) >= context:
-                raise RequestError(
-                    f"The input ({len(prompt)} tokens) is longer than the model's context length "
-                    f"({context} tokens)."
-                )
-            return
-        total = len(prompt) + options.max_new_tokens
-        if total > context:
-            raise RequestError(
-                f"Requested token count exceeds the model's maximum context length of {context} tokens. "
-                f"You requested a total of {total} tokens: {len(prompt)} tokens from the input messages and "
-                f"{options.max_new_tokens} tokens for the completion. Please reduce the number of tokens in "
-                "the input messages or the completion to fit within the limit."
-            )
 
     async def _next_update(self, http: web.Request, submission: _Submission) -> tuple[int, int, bool]:
         """The next update of the submission's requests; `ConnectionResetError` once the client is gone

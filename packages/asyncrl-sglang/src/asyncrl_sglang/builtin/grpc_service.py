@@ -40,7 +40,7 @@ from asyncrl_sglang._grpc_wire import DUPLICATE_RID, authorization, encode_trail
 from asyncrl_sglang.builtin.engine import Engine, Request
 from asyncrl_sglang.builtin.gate import AdmissionGate, Ticket
 from asyncrl_sglang.builtin.info import SERVER_VERSION
-from asyncrl_sglang.builtin.sampling import RequestError, SamplingOptions
+from asyncrl_sglang.builtin.sampling import RequestError, SamplingOptions, check_fits
 from asyncrl_sglang.wire import SamplingParamsBody, WireError, parse_object
 
 if TYPE_CHECKING:
@@ -149,7 +149,7 @@ class SchedulerService(pb_grpc.SglangSchedulerServicer):
         except WireError as error:
             raise RequestError(str(error)) from None
         options = SamplingOptions.from_wire(params, vocab)
-        _check_fits(prompt, options, self.engine.context_length)
+        check_fits(prompt, options, self.engine.context_length)
         if request.top_logprobs_num < 0:
             raise RequestError(f"top_logprobs_num must be >= 0, got {request.top_logprobs_num}")
         rid = request.request_id or uuid.uuid4().hex
@@ -346,23 +346,6 @@ class SchedulerService(pb_grpc.SglangSchedulerServicer):
                 avg_token_usage=load.token_usage,
                 avg_throughput=load.gen_throughput,
             ),
-        )
-
-
-def _check_fits(prompt: list[int], options: SamplingOptions, context: int) -> None:
-    if options.max_new_tokens is None:
-        if len(prompt) >= context:
-            raise RequestError(
-                f"The input ({len(prompt)} tokens) is longer than the model's context length "
-                f"({context} tokens)."
-            )
-        return
-    total = len(prompt) + options.max_new_tokens
-    if total > context:
-        raise RequestError(
-            f"Requested token count exceeds the model's maximum context length of {context} tokens. "
-            f"You requested a total of {total} tokens: {len(prompt)} tokens from the input messages and "
-            f"{options.max_new_tokens} tokens for the completion."
         )
 
 

@@ -217,3 +217,23 @@ def _truncate(probs: Tensor, options: Sequence[SamplingOptions]) -> Tensor:
     drop[:, 0] = False
     sorted_probs = sorted_probs.masked_fill(drop, 0.0)
     return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+
+
+def check_fits(prompt: list[int], options: SamplingOptions, context_length: int) -> None:
+    """Refuse a request whose prompt plus `max_new_tokens` exceeds the context, with SGLang's message (both
+    transports, HTTP and gRPC)."""
+    if options.max_new_tokens is None:
+        if len(prompt) >= context_length:
+            raise RequestError(
+                f"The input ({len(prompt)} tokens) is longer than the model's context length "
+                f"({context_length} tokens)."
+            )
+        return
+    total = len(prompt) + options.max_new_tokens
+    if total > context_length:
+        raise RequestError(
+            f"Requested token count exceeds the model's maximum context length of {context_length} tokens. "
+            f"You requested a total of {total} tokens: {len(prompt)} tokens from the input messages and "
+            f"{options.max_new_tokens} tokens for the completion. Please reduce the number of tokens in "
+            "the input messages or the completion to fit within the limit."
+        )
