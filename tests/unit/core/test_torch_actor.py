@@ -15,6 +15,7 @@ from asyncrl_core.actor import ActorError, TorchActor
 from asyncrl_core.actor.torch_actor import bfloat16_supported
 from asyncrl_core.algorithms import BatchError
 from asyncrl_core.config import AlgorithmConfig, TorchActorConfig
+from asyncrl_core.errors import AsyncRLError
 from asyncrl_core.models import tiny_llama
 from asyncrl_core.protocols import Actor
 from asyncrl_core.types import NO_VERSION, Group, Trajectory
@@ -382,7 +383,7 @@ def test_bad_checkpoints_are_refused_without_change(model_dir: Path, tmp_path: P
 
 
 def test_model_path_must_be_a_model_folder(tmp_path: Path) -> None:
-    with pytest.raises(ActorError, match=r"actor.model_path .* is not a HuggingFace model folder"):
+    with pytest.raises(AsyncRLError, match=r"actor.model_path .* is not a HuggingFace model folder"):
         TorchActor(TorchActorConfig(model_path=str(tmp_path), temperature=1.0), AlgorithmConfig(group_size=2))
     with pytest.raises(ActorError, match="tensor_parallel_size"):
         TorchActor(

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl_core.config.models import RolloutConfig
-from asyncrl_core.errors import EngineControlError, EngineUnavailableError
+from asyncrl_core.errors import AsyncRLError, EngineControlError, EngineUnavailableError
 from asyncrl_sglang.launcher import (
     EngineCommand,
     builtin_command,
@@ -250,6 +250,22 @@ def test_external_launch_waits_for_the_given_urls(tmp_path: Path) -> None:
     empty = RolloutConfig.model_validate({"max_running_requests": 4, "sglang": {"launch": "external"}})
     with pytest.raises(EngineControlError, match=r"rollout\.sglang\.urls"):
         launch_engines(empty, run_dir=tmp_path)
+
+
+@pytest.mark.parametrize("launch", ["builtin", "sglang"])
+def test_a_model_path_that_names_no_model_fails_before_any_engine_starts(tmp_path: Path, launch: str) -> None:
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    for model_path, problem in [
+        (str(tmp_path / "empty"), "is not a HuggingFace model folder"),
+        (str(tmp_path / "model.gguf"), "is a GGUF file"),
+        ("tiny-llama:huge", "unknown model tiny-llama:huge"),
+    ]:
+        config = RolloutConfig.model_validate(
+            {"model_path": model_path, "max_running_requests": 2, "sglang": {"launch": launch}}
+        )
+        with pytest.raises(AsyncRLError, match=rf"^rollout\.model_path.*{problem}"):
+            launch_engines(config, run_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.integration

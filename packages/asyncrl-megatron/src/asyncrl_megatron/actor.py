@@ -163,14 +163,6 @@ class MegatronActorSettings:
         )
 
 
-def resolve_model_path(model_path: str) -> Path:
-    """The HuggingFace folder that `actor.model_path` names (`smollm2-135m` converts the offline model)."""
-    try:
-        return models.resolve_model_path(model_path, key="actor.model_path")
-    except AsyncRLError as error:
-        raise MegatronActorError(str(error)) from error
-
-
 class MegatronActor:
     """The `asyncrl_core.protocols.Actor` on Megatron-Core, tensor and data parallel.
 
@@ -204,7 +196,7 @@ class MegatronActor:
         self.temperature = settings.temperature
         self.update_metrics: tuple[dict[str, float], ...] = ()
         """The metrics of each optimizer update of the last `train_step`, in order."""
-        self.model_path = resolve_model_path(settings.model_path)
+        self.model_path = models.resolve_model_path(settings.model_path, key="actor.model_path")
         self.arch = Architecture.from_pretrained(self.model_path)
         self.dtype = torch.bfloat16 if settings.dtype == "bfloat16" and on_gpu else torch.float32
         if settings.dtype == "bfloat16" and not on_gpu:

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from asyncrl_core.errors import EngineControlError, EngineUnavailableError
-from asyncrl_core.models import named_model
+from asyncrl_core.models import resolve_model_path
 from asyncrl_core.server_process import ServerProcess
 from asyncrl_sglang.client import ClientTimeouts, SGLangClient
 from asyncrl_sglang.grpc_client import GrpcSGLangClient, grpc_health_check
@@ -73,13 +73,6 @@ class EngineCommand:
             return None
         host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
         return f"[{host}]:{self.grpc_port}" if ":" in host else f"{host}:{self.grpc_port}"
-
-
-def resolve_model_path(model_path: str) -> str:
-    """A HuggingFace folder for `model_path` (`smollm2-135m` and `tiny-llama:<preset>` are built once into
-    the cache); any other value is passed to the server as it is."""
-    named = named_model(model_path)
-    return str(named) if named is not None else model_path
 
 
 def _flag_arguments(extra_args: Mapping[str, ServerArgument]) -> list[str]:
@@ -457,7 +450,7 @@ def launch_engines(
         )
     if rollout.model_path is None:
         raise EngineControlError("rollout.model_path is not set (it defaults to actor.model_path)")
-    model_path = resolve_model_path(rollout.model_path)
+    model_path = str(resolve_model_path(rollout.model_path, key="rollout.model_path"))
     ports = pick_ports(sglang.host, num_instances, sglang.base_port)
     grpc_ports: list[int | None] = [None] * num_instances
     if sglang.transport == "grpc":

@@ -9,7 +9,7 @@ from asyncrl_core.actor.distributed import (
     free_port,
     init_process_group,
 )
-from asyncrl_core.actor.torch_actor import ActorError, TorchActor, resolve_model_path
+from asyncrl_core.actor.torch_actor import ActorError, TorchActor
 from asyncrl_core.actor.warm_start import warm_start
 
 __all__ = [
@@ -19,6 +19,5 @@ __all__ = [
     "destroy_process_group",
     "free_port",
     "init_process_group",
-    "resolve_model_path",
     "warm_start",
 ]

@@ -86,14 +86,6 @@ class ActorError(AsyncRLError):
     """The actor cannot load its model, train on a batch, or read a checkpoint; nothing was changed."""
 
 
-def resolve_model_path(model_path: str) -> Path:
-    """The HuggingFace folder that `actor.model_path` names (`smollm2-135m` converts the offline model)."""
-    try:
-        return models.resolve_model_path(model_path, key="actor.model_path")
-    except AsyncRLError as error:
-        raise ActorError(str(error)) from error
-
-
 def bfloat16_supported(device: torch.device) -> bool:
     """Whether `device` computes in bfloat16 natively (a CPU without it would emulate, slowly)."""
     if device.type == "cuda":
@@ -172,7 +164,7 @@ class TorchActor:
         """The metrics of each optimiser update of the last `train_step`, in order."""
         self.device = torch.device(device) if device is not None else default_device()
         self.rank, self.world_size = world()
-        self.model_path = resolve_model_path(actor.model_path)
+        self.model_path = models.resolve_model_path(actor.model_path, key="actor.model_path")
         self.compute_dtype = torch.float32
         if actor.dtype == "bfloat16":
             if bfloat16_supported(self.device):
