@@ -16,14 +16,14 @@ admission waits per limit, the staleness and the engines' tokens per second, and
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import runs
 
 from asyncrl_core import metrics
 from asyncrl_core.config import load_config
@@ -42,35 +42,23 @@ REPORTED = (
 
 
 def run_point(config_path: str | None, overrides: list[str], run_dir: Path, warmup: int) -> dict[str, float]:
-    config = load_config(config_path, [*overrides, f"runner.run_dir={run_dir}"])
-    run(config)
-    with open(run_dir / "metrics.jsonl", encoding="utf-8") as lines:
-        records = [record for line in lines if metrics.TIME_STEP in (record := json.loads(line))]
-    kept = records[warmup:] or records
-    return {name: statistics.median(r[name] for r in kept if name in r) for name in REPORTED}
+    run(load_config(config_path, [*overrides, f"runner.run_dir={run_dir}"]))
+    return runs.medians(runs.step_records(run_dir), warmup, REPORTED)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("arguments", nargs="*", metavar="CONFIG key=value")
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--warmup-steps", type=int, default=2)
-    parser.add_argument("--runs-dir", type=Path, default=Path("runs/limits"))
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/limits.json"))
-    args = parser.parse_args()
-    config_path = args.arguments[0] if args.arguments and "=" not in args.arguments[0] else None
-    overrides = args.arguments[1:] if config_path else args.arguments
+    args = runs.parser(
+        __doc__, steps=8, runs_dir="runs/limits", out="benchmarks/results/limits.json"
+    ).parse_args()
+    config_path, overrides = runs.config_and_overrides(args.arguments)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
     overrides = [
         *overrides,
         "runner.async_mode=true",
         f"runner.num_steps={args.steps}",
-        "logging.progress_bar=false",
-        "checkpoint.save_at_end=false",
-        "runner.eval_every_steps=null",
         "agentloop.max_actor_accept_staleness=null",
     ]
+    overrides = runs.common_overrides(config_path, overrides, args.runs_dir / stamp)
     base = load_config(config_path, overrides)
     batch = base.data.rollout_batch_size
     instances = base.rollout.num_instances or 1
@@ -98,17 +86,16 @@ def main() -> int:
             f"rollout_buffer.max_buffered_groups={large + batch}",
         ],
     }
-    stamp = time.strftime("%Y%m%d-%H%M%S")
     results: dict[str, dict[str, float]] = {}
     for index, (name, point) in enumerate(points.items()):
         print(f"point {name} ...", flush=True)
-        run_dir = args.runs_dir / f"{stamp}-{index}"
+        run_dir = args.runs_dir / stamp / str(index)
         results[name] = run_point(config_path, [*overrides, *point], run_dir, args.warmup_steps)
 
     short = [name.split("/")[-1] for name in REPORTED]
     print(f"\n{'point':<40}" + "".join(f"{name:>22}" for name in short))
     for name, values in results.items():
-        print(f"{name:<40}" + "".join(f"{values[metric]:>22.3f}" for metric in REPORTED))
+        print(f"{name:<40}" + "".join(f"{values.get(metric, float('nan')):>22.3f}" for metric in REPORTED))
     out: dict[str, Any] = {"command": " ".join(sys.argv), "saturation_groups": saturation, "points": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")

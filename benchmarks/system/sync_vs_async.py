@@ -18,15 +18,15 @@ Writes the figures as JSON (default `benchmarks/results/sync_vs_async.json`) and
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import runs
 
 from asyncrl_core import metrics
 from asyncrl_core.config import load_config
@@ -39,21 +39,7 @@ PARTS = (
     metrics.TIME_TRAINING,
     metrics.TIME_SYNC_WEIGHTS,
 )
-
-
-def read_steps(run_dir: Path) -> list[dict[str, float]]:
-    with open(run_dir / "metrics.jsonl", encoding="utf-8") as lines:
-        return [record for line in lines if metrics.TIME_STEP in (record := json.loads(line))]
-
-
-def medians(records: list[dict[str, float]], warmup: int) -> dict[str, float]:
-    kept = records[warmup:] or records
-    result: dict[str, float] = {}
-    for name in (*PARTS, metrics.DATA_STALENESS_MEAN, metrics.TOKENS_PER_S):
-        values = [record[name] for record in kept if name in record]
-        if values:
-            result[name] = statistics.median(values)
-    return result
+REPORTED = (*PARTS, metrics.DATA_STALENESS_MEAN, metrics.DATA_STALENESS_MAX, metrics.TOKENS_PER_S)
 
 
 def one_mode(config_path: str | None, overrides: list[str], *, async_mode: bool, run_dir: Path) -> Path:
@@ -66,52 +52,51 @@ def one_mode(config_path: str | None, overrides: list[str], *, async_mode: bool,
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = runs.parser(
+        __doc__, steps=12, runs_dir="runs/sync_vs_async", out="benchmarks/results/sync_vs_async.json"
     )
-    parser.add_argument("arguments", nargs="*", metavar="CONFIG key=value")
-    parser.add_argument("--steps", type=int, default=12, help="training steps of each run")
-    parser.add_argument("--warmup-steps", type=int, default=2, help="first steps left out of the medians")
-    parser.add_argument("--runs-dir", type=Path, default=Path("runs/sync_vs_async"))
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/sync_vs_async.json"))
     args = parser.parse_args()
-    config_path = args.arguments[0] if args.arguments and "=" not in args.arguments[0] else None
-    overrides = args.arguments[1:] if config_path else args.arguments
-    overrides = [
-        *overrides,
-        f"runner.num_steps={args.steps}",
-        "logging.progress_bar=false",
-        "checkpoint.save_at_end=false",
-        "runner.eval_every_steps=null",
-    ]
+    config_path, overrides = runs.config_and_overrides(args.arguments)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    runs: dict[str, list[dict[str, float]]] = {}
+    overrides = runs.common_overrides(
+        config_path, [*overrides, f"runner.num_steps={args.steps}"], args.runs_dir / stamp
+    )
+    records: dict[str, list[dict[str, float]]] = {}
     for name, async_mode in (("sync", False), ("async", True)):
         run_dir = one_mode(
-            config_path, overrides, async_mode=async_mode, run_dir=args.runs_dir / f"{stamp}-{name}"
+            config_path, overrides, async_mode=async_mode, run_dir=args.runs_dir / stamp / name
         )
-        runs[name] = read_steps(run_dir)
+        records[name] = runs.step_records(run_dir)
 
-    sync, asynchronous = (medians(runs[name], args.warmup_steps) for name in ("sync", "async"))
+    sync, asynchronous = (
+        runs.medians(records[name], args.warmup_steps, REPORTED) for name in ("sync", "async")
+    )
     rollout, training = sync[metrics.TIME_ROLLOUT], sync[metrics.TIME_TRAINING]
     sync_s = sync[metrics.TIME_SYNC_WEIGHTS]
     ideal = (rollout + training + sync_s) / (max(rollout, training) + sync_s)
     speedup = sync[metrics.TIME_STEP] / asynchronous[metrics.TIME_STEP]
+    config = load_config(config_path, [*overrides, "runner.async_mode=true"])
+    assert config.rollout_buffer.max_buffered_groups is not None  # derived
+    bound = config.rollout_buffer.max_buffered_groups / config.data.rollout_batch_size
+    cap = config.agentloop.max_actor_accept_staleness
+    staleness_max = max(record.get(metrics.DATA_STALENESS_MAX, 0.0) for record in records["async"])
 
-    print(f"\n{'median per step':<28}{'sync':>10}{'async':>10}")
-    for name in (*PARTS, metrics.DATA_STALENESS_MEAN, metrics.TOKENS_PER_S):
+    print(f"\n{'median per step':<30}{'sync':>10}{'async':>10}")
+    for name in REPORTED:
         cells = [f"{m[name]:>10.3f}" if name in m else f"{'-':>10}" for m in (sync, asynchronous)]
-        print(f"{name:<28}{''.join(cells)}")
+        print(f"{name:<30}{''.join(cells)}")
     print(f"\nspeedup of the step rate (async over sync): {speedup:.2f}x")
     print(
         f"ideal from the sync run's parts:            {ideal:.2f}x  (measured = {speedup / ideal:.0%} of it)"
     )
+    print(
+        f"async staleness: max {staleness_max:.0f} over all steps; the buffer bounds it by "
+        f"max_buffered_groups / rollout_batch_size = {bound:.1f}"
+        + (f", the cap (max_actor_accept_staleness) by {cap}" if cap is not None else "")
+    )
     print("\nreward per step")
-    for name, records in runs.items():
-        print(
-            f"  {name:<6}"
-            + " ".join(f"{record.get(metrics.REWARD_MEAN, float('nan')):.2f}" for record in records)
-        )
+    for name, steps in records.items():
+        print(f"  {name:<6}" + " ".join(f"{r.get(metrics.REWARD_MEAN, float('nan')):.2f}" for r in steps))
 
     result: dict[str, Any] = {
         "command": " ".join(sys.argv),
@@ -122,8 +107,9 @@ def main() -> int:
         "speedup": speedup,
         "ideal_speedup": ideal,
         "share_of_ideal": speedup / ideal,
-        "reward": {name: [r.get(metrics.REWARD_MEAN) for r in records] for name, records in runs.items()},
-        "staleness_max": max(r.get(metrics.DATA_STALENESS_MAX, 0.0) for r in runs["async"]),
+        "staleness_max": staleness_max,
+        "staleness_bound": bound,
+        "reward": {name: [r.get(metrics.REWARD_MEAN) for r in steps] for name, steps in records.items()},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
