@@ -10,8 +10,8 @@ install:  ## create .venv with every package, extra and dev tool, building the R
 	@command -v uv >/dev/null 2>&1 || python3 -m uv --version >/dev/null 2>&1 || python3 -m pip install --quiet uv
 	$(UV) sync --all-packages --all-extras --locked
 
-run: install  ## run the main job: async agentic RL on searchr1-mini with a tiny warm-started Llama, on this machine
-	$(UV) run asyncrl-run examples/searchr1-mini-tiny.yaml runner.run_dir=runs/searchr1-mini-tiny-$$(date +%Y%m%d-%H%M%S)
+run: install  ## run the main job: asyncrl-run's embedded default (async agentic RL on searchr1-mini, a tiny warm-started Llama)
+	$(UV) run asyncrl-run runner.run_dir=runs/searchr1-mini-$$(date +%Y%m%d-%H%M%S)
 
 test: install lint typecheck  ## the whole suite, as CI runs it
 	$(CARGO) test --workspace

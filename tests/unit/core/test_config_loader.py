@@ -45,9 +45,14 @@ def test_embedded_default_is_the_mini_example() -> None:
     assert load_config(None) == load_config(MINI)
 
 
+def test_sync_example_is_the_default_in_sync_mode() -> None:
+    sync = load_config(EXAMPLES / "searchr1-mini-sync.yaml")
+    assert sync == load_config(None, ["runner.async_mode=false", "runner.name=searchr1-mini-sync"])
+
+
 def test_whole_reference_keeps_its_type(tmp_path: Path) -> None:
-    path = mini_with(tmp_path, "    max_new_tokens: 128", "    max_new_tokens: ${data.max_response_len}")
-    assert load_config(path).rollout.sampling.max_new_tokens == 512
+    path = mini_with(tmp_path, "    max_new_tokens: 48", "    max_new_tokens: ${data.max_response_len}")
+    assert load_config(path).rollout.sampling.max_new_tokens == 256
 
 
 def test_reference_inside_text_and_escape(tmp_path: Path) -> None:
@@ -76,14 +81,14 @@ def test_unknown_reference_names_the_key(tmp_path: Path) -> None:
 
 
 def test_reference_to_unset_key_without_default(tmp_path: Path) -> None:
-    path = mini_with(tmp_path, "  num_steps: 20", "  run_dir: run-${runner.num_steps}")
+    path = mini_with(tmp_path, "  num_steps: 32", "  run_dir: run-${runner.num_steps}")
     message = only_problem(path)
     assert message.startswith("runner.run_dir: `${runner.num_steps}` cannot be resolved")
     assert "has no default" in message
 
 
 def test_interpolation_cycle(tmp_path: Path) -> None:
-    path = mini_with(tmp_path, "  model_path: smollm2-135m", "  model_path: ${rollout.model_path}")
+    path = mini_with(tmp_path, "  model_path: tiny-llama:small", "  model_path: ${rollout.model_path}")
     with pytest.raises(ConfigError) as caught:
         load_config(path)
     # Both keys of the cycle are named.
@@ -156,15 +161,15 @@ def test_override_values_are_yaml() -> None:
 
 
 def test_override_into_a_scalar_in_the_file(tmp_path: Path) -> None:
-    path = mini_with(tmp_path, "checkpoint:\n  save_every_steps: 10\n  keep_last: 2", "checkpoint: 3")
+    path = mini_with(tmp_path, "checkpoint:\n  save_every_steps: 16\n  keep_last: 2", "checkpoint: 3")
     message = only_problem(path, "checkpoint.keep_last=4")
     assert message.startswith("checkpoint: holds 3 in the file")
 
 
 def test_repeated_yaml_key_is_an_error(tmp_path: Path) -> None:
-    path = mini_with(tmp_path, "  num_steps: 20", "  num_steps: 20\n  num_steps: 30")
+    path = mini_with(tmp_path, "  num_steps: 32", "  num_steps: 32\n  num_steps: 30")
     message = only_problem(path)
-    assert message.startswith(f"{path}, line 9, column 3: found duplicate key num_steps")
+    assert message.startswith(f"{path}, line 15, column 3: found duplicate key num_steps")
 
 
 def test_yaml_syntax_error_names_file_and_line(tmp_path: Path) -> None:
@@ -179,7 +184,7 @@ def test_override_removes_a_key_so_its_default_applies() -> None:
         MINI, ["~agentloop.max_actor_accept_staleness", "~rollout.model_path", "~checkpoint"]
     )
     assert config.agentloop.max_actor_accept_staleness is None
-    assert config.rollout.model_path == "smollm2-135m"
+    assert config.rollout.model_path == "tiny-llama:small"
     assert "rollout.model_path" in config.derived_keys
     assert config.checkpoint.save_every_steps is None
     assert "takes no value" in only_problem(MINI, "~runner.seed=1")
@@ -194,9 +199,9 @@ def test_a_mapping_override_replaces_the_section() -> None:
 
 
 def test_empty_section_takes_the_defaults(tmp_path: Path) -> None:
-    path = mini_with(tmp_path, "checkpoint:\n  save_every_steps: 10\n  keep_last: 2", "checkpoint:")
+    path = mini_with(tmp_path, "checkpoint:\n  save_every_steps: 16\n  keep_last: 2", "checkpoint:")
     assert load_config(path).checkpoint.keep_last == 2
-    path = mini_with(tmp_path, "  name: searchr1-mini\n  async_mode: true\n  num_steps: 20\n  seed: 1\n", "")
+    path = mini_with(tmp_path, "  name: searchr1-mini\n  async_mode: true\n  num_steps: 32\n  seed: 1\n", "")
     assert only_problem(path) == "runner.num_steps: required key is missing"
 
 
@@ -223,11 +228,11 @@ def test_values_are_not_converted_between_types(override: str, key: str) -> None
 
 @pytest.mark.parametrize("text", ["1e-6", "1.0e-6", "'1e-6'", '"1E-6"', "1e-06"])
 def test_exponent_form_is_a_float(tmp_path: Path, text: str) -> None:
-    path = mini_with(tmp_path, "  lr: 1.0e-6", f"  lr: {text}")
+    path = mini_with(tmp_path, "  lr: 1.0e-4", f"  lr: {text}")
     assert load_config(path).actor.lr == pytest.approx(1e-6)
     assert load_config(MINI, [f"actor.lr={text}"]).actor.lr == pytest.approx(1e-6)
     direct = yaml.safe_load(path.read_text())  # PyYAML alone reads `1e-6` as text
-    direct["rollout"]["model_path"] = "smollm2-135m"
+    direct["rollout"]["model_path"] = "tiny-llama:small"
     assert AsyncRLConfig.model_validate(direct).actor.lr == pytest.approx(1e-6)
 
 
@@ -253,9 +258,9 @@ def test_missing_file(tmp_path: Path) -> None:
 def test_render_marks_derived_values_and_round_trips(tmp_path: Path) -> None:
     config = load_config(MINI)
     text = render_yaml(config)
-    assert "  max_inflight_groups: 3  # derived\n" in text
+    assert "  max_inflight_groups: 5  # derived\n" in text
     assert "  max_buffered_groups: 8  # derived\n" in text
-    assert "  num_steps: 20\n" in text
+    assert "  num_steps: 32\n" in text
     again = load_config(write(tmp_path, text))
     assert again.model_dump() == config.model_dump()
     assert again.derived_keys == frozenset()  # every value is explicit now

@@ -82,7 +82,7 @@ def test_instances_of_external_servers_are_the_urls() -> None:
         ],
     )
     assert config.rollout.num_instances == 2
-    assert config.rollout_buffer.max_inflight_groups == derived_max_inflight_groups(8, 2, 4)
+    assert config.rollout_buffer.max_inflight_groups == derived_max_inflight_groups(16, 2, 4)
 
 
 # Async-mode rules (ARCHITECTURE.md section 4).
@@ -162,7 +162,7 @@ def test_buffer_below_inflight_plus_batch_is_a_warning() -> None:
         MINI, ["rollout_buffer.max_buffered_groups=5", "agentloop.max_actor_accept_staleness=2"]
     )
     message = warning_at("rollout_buffer.max_buffered_groups", config)
-    assert "raise it to 7" in message
+    assert "raise it to 9" in message
 
 
 # Sizes and batches.
@@ -359,8 +359,8 @@ def test_task_as_module_attribute() -> None:
 
 
 def test_lengths_must_fit_the_context() -> None:
-    message = problem_at("rollout.context_length", MINI, "rollout.context_length=1000")
-    assert "512 + data.max_response_len 512 = 1024" in message
+    message = problem_at("rollout.context_length", MINI, "rollout.context_length=700")
+    assert "512 + data.max_response_len 256 = 768" in message
     assert "raise it" in message
 
 
@@ -452,7 +452,7 @@ def test_unknown_key_suggests_the_right_one() -> None:
 
 def test_unknown_key_in_the_file(tmp_path: Path) -> None:
     path = tmp_path / "run.yaml"
-    path.write_text(MINI.read_text().replace("  micro_batch_size: 4", "  micro_batchsize: 4"))
+    path.write_text(MINI.read_text().replace("  micro_batch_size: 8", "  micro_batchsize: 8"))
     message = problem_at("actor.micro_batchsize", path)
     assert "did you mean `micro_batch_size`" in message
 
@@ -495,7 +495,7 @@ def test_model_validate_raises_config_error_only() -> None:
 
 def test_run_without_any_checkpoint_is_a_warning() -> None:
     config = load_config(MINI, ["checkpoint.save_at_end=false", "checkpoint.save_every_steps=50"])
-    assert "set it to at most 20" in warning_at("checkpoint.save_every_steps", config)
+    assert "set it to at most 32" in warning_at("checkpoint.save_every_steps", config)
     assert load_config(MINI, ["checkpoint.save_at_end=false"]).warnings == ()
 
 

@@ -98,7 +98,7 @@ def test_warm_start_lowers_the_loss_and_the_folder_serves(tiny_llama_path: Path,
 
 
 def test_warm_start_off_returns_the_configured_model(tiny_llama_path: Path, tmp_path: Path) -> None:
-    config = _config(tiny_llama_path)
+    config = _config(tiny_llama_path, "~warm_start")  # the section's defaults: no warm start
     assert config.warm_start.num_steps == 0
     assert warm_start(config, SearchR1MiniTask(), tmp_path / "warm") == tiny_llama_path
     assert not (tmp_path / "warm").exists()

