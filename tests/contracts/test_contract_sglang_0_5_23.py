@@ -3,10 +3,14 @@
 The key sets below are written as data from SGLang 0.5.23's source (the wheel installs with `--no-deps`):
 `srt/managers/tokenizer_manager.py` (`_handle_batch_output`: the `meta_info` of every output,
 `add_logprob_to_meta_info`, `_handle_abort_req`), `srt/observability/req_time_stats.py`
-(`convert_to_output_meta_info`), `srt/managers/schedule_batch.py` (`FINISH_*.to_json`) and
-`srt/entrypoints/http_server.py` (`model_info`, `pause_generation`, `continue_generation`, the weight routes).
-They are deliberately not derived from asyncrl's wire model: a key the engine invented, or one SGLang always
-writes that the engine forgot, must fail here.
+(`convert_to_output_meta_info`), `srt/managers/schedule_batch.py` (`FINISH_*.to_json`),
+`srt/entrypoints/http_server.py` (`model_info`, `server_info`, `pause_generation`, `continue_generation`, the
+weight routes), `srt/utils/common.py` (`build_server_info`), `srt/managers/scheduler.py` (`get_init_info`),
+`srt/managers/scheduler_components/internal_state.py` and `memory_usage.py` (`internal_states`),
+`srt/observability/startup_time.py`, `srt/mem_cache/hicache_storage.py` (`disabled_l3_layout`),
+`srt/entrypoints/v1_loads.py` and `srt/managers/load_snapshot.py` (`/v1/loads`). They are deliberately not
+derived from asyncrl's wire model: a key the engine invented, or one SGLang always writes that the engine
+forgot, must fail here.
 """
 
 from __future__ import annotations
@@ -58,6 +62,65 @@ MODEL_INFO_KEYS = {
     "weight_version", "load_format", "reasoning_parser", "tool_call_parser", "disaggregation_mode",
     "has_image_understanding", "has_audio_understanding", "model_type", "architectures",
 }  # fmt: skip
+# http_server.server_info = build_server_info (ServerArgs.resolved_dict, launch_command, the scheduler's
+# get_init_info, kv_events) + startup_time, internal_states, version, frontend.
+SERVER_INFO_ALWAYS = {
+    "launch_command", "max_total_num_tokens", "max_req_input_len", "startup_time", "hicache_object_layout",
+    "kv_events", "internal_states", "version", "frontend",
+}  # fmt: skip
+SERVER_INFO_OPTIONAL = {"status", "kv_event_sources"}  # in the handshake of some scheduler layouts
+# Fields of SGLang 0.5.23's ServerArgs (srt/arg_groups/fields/*.py; `enable_dp_attention` is added by
+# resolved_dict) that describe one instance. SGLang writes every field; a server that is not SGLang writes
+# those that apply to it, under these names. `api_key` is a field too, which the built-in engine never echoes.
+SERVER_ARGS = {
+    "model_path", "served_model_name", "tokenizer_path", "host", "port", "grpc_port", "max_running_requests",
+    "context_length", "weight_version", "device", "dtype", "enable_metrics", "random_seed", "load_format",
+    "disable_cuda_graph", "tp_size", "dp_size", "pp_size", "enable_dp_attention",
+}  # fmt: skip
+STARTUP_TIME_KEYS = {"load_weight", "kv_cache_allocation", "scheduler_e2e", "cuda_graph"}
+GRAPH_PHASES = {"prefill", "decode", "target_verify", "draft_prefill", "draft_decode", "draft_extend"}
+HICACHE_LAYOUT_KEYS = {"enabled", "backend", "page_size", "hicache_object_layout", "reason"}
+# internal_state.get_internal_state: the resolved server args plus these (the disaggregation keys are written
+# once init_disaggregation has run, which every scheduler does at start).
+INTERNAL_STATE_ALWAYS = {
+    "world_size", "startup_time", "effective_max_running_requests_per_dp", "last_gen_throughput",
+    "memory_usage", "disaggregation_mode", "decode_cuda_graph_bs", "decode_cuda_graph_memory_gb",
+}  # fmt: skip
+INTERNAL_STATE_OPTIONAL = {
+    "is_scaling_elastic_ep", "effective_ep_size", "pending_ep_size", "scale_phase", "elastic_ep_last_error",
+    "avg_spec_accept_length", "dspark_info_record", "step_time_dict", "rust_mm_transport",
+    "rust_server_startup_time", "env_vars",
+}  # fmt: skip
+MEMORY_USAGE_KEYS = {
+    "weight",
+    "kvcache",
+    "startup_available",
+    "token_capacity",
+    "token_capacity_swa",
+    "graph",
+}
+# v1_loads.get_loads, and LoadSnapshot.to_dict for each entry: every core key, then the sections present.
+LOADS_KEYS = {"timestamp", "version", "accelerator", "num_accelerators", "loads"}
+LOAD_CORE_KEYS = {
+    "timestamp", "dp_rank", "num_running_reqs", "num_waiting_reqs", "num_waiting_uncached_tokens",
+    "num_used_tokens", "num_total_tokens", "num_active_tokens", "num_prealloc_ready_tokens",
+    "max_total_num_tokens", "max_running_requests", "token_usage", "gen_throughput", "cache_hit_rate",
+    "utilization", "total_prefill_uncached_tokens", "total_prefill_busy_us", "decode_moments",
+}  # fmt: skip
+LOAD_SECTIONS = {
+    "memory": {"weight_gb", "kv_cache_gb", "graph_gb", "token_capacity"},
+    "speculative": {"accept_length", "accept_rate"},
+    "lora": {"slots_used", "slots_total", "utilization"},
+    "disaggregation": {
+        "mode", "prefill_bootstrap_queue_reqs", "prefill_inflight_queue_reqs", "decode_prealloc_queue_reqs",
+        "decode_transfer_queue_reqs", "decode_retracted_queue_reqs", "kv_transfer_speed_gb_s",
+        "kv_transfer_latency_ms",
+    },
+    "queues": {"waiting", "grammar", "paused", "retracted", "prealloc_ready"},
+}  # fmt: skip
+# load_inquirer.get_loads: written whatever the features (memory whenever the scheduler can measure it).
+LOAD_SECTIONS_ALWAYS = {"memory", "disaggregation", "queues"}
+ERROR_RESPONSE_KEYS = {"object", "message", "type", "param", "code"}
 CONTROL_KEYS = {"message", "status"}
 UPDATE_KEYS = {"success", "message"}
 
@@ -120,6 +183,99 @@ async def test_model_info_has_every_key_sglang_writes(http: httpx.AsyncClient) -
     assert set(info) == MODEL_INFO_KEYS
     assert info["disaggregation_mode"] == "null"
     ModelInfo.model_validate_json(json.dumps(info))
+
+
+def check_server_args(info: dict[str, Any]) -> None:
+    assert set(info) >= SERVER_ARGS, SERVER_ARGS - set(info)
+    assert "api_key" not in info
+
+
+async def test_server_info_has_every_key_sglang_writes(http: httpx.AsyncClient) -> None:
+    for path in ("/server_info", "/get_server_info"):
+        info = (await http.get(path)).json()
+        check_server_args(info)
+        assert set(info) >= SERVER_INFO_ALWAYS, SERVER_INFO_ALWAYS - set(info)
+        extra = set(info) - SERVER_INFO_ALWAYS - SERVER_INFO_OPTIONAL - SERVER_ARGS
+        assert not extra, f"{path}: keys SGLang 0.5.23 does not write: {extra}"
+        assert set(info["startup_time"]) == STARTUP_TIME_KEYS
+        assert set(info["startup_time"]["cuda_graph"]) == GRAPH_PHASES
+        assert set(info["hicache_object_layout"]) == HICACHE_LAYOUT_KEYS
+        assert info["max_req_input_len"] == info["context_length"] - 1
+        assert "--model-path" in info["launch_command"]
+        (state,) = info["internal_states"]
+        check_server_args(state)
+        assert set(state) >= INTERNAL_STATE_ALWAYS, INTERNAL_STATE_ALWAYS - set(state)
+        extra = set(state) - INTERNAL_STATE_ALWAYS - INTERNAL_STATE_OPTIONAL - SERVER_ARGS
+        assert not extra, f"{path}: internal state keys SGLang 0.5.23 does not write: {extra}"
+        assert set(state["memory_usage"]) == MEMORY_USAGE_KEYS
+        assert set(state["memory_usage"]["graph"]) == GRAPH_PHASES
+        assert state["memory_usage"]["weight"] > 0
+        assert state["disaggregation_mode"] == "null"
+
+
+def check_load(load: dict[str, Any], sections: set[str]) -> None:
+    assert set(load) == LOAD_CORE_KEYS | sections, set(load) ^ (LOAD_CORE_KEYS | sections)
+    for section in sections:
+        assert set(load[section]) == LOAD_SECTIONS[section], section
+    assert isinstance(load["timestamp"], float)
+
+
+async def test_loads_carry_sglang_keys_and_honour_the_query(http: httpx.AsyncClient) -> None:
+    report = (await http.get("/v1/loads")).json()
+    assert set(report) == LOADS_KEYS
+    (load,) = report["loads"]
+    check_load(load, LOAD_SECTIONS_ALWAYS)
+    assert load["disaggregation"]["mode"] == "null"
+    assert load["memory"]["token_capacity"] == load["max_total_num_tokens"]
+    for include, sections in [
+        ("core", set()),
+        ("queues", {"queues"}),
+        ("memory,disagg", {"memory", "disaggregation"}),
+        ("core,all", LOAD_SECTIONS_ALWAYS),
+    ]:
+        (load,) = (await http.get("/v1/loads", params={"include": include})).json()["loads"]
+        check_load(load, sections)
+    assert (await http.get("/v1/loads", params={"dp_rank": 0})).json()["loads"] != []
+    assert (await http.get("/v1/loads", params={"dp_rank": 1})).json()["loads"] == []
+    refused = await http.get("/v1/loads", params={"include": "core,gpu"})
+    assert refused.status_code == 400
+    assert set(refused.json()) == ERROR_RESPONSE_KEYS
+    assert "gpu" in refused.json()["message"]
+    refused = await http.get("/v1/loads", params={"dp_rank": "first"})
+    assert refused.status_code == 400
+    assert set(refused.json()) == ERROR_RESPONSE_KEYS
+    text = (await http.get("/v1/loads", params={"format": "prometheus"})).text
+    gauges = {line.split("{")[0] for line in text.splitlines() if not line.startswith("#")}
+    assert {
+        "sglang_num_running_reqs",
+        "sglang_memory_weight_gb",
+        "sglang_disagg_kv_transfer_speed_gb_s",
+    } <= gauges
+    assert "sglang_queues_paused" in gauges
+    assert "sglang_dp_rank" not in gauges
+    assert 'sglang_num_running_reqs{dp_rank="0"} 0' in text
+
+
+async def test_grpc_server_info_reports_what_server_info_does(
+    http: httpx.AsyncClient, engine_url: str, engine_grpc_target: str
+) -> None:
+    from google.protobuf.json_format import MessageToDict
+
+    from asyncrl_sglang.grpc_client import GrpcSGLangClient
+
+    info = (await http.get("/server_info")).json()
+    async with GrpcSGLangClient(engine_url, engine_grpc_target) as grpc_client:
+        reply = await grpc_client.grpc_server_info()
+        loads = await grpc_client.grpc_loads()
+    arguments = MessageToDict(reply.server_args)
+    check_server_args(arguments)
+    assert set(arguments) <= set(info)
+    assert {key: info[key] for key in arguments} == arguments
+    handshake = MessageToDict(reply.scheduler_info)
+    assert set(handshake) <= set(info)
+    assert handshake["max_req_input_len"] == info["max_req_input_len"]
+    assert loads.loads[0].memory.token_capacity == info["max_total_num_tokens"]
+    assert loads.loads[0].disaggregation.mode == "null"
 
 
 async def test_control_and_update_answers_carry_sglang_keys(http: httpx.AsyncClient) -> None:
@@ -269,3 +425,10 @@ def test_the_server_command_takes_the_model_aliases_the_launcher_takes() -> None
     from asyncrl_sglang.builtin.__main__ import parse_args
 
     assert parse_args(["--model-path", SMOLLM2_ALIAS]).model_path == SMOLLM2_ALIAS
+
+
+def test_the_launch_command_shown_is_the_arguments_with_the_api_key_redacted() -> None:
+    from asyncrl_sglang.builtin.__main__ import launch_command
+
+    shown = launch_command(["--model-path", "m", "--api-key", "k", "--port", "1", "--api-key=k2"])
+    assert shown == "--model-path m --api-key <redacted> --port 1 --api-key=<redacted>"

@@ -28,7 +28,7 @@ import re
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar, cast
+from typing import TYPE_CHECKING, Self, TypeVar, cast
 
 import httpx
 from pydantic import BaseModel
@@ -204,7 +204,7 @@ class SGLangClient:
     def __repr__(self) -> str:
         return f"SGLangClient({self.base_url!r})"
 
-    async def __aenter__(self) -> SGLangClient:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:

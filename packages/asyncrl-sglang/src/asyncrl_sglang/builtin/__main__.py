@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--enable-metrics", action="store_true", help="serve Prometheus text at /metrics")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
+    parser.add_argument("--random-seed", type=int, default=0, help="seed of the sampling generator")
     parser.add_argument(
         "--random-weights",
         action="store_true",
@@ -66,7 +67,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def launch_command(argv: list[str]) -> str:
+    """The arguments as `/server_info.launch_command` shows them (SGLang's form), the API key redacted."""
+    shown: list[str] = []
+    for argument in argv:
+        if shown and shown[-1] == "--api-key":
+            shown.append("<redacted>")
+        elif argument.startswith("--api-key="):
+            shown.append("--api-key=<redacted>")
+        else:
+            shown.append(argument)
+    return " ".join(shown)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -81,17 +96,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m asyncrl_sglang.builtin: error: {error}", file=sys.stderr)
         return 2
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_serve(args, model_path))
+        asyncio.run(_serve(args, model_path, launch_command(argv)))
     return 0
 
 
-async def _serve(args: argparse.Namespace, model_path: Path) -> None:
+async def _serve(args: argparse.Namespace, model_path: Path, command: str) -> None:
+    began = time.perf_counter()
     import torch
     from aiohttp import web
 
     from asyncrl_core.models import read_hf_config
     from asyncrl_core.server_process import bound_port, write_port_file
     from asyncrl_sglang.builtin.engine import Engine
+    from asyncrl_sglang.builtin.info import Startup, available_memory_gb
     from asyncrl_sglang.builtin.model import EngineModel, ModelConfig
     from asyncrl_sglang.builtin.server import BuiltinServer, ServerArgs
 
@@ -101,11 +118,14 @@ async def _serve(args: argparse.Namespace, model_path: Path) -> None:
     dtype_name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
     dtype = getattr(torch, dtype_name)
     loop = asyncio.get_running_loop()
+    available_gb = available_memory_gb(str(device))
+    loading = time.perf_counter()
     if args.random_weights:
         config = ModelConfig.from_dict(read_hf_config(model_path))
-        model = await asyncio.to_thread(EngineModel.random, config, device, dtype, args.seed)
+        model = await asyncio.to_thread(EngineModel.random, config, device, dtype, args.random_seed)
     else:
         model = await asyncio.to_thread(EngineModel.from_pretrained, model_path, device, dtype)
+    load_weight_s = time.perf_counter() - loading
     tokenizer_path = args.tokenizer_path or str(model_path)
     tokenizer = _load_tokenizer(tokenizer_path)
     context_length = args.context_length or min(model.config.max_position_embeddings, 4096)
@@ -122,7 +142,7 @@ async def _serve(args: argparse.Namespace, model_path: Path) -> None:
         max_running_requests=args.max_running_requests,
         context_length=context_length,
         weight_version=args.weight_version,
-        seed=args.seed,
+        seed=args.random_seed,
         eos_token_ids=eos_ids,
         decode_text=decode_text if tokenizer is not None else None,
         use_cuda_graphs=not args.disable_cuda_graph,
@@ -133,6 +153,7 @@ async def _serve(args: argparse.Namespace, model_path: Path) -> None:
         tokenizer_path=tokenizer_path if tokenizer is not None else None,
         host=args.host,
         port=args.port,
+        grpc_port=args.grpc_port,
         api_key=args.api_key,
         max_running_requests=args.max_running_requests,
         context_length=context_length,
@@ -140,10 +161,11 @@ async def _serve(args: argparse.Namespace, model_path: Path) -> None:
         device=str(device),
         dtype=dtype_name,
         enable_metrics=args.enable_metrics,
-        seed=args.seed,
+        random_seed=args.random_seed,
         load_format="dummy" if args.random_weights else "safetensors",
+        disable_cuda_graph=args.disable_cuda_graph,
         weight_version_route=args.weight_version_route,
-        cuda_graphs=not args.disable_cuda_graph,
+        launch_command=command,
     )
     engine.start()
     server = BuiltinServer(engine, tokenizer, server_args)
@@ -156,7 +178,7 @@ async def _serve(args: argparse.Namespace, model_path: Path) -> None:
     if args.grpc_port is not None:
         from asyncrl_sglang.builtin.grpc_service import SchedulerService, start_grpc_server
 
-        service = SchedulerService(engine, server.gate, server_args)
+        service = SchedulerService(engine, server.gate, server.info)
         grpc_server, grpc_port = await start_grpc_server(service, args.host, args.grpc_port, args.api_key)
         print(f"asyncrl builtin engine serving gRPC on {args.host}:{grpc_port}", flush=True)
     if args.port_file:
@@ -170,6 +192,11 @@ async def _serve(args: argparse.Namespace, model_path: Path) -> None:
     try:
         if not args.skip_server_warmup:
             await asyncio.to_thread(_warmup, engine)
+        server.info.startup = Startup(
+            load_weight_s=load_weight_s,
+            scheduler_e2e_s=time.perf_counter() - began,
+            available_gb=available_gb,
+        )
         server.ready = True
         if service is not None:
             service.ready = True

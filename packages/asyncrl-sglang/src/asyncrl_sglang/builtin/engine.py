@@ -110,6 +110,10 @@ class EngineCounters:
     num_retracted_requests_total: int = 0
     num_retracted_output_tokens_total: int = 0
     num_weight_updates_total: int = 0
+    prefill_tokens_total: int = 0
+    """Tokens run through prefill, re-prefills after a retraction included (no prefix cache: all uncached)."""
+    prefill_busy_us: int = 0
+    """Microseconds spent in prefill steps."""
     gen_throughput: float = 0.0
     """Decode tokens per second over the last decode steps (zeroed on a retract pause)."""
 
@@ -198,6 +202,16 @@ class Engine:
     def kv_cache_bytes(self) -> int:
         """Bytes held by the KV cache (0 before the first request or after a release)."""
         return 0 if self._cache is None else self._cache.nbytes()
+
+    @property
+    def cuda_graph_batch_sizes(self) -> list[int]:
+        """The decode batch sizes captured as CUDA graphs so far (captured on first use; none on CPU)."""
+        return [] if self._graphs is None else sorted(self._graphs.graphs)
+
+    @property
+    def cuda_graph_bytes(self) -> int:
+        """Device memory the captured decode graphs took when they were captured."""
+        return 0 if self._graphs is None else self._graphs.memory_bytes
 
     def is_idle(self) -> bool:
         return not self.running and not self.waiting
@@ -373,7 +387,9 @@ class Engine:
             admitted.append(self.waiting.popleft())
             budget -= size
         if admitted:
+            began = time.perf_counter()
             self._prefill(admitted)
+            self.counters.prefill_busy_us += round((time.perf_counter() - began) * 1e6)
         if self.running:
             self._decode()
 
@@ -402,6 +418,7 @@ class Engine:
         """Run prompt + output-so-far of each request into a fresh slot (one right-padded batch) and sample
         its next token. A re-prefill after a retract recomputes all KV under the current weights."""
         sequences = [r.prompt_ids + r.output_ids for r in requests]
+        self.counters.prefill_tokens_total += sum(len(s) for s in sequences)
         cache = self._ensure_cache(max(len(s) for s in sequences) + 1)
         first_slot = len(self.running)
         slots = list(range(first_slot, first_slot + len(requests)))
@@ -552,11 +569,14 @@ class _DecodeGraphs:
         self.engine = engine
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor, Tensor, Tensor]] = {}
         self.pool: Any = None
+        self.memory_bytes = 0
+        """Device memory allocated while the graphs were captured (their pool and static tensors)."""
 
     def clear(self) -> None:
         # The pool goes with its graphs: capturing into a pool whose graphs are gone is an allocator error.
         self.graphs.clear()
         self.pool = None
+        self.memory_bytes = 0
 
     def weights_changed(self) -> None:
         # `load_named_tensors` copies into the same storage: graphs stay valid. Moving weights does not.
@@ -573,8 +593,10 @@ class _DecodeGraphs:
         size = self.bucket(batch)
         entry = self.graphs.get(size)
         if entry is None:
+            before = torch.cuda.memory_allocated(self.engine.model.device)
             entry = self._capture(size, cache)
             self.graphs[size] = entry
+            self.memory_bytes += torch.cuda.memory_allocated(self.engine.model.device) - before
         graph, static_ids, static_positions, output = entry
         # Padding rows write into free slots at the last position, which no live request uses.
         padded_ids = input_ids + [0] * (size - batch)

@@ -27,8 +27,8 @@ import datetime
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from google.protobuf.struct_pb2 import Struct
@@ -39,17 +39,20 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 from asyncrl_sglang._grpc_wire import DUPLICATE_RID, authorization, encode_trailer, sampling_fields
 from asyncrl_sglang.builtin.engine import Engine, Request
 from asyncrl_sglang.builtin.gate import AdmissionGate, Ticket
-from asyncrl_sglang.builtin.info import SERVER_VERSION
+from asyncrl_sglang.builtin.info import (
+    SERVER_VERSION,
+    InfoRoutes,
+    Load,
+    load_sections,
+    scheduler_info,
+    server_args,
+)
 from asyncrl_sglang.builtin.sampling import RequestError, SamplingOptions, check_fits
 from asyncrl_sglang.wire import SamplingParamsBody, WireError, parse_object
-
-if TYPE_CHECKING:
-    from asyncrl_sglang.builtin.server import ServerArgs
 
 SERVER_TYPE = "grpc"
 HEALTH_CHECK_TIMEOUT_S = 20.0
 """How long `HealthCheck`'s one-token probe may take (SGLang's `SGLANG_HEALTH_CHECK_TIMEOUT` default)."""
-LOAD_SECTIONS = ("core", "memory", "spec", "lora", "disagg", "queues", "all")
 _UNSUPPORTED_FIELDS = (
     "mm_inputs",
     "input_embeds",
@@ -74,10 +77,11 @@ class _Call:
 class SchedulerService(pb_grpc.SglangSchedulerServicer):
     """The `SglangScheduler` service of one engine; `gate` is the HTTP server's admission gate."""
 
-    def __init__(self, engine: Engine, gate: AdmissionGate, args: ServerArgs) -> None:
+    def __init__(self, engine: Engine, gate: AdmissionGate, info: InfoRoutes) -> None:
         self.engine = engine
         self.gate = gate
-        self.args = args
+        self.info = info
+        """The HTTP server's information routes: the launch arguments and startup this service reports too."""
         self.ready = False
         """Set once warm-up is done: `HealthCheck` is unhealthy before."""
         self.started_s = time.time()
@@ -256,82 +260,86 @@ class SchedulerService(pb_grpc.SglangSchedulerServicer):
     ) -> pb.GetModelInfoResponse:
         config = self.engine.model.config
         return pb.GetModelInfoResponse(
-            model_path=self.args.model_path,
-            tokenizer_path=self.args.tokenizer_path or "",
+            model_path=self.info.args.model_path,
+            tokenizer_path=self.info.args.tokenizer_path or "",
             is_generation=True,
             weight_version=self.engine.weight_version,
-            served_model_name=self.args.served_model_name,
+            served_model_name=self.info.args.served_model_name,
             max_context_length=self.engine.context_length,
             vocab_size=config.vocab_size,
             model_type=config.model_type,
             eos_token_ids=sorted(self.engine.eos_token_ids),
             max_req_input_len=self.engine.context_length - 1,
-            architectures=["Qwen2ForCausalLM" if config.model_type == "qwen2" else "LlamaForCausalLM"],
+            architectures=config.architectures,
         )
 
     async def GetServerInfo(
         self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.GetServerInfoResponse:
-        server_args = Struct()
-        server_args.update({k: v for k, v in asdict(self.args).items() if k != "api_key"})
+        """The launch arguments and the scheduler's handshake that `/server_info` reports, and the state."""
         engine = self.engine
-        scheduler_info = Struct()
-        scheduler_info.update(
-            {
-                "max_total_num_tokens": engine.max_running_requests * engine.context_length,
-                "max_req_input_len": engine.context_length - 1,
-                "max_running_requests": engine.max_running_requests,
-                "is_generation": True,
-            }
-        )
+        arguments = Struct()
+        arguments.update(server_args(self.info.args))
+        handshake = scheduler_info(engine, self.info.startup)
+        scheduler = Struct()
+        scheduler.update(handshake)
         start_time = Timestamp()
         start_time.FromSeconds(int(self.started_s))
         return pb.GetServerInfoResponse(
-            server_args=server_args,
-            scheduler_info=scheduler_info,
+            server_args=arguments,
+            scheduler_info=scheduler,
             active_requests=engine.num_running + engine.num_waiting + self.gate.num_waiting,
             is_paused=self.gate.paused is not None,
             uptime_seconds=time.time() - self.started_s,
             sglang_version=SERVER_VERSION,
             server_type=SERVER_TYPE,
             start_time=start_time,
-            max_total_num_tokens=engine.max_running_requests * engine.context_length,
+            max_total_num_tokens=handshake["max_total_num_tokens"],
         )
 
     async def GetLoads(
         self, request: pb.GetLoadsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.GetLoadsResponse:
-        unknown = sorted(set(request.include) - set(LOAD_SECTIONS))
-        if unknown:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"unknown include section(s) {', '.join(unknown)}; known: {', '.join(LOAD_SECTIONS)}",
-            )
+        """The reading `/v1/loads` reports, as `SchedulerLoad` (core keys, then the sections asked for)."""
+        try:
+            sections = load_sections(request.include)
+        except ValueError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         if request.HasField("dp_rank") and request.dp_rank != 0:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"dp_rank {request.dp_rank}: there is only 0"
             )
-        engine = self.engine
-        include = set(request.include) or {"all"}
-        used_tokens = sum(r.num_tokens for r in engine.running)
-        capacity = engine.max_running_requests * engine.context_length
+        reading = Load.read(self.engine, self.gate)
+        report = reading.sglang_json(sections)
         load = pb.SchedulerLoad(
             dp_rank=0,
-            num_running_reqs=engine.num_running,
-            num_waiting_reqs=engine.num_waiting,
-            num_total_reqs=engine.num_running + engine.num_waiting,
-            num_used_tokens=used_tokens,
-            max_total_num_tokens=capacity,
-            token_usage=used_tokens / capacity,
-            gen_throughput=engine.counters.gen_throughput,
-            max_running_requests=engine.max_running_requests,
+            num_running_reqs=reading.num_running_reqs,
+            num_waiting_reqs=reading.num_waiting_reqs,
+            num_total_reqs=reading.num_running_reqs + reading.num_waiting_reqs,
+            num_used_tokens=reading.num_used_tokens,
+            max_total_num_tokens=reading.max_total_num_tokens,
+            token_usage=report["token_usage"],
+            gen_throughput=report["gen_throughput"],
+            cache_hit_rate=report["cache_hit_rate"],
+            utilization=report["utilization"],
+            max_running_requests=reading.max_running_requests,
+            num_waiting_uncached_tokens=report["num_waiting_uncached_tokens"],
         )
-        if include & {"queues", "all"}:
+        if "memory" in report:
+            load.memory.CopyFrom(pb.MemoryMetrics(**report["memory"]))
+        if "disaggregation" in report:
+            disaggregation = dict(report["disaggregation"])
+            # The proto names SGLang's `prefill_bootstrap_queue_reqs` `prefill_prealloc_queue_reqs`.
+            disaggregation["prefill_prealloc_queue_reqs"] = disaggregation.pop("prefill_bootstrap_queue_reqs")
+            load.disaggregation.CopyFrom(pb.DisaggregationMetrics(**disaggregation))
+        if "queues" in report:
+            queues = report["queues"]
             load.queues.CopyFrom(
                 pb.QueueMetrics(
-                    waiting=engine.num_waiting,
-                    paused=self.gate.num_waiting,
-                    retracted=sum(1 for r in engine.waiting if r.num_retractions > 0),
+                    waiting=queues["waiting"],
+                    grammar=queues["grammar"],
+                    paused=queues["paused"],
+                    retracted=queues["retracted"],
                 )
             )
         return pb.GetLoadsResponse(
@@ -345,6 +353,7 @@ class SchedulerService(pb_grpc.SglangSchedulerServicer):
                 total_reqs=load.num_total_reqs,
                 avg_token_usage=load.token_usage,
                 avg_throughput=load.gen_throughput,
+                avg_utilization=load.utilization,
             ),
         )
 

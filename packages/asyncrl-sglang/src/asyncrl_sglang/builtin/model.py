@@ -58,6 +58,11 @@ class ModelConfig:
     """q/k/v projections carry a bias (always for Qwen2; `attention_bias` for Llama)."""
     eos_token_ids: tuple[int, ...]
 
+    @property
+    def architectures(self) -> list[str]:
+        """The HuggingFace model class, as `/model_info` and `GetModelInfo` report it."""
+        return ["Qwen2ForCausalLM" if self.model_type == "qwen2" else "LlamaForCausalLM"]
+
     @classmethod
     def from_dict(cls, raw: dict[str, object]) -> ModelConfig:
         model_type = str(raw.get("model_type", ""))
@@ -295,6 +300,11 @@ class EngineModel:
         if self.config.tie_word_embeddings:
             names.discard("lm_head.weight")
         return names
+
+    def nbytes(self) -> int:
+        """Bytes held by the weights (a tied output layer counted once)."""
+        storages = {view.untyped_storage().data_ptr(): view.untyped_storage() for view in self.named.values()}
+        return sum(storage.nbytes() for storage in storages.values())
 
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: tuple(view.shape) for name, view in self.named.items()}

@@ -51,13 +51,15 @@ SGLang sets no limit on that route; aiohttp's default of 1 MiB would refuse any 
 
 @dataclass(frozen=True, slots=True)
 class ServerArgs:
-    """The launch arguments; `/server_info` reports them as given."""
+    """The launch arguments, named as SGLang's `ServerArgs` fields; `/server_info` reports them as given
+    (`api_key` and `weight_version_route` excepted)."""
 
     model_path: str
     served_model_name: str
     tokenizer_path: str | None
     host: str = "127.0.0.1"
     port: int = 30000
+    grpc_port: int | None = None
     api_key: str | None = None
     max_running_requests: int = 32
     context_length: int = 2048
@@ -65,11 +67,13 @@ class ServerArgs:
     device: str = "cpu"
     dtype: str = "float32"
     enable_metrics: bool = False
-    seed: int = 0
+    random_seed: int = 0
     load_format: str = "safetensors"
+    disable_cuda_graph: bool = False
     weight_version_route: Literal["old", "new"] = "new"
     """`/get_weight_version`: 200 as older SGLang servers answer, or 404 as newer ones do."""
-    cuda_graphs: bool = True
+    launch_command: str | None = None
+    """The command line the server was started with (the API key redacted); None when built in-process."""
 
 
 class BuiltinServer:
