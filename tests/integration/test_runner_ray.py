@@ -30,22 +30,31 @@ def _check_every_step_logged(run_dir: Path, num_steps: int, names: tuple[str, ..
     for record in records:
         missing = [name for name in names if name not in record]
         assert not missing, f"step {record['step']} lacks {missing}"
+        # The shares of the step's groups by staleness (`rollout/data_staleness/ratio_<k>`) add up to 1.
+        ratios = [
+            value for name, value in record.items() if name.startswith(metrics.DATA_STALENESS_RATIO_PREFIX)
+        ]
+        assert ratios, f"step {record['step']} lacks {metrics.DATA_STALENESS_RATIO_PREFIX}<k>"
+        assert sum(ratios) == pytest.approx(1.0)
     return records
 
 
 @pytest.mark.parametrize("pause_mode", ["retract", "in_place", "drain"])
 def test_async_run_in_each_pause_mode(tmp_path: Path, tiny_llama_path: Path, pause_mode: str) -> None:
-    config = run_config(tmp_path, tiny_llama_path, rollout={"pause_mode": pause_mode})
-    run_dir = run(config)
-    records = _check_every_step_logged(
-        run_dir,
-        2,
-        (
-            *metrics.EVERY_STEP,
-            metrics.TIME_WAIT_DATA,
-        ),
+    # With `kl_coef` > 0 (run_config's) and an evaluation, an async run logs every name of ARCHITECTURE.md
+    # section 8: each step's names, the async-only ones, and the evaluation's.
+    config = run_config(
+        tmp_path, tiny_llama_path, runner={"eval_every_steps": 2}, rollout={"pause_mode": pause_mode}
     )
+    run_dir = run(config)
+    records = _check_every_step_logged(run_dir, 2, (*metrics.EVERY_STEP, *metrics.ASYNC_MODE_ONLY))
     assert [record[metrics.WEIGHT_VERSION] for record in records] == [1.0, 2.0]
+    assert records[0][metrics.TRAIN_KL] == pytest.approx(0.0, abs=1e-6)  # the policy starts as the reference
+    # The evaluation started at the last step runs beside training and is logged when it ends.
+    evaluations = [record for record in read_metrics(run_dir) if metrics.EVAL_REWARD_MEAN in record]
+    assert len(evaluations) == 1
+    assert all(name in evaluations[0] for name in metrics.EVAL_STEP)
+    assert 0.0 <= evaluations[0][metrics.EVAL_REWARD_MEAN] <= 1.0
     summary = read_summary(run_dir)
     assert summary["version"] == 2
     prompts = summary["prompts"]
