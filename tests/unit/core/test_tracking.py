@@ -75,7 +75,9 @@ def test_a_short_run_writes_jsonl_tensorboard_and_curves(
     assert len(lines) == 4
 
 
-def test_log_every_steps_keeps_the_last_step_and_evaluations(tmp_path: Path) -> None:
+def test_log_every_steps_keeps_the_last_step_and_evaluations(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     run_dir = tmp_path / "run"
     with RunTracker(run_dir, LoggingConfig(tensorboard=False, log_every_steps=3), num_steps=7) as tracker:
         for step in range(1, 8):
@@ -84,6 +86,10 @@ def test_log_every_steps_keeps_the_last_step_and_evaluations(tmp_path: Path) -> 
                 tracker.log_step(step, {names.EVAL_REWARD_MEAN: 0.25})
     assert [record["step"] for record in jsonl_records(run_dir)] == [3, 4, 6, 7]
     assert jsonl_records(run_dir)[1] == {"step": 4, names.EVAL_REWARD_MEAN: 0.25}
+    # The line of a step shows the latest evaluation's reward once there is one.
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "step 3/7  reward 0.300  staleness 0.50  tokens/s 1003"
+    assert lines[1] == "step 4/7  reward 0.400  staleness 0.50  tokens/s 1004  eval reward 0.250"
 
 
 def test_non_finite_values_are_null_in_jsonl_and_nan_when_read(tmp_path: Path) -> None:

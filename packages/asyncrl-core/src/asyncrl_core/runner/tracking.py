@@ -57,8 +57,8 @@ class RunTracker:
       crash loses no logged step.
     - `<run_dir>/warnings.log`: `warn` messages, appended.
     - `<run_dir>/curves.png`: drawn by `close`, from every logged step of the run folder.
-    - stderr: a tqdm bar with step, reward, staleness and tokens/s when `logging.progress_bar` is set and
-      stderr is a terminal; otherwise a short line per logged step.
+    - stderr: a tqdm bar with step, reward, staleness, tokens/s and the latest evaluation's reward when
+      `logging.progress_bar` is set and stderr is a terminal; otherwise a short line per logged step.
 
     A step is logged when it is a multiple of `logging.log_every_steps`, the last step, or carries
     evaluation metrics (so no evaluation is skipped). Resuming (`start_step > 0`) appends to the folder's
@@ -186,6 +186,7 @@ class RunTracker:
             ("reward", names.REWARD_MEAN, ".3f"),
             ("staleness", names.DATA_STALENESS_MEAN, ".2f"),
             ("tokens/s", names.TOKENS_PER_S, ".0f"),
+            ("eval reward", names.EVAL_REWARD_MEAN, ".3f"),  # the latest evaluation's, once there is one
         ):
             if name in self._latest:
                 parts.append(f"{label} {self._latest[name]:{spec}}")
