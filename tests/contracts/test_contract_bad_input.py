@@ -39,6 +39,14 @@ async def wait_running(client: SGLangClient, count: int = 1) -> None:
             await asyncio.sleep(0.01)
 
 
+async def wait_idle(client: SGLangClient) -> None:
+    async with asyncio.timeout(60):
+        while True:
+            if (await client.metrics()).num_running_requests == 0:
+                return
+            await asyncio.sleep(0.01)
+
+
 @pytest.fixture
 async def in_flight(client: SGLangClient) -> AsyncGenerator[asyncio.Task[Generation]]:
     """A long request running while the test sends bad input; it must finish with all its tokens."""
@@ -165,6 +173,28 @@ async def test_a_duplicate_rid_is_refused_over_grpc(engine_url: str, engine_grpc
             await client.generate([1], SamplingParams(max_new_tokens=1), rid="twice")
         await client.abort("twice")
         assert (await first).finish_reason == "abort"
+
+
+async def test_a_rid_in_flight_over_one_transport_is_refused_over_the_other(
+    engine_url: str, engine_grpc_target: str, client: SGLangClient, http: httpx.AsyncClient
+) -> None:
+    async with GrpcSGLangClient(engine_url, engine_grpc_target) as grpc_client:
+        over_grpc = asyncio.create_task(grpc_client.generate([1, 2], IN_FLIGHT, rid="both"))
+        await wait_running(client)
+        refused = await http.post(
+            "/generate", json={"input_ids": [1], "rid": "both", "sampling_params": {"max_new_tokens": 1}}
+        )
+        assert refused.status_code == 400
+        assert "Duplicate request ID detected: both" in refused.json()["error"]["message"]
+        await grpc_client.abort("both")
+        assert (await over_grpc).finish_reason == "abort"
+        await wait_idle(client)
+        over_http = asyncio.create_task(client.generate([1, 2], IN_FLIGHT, rid="again"))
+        await wait_running(client)
+        with pytest.raises(GenerationError, match="Duplicate request ID detected: again"):
+            await grpc_client.generate([1], SamplingParams(max_new_tokens=1), rid="again")
+        await client.abort("again")
+        assert (await over_http).finish_reason == "abort"
 
 
 @pytest.mark.usefixtures("in_flight")

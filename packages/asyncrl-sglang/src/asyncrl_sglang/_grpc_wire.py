@@ -33,8 +33,6 @@ NUM_RETRACTIONS_KEY = "asyncrl-num-retractions"
 """Trailing-metadata key of the retraction counts (JSON, one int per completion index)."""
 AUTHORIZATION_KEY = "authorization"
 """Call-metadata key of the API key (`Bearer KEY`)."""
-DUPLICATE_RID = "Duplicate request ID"
-"""The start of the message that refuses a request id already in flight (HTTP 400, gRPC INVALID_ARGUMENT)."""
 FINISH_REASONS = ("stop", "length", "abort")
 """`GenerateComplete.finish_reason` values."""
 

@@ -45,6 +45,7 @@ from asyncrl_sglang.wire import (
     DEFAULT_GROUP_NAME as DEFAULT_GROUP_NAME,
 )
 from asyncrl_sglang.wire import (
+    DUPLICATE_RID,
     DestroyWeightsUpdateGroupRequest,
     InitWeightsUpdateGroupRequest,
     ModelInfo,
@@ -69,7 +70,6 @@ if TYPE_CHECKING:
 JsonObject = dict[str, object]
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
-_DUPLICATE_RID = "Duplicate request ID"
 _NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 _MAYBE_SENT = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError, httpx.WriteTimeout)
 
@@ -369,7 +369,7 @@ class SGLangClient:
                     if response.status_code == 200:
                         return response.content
                     message = error_message(response.content, response.text.strip())
-                    if resent and response.status_code == 400 and _DUPLICATE_RID in message:
+                    if resent and response.status_code == 400 and DUPLICATE_RID in message:
                         # The copy sent before the connection dropped is still being aborted.
                         continue
                     raise GenerationError(

@@ -37,7 +37,6 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 from asyncrl_core.errors import EngineUnavailableError, GenerationError
 from asyncrl_core.types import FinishReason, Generation, SamplingParams, VersionSpan
 from asyncrl_sglang._grpc_wire import (
-    DUPLICATE_RID,
     FINISH_REASONS,
     TrailerError,
     authorization,
@@ -46,6 +45,7 @@ from asyncrl_sglang._grpc_wire import (
 )
 from asyncrl_sglang._schema import parse_version
 from asyncrl_sglang.client import ClientTimeouts, PauseMode, RetryPolicy, SGLangClient
+from asyncrl_sglang.wire import DUPLICATE_RID
 
 CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.max_send_message_length", -1),

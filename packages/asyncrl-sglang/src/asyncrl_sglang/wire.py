@@ -27,6 +27,8 @@ MemoryTag = Literal["weights", "kv_cache", "cuda_graph"]
 DEFAULT_GROUP_NAME = "weight_update_group"
 """The weight-update process group name SGLang uses when none is given."""
 DEFAULT_MAX_NEW_TOKENS = 128
+DUPLICATE_RID = "Duplicate request ID"
+"""The start of the message that refuses a request id already in flight (HTTP 400, gRPC INVALID_ARGUMENT)."""
 
 _REQUEST = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, frozen=True)
 _SAMPLING = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, frozen=True)

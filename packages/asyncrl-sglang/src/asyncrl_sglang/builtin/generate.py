@@ -3,6 +3,10 @@ gate, submit it to the scheduler, and render the answer (one JSON body, or serve
 
 Tokens come back through each request's `on_update` callback on the scheduler thread, forwarded to the loop
 with `call_soon_threadsafe`. A client that goes away (streaming or not) has its unfinished requests aborted.
+
+The steps every generation takes whatever its transport (`grpc_service` takes them too): `check_prompt`,
+`prompt_requests` (a prompt's engine requests, `n` samples included), `check_unique`, `add_requests`,
+`forwarder`, `abort_at_gate` and `abort_unfinished`.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -23,6 +27,7 @@ from asyncrl_sglang.builtin.engine import Engine, Request
 from asyncrl_sglang.builtin.gate import AdmissionGate, Ticket
 from asyncrl_sglang.builtin.sampling import RequestError, SamplingOptions, check_fits
 from asyncrl_sglang.wire import (
+    DUPLICATE_RID,
     AbortRequest,
     ErrorBody,
     ErrorDetail,
@@ -52,9 +57,7 @@ class _Submission:
 
     requests: list[Request]
     ticket: Ticket
-    queue: asyncio.Queue[tuple[int, int, bool]] = field(
-        default_factory=lambda: asyncio.Queue[tuple[int, int, bool]]()
-    )
+    queue: asyncio.Queue[Update] = field(default_factory=lambda: asyncio.Queue[Update]())
 
 
 @dataclass(slots=True)
@@ -97,29 +100,29 @@ class GenerateRoutes:
                     )
                 loop = asyncio.get_running_loop()
                 for index, engine_request in enumerate(requests):
-                    engine_request.on_update = _forwarder(
+                    engine_request.on_update = forwarder(
                         loop, submission.queue, index, every_token=body.stream
                     )
-                await self._engine(lambda: [self.engine.add_request(r) for r in requests])
+                try:
+                    await self._engine(lambda: add_requests(self.engine, requests))
+                except RequestError as error:
+                    if body.stream:
+                        return await self._stream_error(request, str(error))
+                    return semantic_error(str(error))
                 if body.stream:
                     return await self._stream(request, submission, output, is_list)
                 return await self._wait_all(request, submission, output, is_list)
         except ConnectionError:
             # The client went away: nothing can be sent, and its requests must not keep decoding.
-            self._abort_unfinished(requests)
+            abort_unfinished(self.engine, requests)
             logger.info("client of %s disconnected: aborted", ", ".join(r.rid for r in requests[:4]))
             return web.Response(status=499)
         except asyncio.CancelledError:
-            self._abort_unfinished(requests)
+            abort_unfinished(self.engine, requests)
             raise
         finally:
             for engine_request in requests:
                 self._live.pop(engine_request.rid, None)
-
-    def _abort_unfinished(self, requests: list[Request]) -> None:
-        unfinished = [r.rid for r in requests if not r.finished]
-        if unfinished:
-            self.engine.call_async(lambda: [self.engine.abort(rid) for rid in unfinished])
 
     def _parse_generate(self, body: GenerateRequest) -> tuple[list[Request], _Output, bool]:
         """Turn a validated `GenerateReqInput` into engine requests; returns them, the render options and
@@ -137,9 +140,6 @@ class GenerateRoutes:
         return_logprob = _per_item(body.return_logprob, False, count, "return_logprob")
         start_len = _per_item(body.logprob_start_len, -1, count, "logprob_start_len")
         top_num = _per_item(body.top_logprobs_num, 0, count, "top_logprobs_num")
-        for value in top_num:
-            if value < 0:
-                raise RequestError(f"top_logprobs_num must be >= 0, got {value}")
         rids = self._rids(body.rid, count, is_batch)
         output = _Output(
             return_text_in_logprobs=body.return_text_in_logprobs,
@@ -148,31 +148,19 @@ class GenerateRoutes:
         )
         requests: list[Request] = []
         for index, prompt in enumerate(prompts):
-            item_options = options[index]
-            check_fits(prompt, item_options, self.engine.context_length)
-            if item_options.stop and self.tokenizer is None:
+            if options[index].stop and self.tokenizer is None:
                 raise RequestError("stop strings need a tokenizer; this server runs without one")
-            # n > 1: the samples of one prompt get fresh random rids (as SGLang regenerates them).
-            samples = (
-                [rids[index]] if item_options.n == 1 else [uuid.uuid4().hex for _ in range(item_options.n)]
+            requests += prompt_requests(
+                self.engine,
+                prompt,
+                options[index],
+                rid=rids[index],
+                return_logprob=return_logprob[index],
+                logprob_start_len=start_len[index],
+                top_logprobs_num=top_num[index],
+                stream=body.stream,
             )
-            for rid in samples:
-                requests.append(
-                    Request(
-                        rid=rid,
-                        prompt_ids=list(prompt),
-                        options=item_options,
-                        return_logprob=return_logprob[index],
-                        logprob_start_len=start_len[index],
-                        top_logprobs_num=top_num[index] if return_logprob[index] else 0,
-                        stream=body.stream,
-                    )
-                )
-        seen: set[str] = set()
-        for engine_request in requests:
-            if engine_request.rid in self._live or engine_request.rid in seen:
-                raise RequestError(f"Duplicate request ID detected: {engine_request.rid}")
-            seen.add(engine_request.rid)
+        check_unique(requests, self._live)
         return requests, output, is_batch or len(requests) > 1
 
     def _prompts(self, body: GenerateRequest) -> tuple[list[list[int]], bool]:
@@ -180,13 +168,9 @@ class GenerateRoutes:
         if body.input_ids is not None:
             ids = body.input_ids
             is_batch = bool(ids) and isinstance(ids[0], list)
-            prompts = _nested(ids)
-            if not prompts or any(not prompt for prompt in prompts):
-                raise RequestError("input_ids is empty: a prompt needs at least one token")
+            prompts = _nested(ids) or [[]]
             for prompt in prompts:
-                bad = [t for t in prompt if not 0 <= t < vocab]
-                if bad:
-                    raise RequestError(f"input_ids {bad[:8]} are outside the vocabulary (size {vocab})")
+                check_prompt(prompt, vocab)
             return prompts, is_batch
         if body.text is not None:
             is_batch = isinstance(body.text, list)
@@ -213,7 +197,7 @@ class GenerateRoutes:
             raise RequestError(f"rid has {len(rid)} entries for a batch of {count}")
         return list(rid)
 
-    async def _next_update(self, http: web.Request, submission: _Submission) -> tuple[int, int, bool]:
+    async def _next_update(self, http: web.Request, submission: _Submission) -> Update:
         """The next update of the submission's requests; `ConnectionResetError` once the client is gone
         (checked every `DISCONNECT_POLL_S` while nothing arrives)."""
         while True:
@@ -283,9 +267,7 @@ class GenerateRoutes:
     async def _respond_aborted_at_gate(
         self, http: web.Request, submission: _Submission, output: _Output, is_list: bool, stream: bool
     ) -> web.StreamResponse:
-        for engine_request in submission.requests:
-            engine_request.version_marks = [(self.engine.weight_version, 0)]
-            engine_request.finish_reason = _abort_reason("Abort before admission (blocked at the pause gate)")
+        abort_at_gate(self.engine, submission.requests)
         bodies = [
             self._render(r, 0, True, output, index if is_list and stream else None)
             for index, r in enumerate(submission.requests)
@@ -395,21 +377,104 @@ class GenerateRoutes:
         )
 
 
-def _forwarder(
-    loop: asyncio.AbstractEventLoop,
-    queue: asyncio.Queue[tuple[int, int, bool]],
-    index: int,
+Update = tuple[int, int, bool]
+"""What a request's `on_update` posts to its call's queue: (index in the call, output length, finished)."""
+ABORTED_AT_GATE = "Abort before admission (blocked at the pause gate)"
+
+
+def check_prompt(prompt: Sequence[int], vocab_size: int) -> None:
+    """`RequestError` for an empty prompt or a token outside the vocabulary."""
+    if not prompt:
+        raise RequestError("input_ids is empty: a prompt needs at least one token")
+    bad = [token for token in prompt if not 0 <= token < vocab_size]
+    if bad:
+        raise RequestError(f"input_ids {bad[:8]} are outside the vocabulary (size {vocab_size})")
+
+
+def prompt_requests(
+    engine: Engine,
+    prompt: Sequence[int],
+    options: SamplingOptions,
     *,
-    every_token: bool,
+    rid: str,
+    return_logprob: bool,
+    logprob_start_len: int,
+    top_logprobs_num: int,
+    stream: bool,
+) -> list[Request]:
+    """The engine requests of one checked prompt: one with `rid`, or for `n > 1` one per sample, each with a
+    fresh random rid (as SGLang regenerates them). `RequestError` when it cannot fit the context or asks for a
+    negative number of top logprobs."""
+    check_fits(prompt, options, engine.context_length)
+    if top_logprobs_num < 0:
+        raise RequestError(f"top_logprobs_num must be >= 0, got {top_logprobs_num}")
+    rids = [rid] if options.n == 1 else [uuid.uuid4().hex for _ in range(options.n)]
+    return [
+        Request(
+            rid=sample_rid,
+            prompt_ids=list(prompt),
+            options=options,
+            return_logprob=return_logprob,
+            logprob_start_len=logprob_start_len if return_logprob else -1,
+            top_logprobs_num=top_logprobs_num if return_logprob else 0,
+            stream=stream,
+        )
+        for sample_rid in rids
+    ]
+
+
+def check_unique(requests: Sequence[Request], live: Collection[str]) -> None:
+    """SGLang's duplicate-rid `RequestError` when two requests of a call, or one and a live request, share
+    a rid."""
+    seen: set[str] = set()
+    for request in requests:
+        if request.rid in live or request.rid in seen:
+            raise RequestError(f"{DUPLICATE_RID} detected: {request.rid}")
+        seen.add(request.rid)
+
+
+def add_requests(engine: Engine, requests: Sequence[Request]) -> None:
+    """Queue a call's requests on the scheduler (run it on the engine thread, `Engine.call_async`): nothing is
+    queued, and SGLang's duplicate-rid `RequestError` raised, when the engine holds one of the rids already
+    (a request of the other transport)."""
+    for request in requests:
+        if engine.find(request.rid) is not None:
+            raise RequestError(f"{DUPLICATE_RID} detected: {request.rid}")
+    for request in requests:
+        engine.add_request(request)
+
+
+def forwarder(
+    loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Update], index: int, *, every_token: bool
 ) -> Callable[[Request, bool], None]:
-    """An `on_update` that posts (index, output length, finished) to the loop-side queue: on every token for
-    a stream, only when finished otherwise."""
+    """An `on_update` that posts an `Update` to the loop-side queue: on every token for a stream, only when
+    finished otherwise."""
 
     def forward(request: Request, finished: bool) -> None:
         if finished or every_token:
             loop.call_soon_threadsafe(queue.put_nowait, (index, len(request.output_ids), finished))
 
     return forward
+
+
+def abort_at_gate(engine: Engine, requests: Sequence[Request]) -> None:
+    """Finish requests that a pause in abort mode turned away at the gate: aborted, no token, one empty span
+    at the current version."""
+    for request in requests:
+        request.version_marks = [(engine.weight_version, 0)]
+        request.finish_reason = abort_reason(ABORTED_AT_GATE)
+
+
+def abort_unfinished(engine: Engine, requests: Sequence[Request]) -> None:
+    """Abort the call's requests that have not finished (its client went away); returns at once."""
+    unfinished = [r.rid for r in requests if not r.finished]
+    if unfinished:
+        engine.call_async(lambda: [engine.abort(rid) for rid in unfinished])
+
+
+def abort_reason(message: str) -> Json:
+    """SGLang's `FINISH_ABORT.to_json()` with no status code."""
+    return {"type": "abort", "message": message, "status_code": None, "err_type": None}
 
 
 def _no_text(token: int) -> None:
@@ -444,10 +509,6 @@ async def _end_stream(response: web.StreamResponse) -> web.StreamResponse:
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
-
-
-def _abort_reason(message: str) -> Json:
-    return {"type": "abort", "message": message, "status_code": None, "err_type": None}
 
 
 _T = TypeVar("_T")

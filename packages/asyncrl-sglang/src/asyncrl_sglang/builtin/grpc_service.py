@@ -36,9 +36,20 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from asyncrl_sglang._grpc_wire import DUPLICATE_RID, authorization, encode_trailer, sampling_fields
+from asyncrl_sglang._grpc_wire import authorization, encode_trailer, sampling_fields
 from asyncrl_sglang.builtin.engine import Engine, Request
 from asyncrl_sglang.builtin.gate import AdmissionGate, Ticket
+from asyncrl_sglang.builtin.generate import (
+    Update,
+    abort_at_gate,
+    abort_reason,
+    abort_unfinished,
+    add_requests,
+    check_prompt,
+    check_unique,
+    forwarder,
+    prompt_requests,
+)
 from asyncrl_sglang.builtin.info import (
     SERVER_VERSION,
     InfoRoutes,
@@ -47,7 +58,7 @@ from asyncrl_sglang.builtin.info import (
     scheduler_info,
     server_args,
 )
-from asyncrl_sglang.builtin.sampling import RequestError, SamplingOptions, check_fits
+from asyncrl_sglang.builtin.sampling import RequestError, SamplingOptions
 from asyncrl_sglang.wire import SamplingParamsBody, WireError, parse_object
 
 SERVER_TYPE = "grpc"
@@ -62,7 +73,6 @@ _UNSUPPORTED_FIELDS = (
     "custom_logit_processor",
     "disaggregated_params",
 )
-_ABORTED_AT_GATE = "Abort before admission (blocked at the pause gate)"
 
 
 @dataclass(slots=True)
@@ -71,7 +81,7 @@ class _Call:
 
     requests: list[Request]
     ticket: Ticket
-    queue: asyncio.Queue[tuple[int, bool]] = field(default_factory=lambda: asyncio.Queue[tuple[int, bool]]())
+    queue: asyncio.Queue[Update] = field(default_factory=lambda: asyncio.Queue[Update]())
 
 
 class SchedulerService(pb_grpc.SglangSchedulerServicer):
@@ -106,11 +116,12 @@ class SchedulerService(pb_grpc.SglangSchedulerServicer):
             # nothing is in flight, returns after every aborted request has been answered.
             async with self.gate.admitted(call.ticket) as admitted:
                 if not admitted:
-                    for engine_request in requests:
-                        engine_request.version_marks = [(self.engine.weight_version, 0)]
-                        engine_request.finish_reason = _abort_reason(_ABORTED_AT_GATE)
+                    abort_at_gate(self.engine, requests)
                 else:
-                    await self._submit(call)
+                    try:
+                        await self._submit(call, request.stream)
+                    except RequestError as error:
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
                     async for response in self._responses(call, request.stream):
                         yield response
                 context.set_trailing_metadata(
@@ -126,9 +137,7 @@ class SchedulerService(pb_grpc.SglangSchedulerServicer):
                     yield _response(engine_request, _complete(engine_request, index))
         except asyncio.CancelledError:
             # The RPC was cancelled (the client gave up or went away): its requests must not keep decoding.
-            unfinished = [r.rid for r in requests if not r.finished]
-            if unfinished:
-                self.engine.call_async(lambda: [self.engine.abort(rid) for rid in unfinished])
+            abort_unfinished(self.engine, requests)
             raise
         finally:
             for engine_request in requests:
@@ -141,53 +150,33 @@ class SchedulerService(pb_grpc.SglangSchedulerServicer):
             present = request.HasField(name) if name in ("mm_inputs", "disaggregated_params") else bool(value)
             if present:
                 raise RequestError(f"`{name}` is not supported by the built-in engine")
-        if not request.HasField("tokenized") or not request.tokenized.input_ids:
-            raise RequestError("input_ids is empty: a prompt needs at least one token")
         prompt = list(request.tokenized.input_ids)
         vocab = self.engine.model.config.vocab_size
-        bad = [token for token in prompt if token >= vocab]
-        if bad:
-            raise RequestError(f"input_ids {bad[:8]} are outside the vocabulary (size {vocab})")
+        check_prompt(prompt, vocab)
         try:
             params = parse_object(SamplingParamsBody, sampling_fields(request.sampling_params))
         except WireError as error:
             raise RequestError(str(error)) from None
-        options = SamplingOptions.from_wire(params, vocab)
-        check_fits(prompt, options, self.engine.context_length)
-        if request.top_logprobs_num < 0:
-            raise RequestError(f"top_logprobs_num must be >= 0, got {request.top_logprobs_num}")
-        rid = request.request_id or uuid.uuid4().hex
-        rids = [rid] if options.n == 1 else [uuid.uuid4().hex for _ in range(options.n)]
-        for engine_rid in rids:
-            if engine_rid in self._live:
-                raise RequestError(f"{DUPLICATE_RID} detected: {engine_rid}")
-        return [
-            Request(
-                rid=engine_rid,
-                prompt_ids=prompt,
-                options=options,
-                return_logprob=request.return_logprob,
-                logprob_start_len=request.logprob_start_len if request.return_logprob else -1,
-                top_logprobs_num=request.top_logprobs_num if request.return_logprob else 0,
-                stream=request.stream,
-            )
-            for engine_rid in rids
-        ]
+        requests = prompt_requests(
+            self.engine,
+            prompt,
+            SamplingOptions.from_wire(params, vocab),
+            rid=request.request_id or uuid.uuid4().hex,
+            return_logprob=request.return_logprob,
+            logprob_start_len=request.logprob_start_len,
+            top_logprobs_num=request.top_logprobs_num,
+            stream=request.stream,
+        )
+        check_unique(requests, self._live)
+        return requests
 
-    async def _submit(self, call: _Call) -> None:
+    async def _submit(self, call: _Call, stream: bool) -> None:
         """Queue the call's requests on the scheduler; refused when an HTTP request holds one of the rids."""
         loop = asyncio.get_running_loop()
         for index, engine_request in enumerate(call.requests):
-            engine_request.on_update = _forwarder(loop, call.queue, index)
+            engine_request.on_update = forwarder(loop, call.queue, index, every_token=stream)
 
-        def add() -> None:
-            for engine_request in call.requests:
-                if self.engine.find(engine_request.rid) is not None:
-                    raise RequestError(f"{DUPLICATE_RID} detected: {engine_request.rid}")
-            for engine_request in call.requests:
-                self.engine.add_request(engine_request)
-
-        await self._engine(add)
+        await self._engine(lambda: add_requests(self.engine, call.requests))
 
     async def _responses(self, call: _Call, stream: bool) -> AsyncIterator[pb.GenerateResponse]:
         """Chunks of new tokens while the requests run (when streaming); returns once all have finished."""
@@ -198,7 +187,7 @@ class SchedulerService(pb_grpc.SglangSchedulerServicer):
             updates = [await call.queue.get()]
             while not call.queue.empty():
                 updates.append(call.queue.get_nowait())
-            for index, done in updates:
+            for index, _, done in updates:
                 if done:
                     finished.add(index)
             if not stream:
@@ -358,21 +347,6 @@ class SchedulerService(pb_grpc.SglangSchedulerServicer):
         )
 
 
-def _forwarder(
-    loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[tuple[int, bool]], index: int
-) -> Callable[[Request, bool], None]:
-    """An `on_update` that posts (index, finished) to the loop-side queue."""
-
-    def forward(_request: Request, finished: bool) -> None:
-        loop.call_soon_threadsafe(queue.put_nowait, (index, finished))
-
-    return forward
-
-
-def _abort_reason(message: str) -> dict[str, Any]:
-    return {"type": "abort", "message": message, "status_code": None, "err_type": None}
-
-
 def _output_logprobs(request: Request, start: int, end: int) -> pb.OutputLogProbs | None:
     if not request.return_logprob:
         return None
@@ -416,7 +390,7 @@ def _chunk(request: Request, index: int, start: int, end: int) -> pb.GenerateStr
 
 
 def _complete(request: Request, index: int) -> pb.GenerateComplete:
-    reason = request.finish_reason or _abort_reason("unfinished")
+    reason = request.finish_reason or abort_reason("unfinished")
     complete = pb.GenerateComplete(
         output_ids=request.output_ids,
         finish_reason=str(reason["type"]),

@@ -219,7 +219,7 @@ def _truncate(probs: Tensor, options: Sequence[SamplingOptions]) -> Tensor:
     return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
 
 
-def check_fits(prompt: list[int], options: SamplingOptions, context_length: int) -> None:
+def check_fits(prompt: Sequence[int], options: SamplingOptions, context_length: int) -> None:
     """Refuse a request whose prompt plus `max_new_tokens` exceeds the context, with SGLang's message (both
     transports, HTTP and gRPC)."""
     if options.max_new_tokens is None:
