@@ -120,3 +120,22 @@ def test_tiny_llama_presets_are_named_models() -> None:
     assert models.named_model(str(folder)) is None
     with pytest.raises(AsyncRLError, match=r"actor.model_path: unknown model tiny-llama:huge"):
         models.resolve_model_path("tiny-llama:huge", key="actor.model_path")
+
+
+def test_a_tiny_llama_takes_the_tokenizer_without_converting_smollm2(
+    smollm2_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # In an empty cache (a fresh clone) the tokenizer is read from the GGUF; the model is not converted.
+    monkeypatch.setenv("ASYNCRL_CACHE", str(tmp_path / "cache"))
+    folder = models.tiny_llama_preset("test")
+    assert folder.is_relative_to(tmp_path / "cache")
+    assert not (tmp_path / "cache" / "models" / models.SMOLLM2_DIR_NAME).exists()
+    for name in ("tokenizer.json", "chat_template.jinja"):
+        assert (folder / name).read_bytes() == (smollm2_path / name).read_bytes(), name
+
+    def settings(model: Path) -> dict[str, object]:
+        loaded = json.loads((model / "tokenizer_config.json").read_text())
+        loaded.pop("local_files_only", None)  # how it was loaded, not what it is
+        return loaded
+
+    assert settings(folder) == settings(smollm2_path)
