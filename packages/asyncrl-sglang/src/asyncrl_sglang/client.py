@@ -487,7 +487,10 @@ class SGLangClient:
             abort_all_requests=False,
             weight_version=None if weight_version is None else version_label(weight_version),
         )
-        return await self._update("/update_weights_from_tensor", _body(request))
+        message = await self._update("/update_weights_from_tensor", _body(request))
+        if weight_version is not None:
+            self._relabelled(weight_version)
+        return message
 
     async def init_weights_update_group(
         self,
@@ -532,7 +535,10 @@ class SGLangClient:
             abort_all_requests=False,
             weight_version=None if weight_version is None else version_label(weight_version),
         )
-        return await self._update("/update_weights_from_distributed", _body(request))
+        message = await self._update("/update_weights_from_distributed", _body(request))
+        if weight_version is not None:
+            self._relabelled(weight_version)
+        return message
 
     async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP_NAME) -> None:
         """Leave the weight-update process group."""
@@ -543,6 +549,11 @@ class SGLangClient:
         """Relabel the server's weights as `version` without aborting anything (spans split at this point)."""
         request = UpdateWeightVersionRequest(new_version=version_label(version), abort_all_requests=False)
         await self._update("/update_weight_version", _body(request), idempotent=True)
+        self._relabelled(version)
+
+    def _relabelled(self, version: int) -> None:
+        """The server took `version` as its weight version (an update that carried it, or
+        `update_weight_version`). Nothing to do here; a client that derives version spans records it."""
 
     # ---------------------------------------------------------------------------------------------------
     # Info and health

@@ -342,50 +342,7 @@ class GrpcSGLangClient(SGLangClient):
         self.syncs.num_pauses = 0
         await super().continue_generation()
 
-    async def update_weights_from_tensor(
-        self,
-        serialized: str | Sequence[str],
-        *,
-        weight_version: int | None,
-        flush_cache: bool,
-        num_ranks: int = 1,
-        load_format: str | None = "safetensors",
-    ) -> str:
-        message = await super().update_weights_from_tensor(
-            serialized,
-            weight_version=weight_version,
-            flush_cache=flush_cache,
-            num_ranks=num_ranks,
-            load_format=load_format,
-        )
-        if weight_version is not None:
-            self.syncs.set_version(weight_version)
-        return message
-
-    async def update_weights_from_distributed(
-        self,
-        names: Sequence[str],
-        dtypes: Sequence[str],
-        shapes: Sequence[Sequence[int]],
-        *,
-        weight_version: int | None,
-        flush_cache: bool,
-        group_name: str = "weight_update_group",
-    ) -> str:
-        message = await super().update_weights_from_distributed(
-            names,
-            dtypes,
-            shapes,
-            weight_version=weight_version,
-            flush_cache=flush_cache,
-            group_name=group_name,
-        )
-        if weight_version is not None:
-            self.syncs.set_version(weight_version)
-        return message
-
-    async def update_weight_version(self, version: int) -> None:
-        await super().update_weight_version(version)
+    def _relabelled(self, version: int) -> None:
         self.syncs.set_version(version)
 
 

@@ -41,6 +41,9 @@ DISCONNECT_POLL_S = 0.5
 
 logger = logging.getLogger(__name__)
 
+Update = tuple[int, int, bool]
+"""What a request's `on_update` posts to its call's queue: (index in the call, output length, finished)."""
+
 
 class Tokenizer(Protocol):
     """The two calls the server makes of a HuggingFace tokenizer."""
@@ -51,9 +54,9 @@ class Tokenizer(Protocol):
 
 
 @dataclass(slots=True)
-class _Submission:
-    """The engine requests of one `/generate` call, its place at the gate and the loop-side queue of their
-    updates."""
+class Call:
+    """The engine requests of one generation call (HTTP or gRPC), its place at the gate and the loop-side
+    queue of their updates."""
 
     requests: list[Request]
     ticket: Ticket
@@ -76,7 +79,7 @@ class GenerateRoutes:
         self.engine = engine
         self.tokenizer = tokenizer
         self.gate = gate
-        self._live: dict[str, _Submission] = {}
+        self._live: dict[str, Call] = {}
 
     async def _engine(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.wrap_future(self.engine.call_async(fn))
@@ -89,7 +92,7 @@ class GenerateRoutes:
             if body.stream:
                 return await self._stream_error(request, str(error))
             return semantic_error(str(error))
-        submission = _Submission(requests, Ticket(len(requests)))
+        submission = Call(requests, Ticket(len(requests)))
         for engine_request in requests:
             self._live[engine_request.rid] = submission
         try:
@@ -197,7 +200,7 @@ class GenerateRoutes:
             raise RequestError(f"rid has {len(rid)} entries for a batch of {count}")
         return list(rid)
 
-    async def _next_update(self, http: web.Request, submission: _Submission) -> Update:
+    async def _next_update(self, http: web.Request, submission: Call) -> Update:
         """The next update of the submission's requests; `ConnectionResetError` once the client is gone
         (checked every `DISCONNECT_POLL_S` while nothing arrives)."""
         while True:
@@ -208,7 +211,7 @@ class GenerateRoutes:
                     raise ConnectionResetError("the client disconnected") from None
 
     async def _wait_all(
-        self, http: web.Request, submission: _Submission, output: _Output, is_list: bool
+        self, http: web.Request, submission: Call, output: _Output, is_list: bool
     ) -> web.Response:
         finished: set[int] = set()
         while len(finished) < len(submission.requests):
@@ -223,7 +226,7 @@ class GenerateRoutes:
         return _json_response(bodies, is_list)
 
     async def _stream(
-        self, http: web.Request, submission: _Submission, output: _Output, is_list: bool
+        self, http: web.Request, submission: Call, output: _Output, is_list: bool
     ) -> web.StreamResponse:
         response = await _start_stream(http)
         requests = submission.requests
@@ -265,7 +268,7 @@ class GenerateRoutes:
         return await _end_stream(response)
 
     async def _respond_aborted_at_gate(
-        self, http: web.Request, submission: _Submission, output: _Output, is_list: bool, stream: bool
+        self, http: web.Request, submission: Call, output: _Output, is_list: bool, stream: bool
     ) -> web.StreamResponse:
         abort_at_gate(self.engine, submission.requests)
         bodies = [
@@ -377,8 +380,6 @@ class GenerateRoutes:
         )
 
 
-Update = tuple[int, int, bool]
-"""What a request's `on_update` posts to its call's queue: (index in the call, output length, finished)."""
 ABORTED_AT_GATE = "Abort before admission (blocked at the pause gate)"
 
 

@@ -27,7 +27,6 @@ import datetime
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -40,7 +39,7 @@ from asyncrl_sglang._grpc_wire import authorization, encode_trailer, sampling_fi
 from asyncrl_sglang.builtin.engine import Engine, Request
 from asyncrl_sglang.builtin.gate import AdmissionGate, Ticket
 from asyncrl_sglang.builtin.generate import (
-    Update,
+    Call,
     abort_at_gate,
     abort_reason,
     abort_unfinished,
@@ -51,10 +50,12 @@ from asyncrl_sglang.builtin.generate import (
     prompt_requests,
 )
 from asyncrl_sglang.builtin.info import (
+    HEALTH_CHECK_TIMEOUT_S,
     SERVER_VERSION,
     InfoRoutes,
     Load,
     load_sections,
+    probe_health,
     scheduler_info,
     server_args,
 )
@@ -62,8 +63,6 @@ from asyncrl_sglang.builtin.sampling import RequestError, SamplingOptions
 from asyncrl_sglang.wire import SamplingParamsBody, WireError, parse_object
 
 SERVER_TYPE = "grpc"
-HEALTH_CHECK_TIMEOUT_S = 20.0
-"""How long `HealthCheck`'s one-token probe may take (SGLang's `SGLANG_HEALTH_CHECK_TIMEOUT` default)."""
 _UNSUPPORTED_FIELDS = (
     "mm_inputs",
     "input_embeds",
@@ -73,15 +72,6 @@ _UNSUPPORTED_FIELDS = (
     "custom_logit_processor",
     "disaggregated_params",
 )
-
-
-@dataclass(slots=True)
-class _Call:
-    """The engine requests of one `Generate` call, its place at the gate and the queue of their updates."""
-
-    requests: list[Request]
-    ticket: Ticket
-    queue: asyncio.Queue[Update] = field(default_factory=lambda: asyncio.Queue[Update]())
 
 
 class SchedulerService(pb_grpc.SglangSchedulerServicer):
@@ -95,7 +85,7 @@ class SchedulerService(pb_grpc.SglangSchedulerServicer):
         self.ready = False
         """Set once warm-up is done: `HealthCheck` is unhealthy before."""
         self.started_s = time.time()
-        self._live: dict[str, _Call] = {}
+        self._live: dict[str, Call] = {}
 
     async def _engine(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.wrap_future(self.engine.call_async(fn))
@@ -108,7 +98,7 @@ class SchedulerService(pb_grpc.SglangSchedulerServicer):
             requests = self._requests(request)
         except RequestError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        call = _Call(requests, Ticket(len(requests)))
+        call = Call(requests, Ticket(len(requests)))
         for engine_request in requests:
             self._live[engine_request.rid] = call
         try:
@@ -170,7 +160,7 @@ class SchedulerService(pb_grpc.SglangSchedulerServicer):
         check_unique(requests, self._live)
         return requests
 
-    async def _submit(self, call: _Call, stream: bool) -> None:
+    async def _submit(self, call: Call, stream: bool) -> None:
         """Queue the call's requests on the scheduler; refused when an HTTP request holds one of the rids."""
         loop = asyncio.get_running_loop()
         for index, engine_request in enumerate(call.requests):
@@ -178,7 +168,7 @@ class SchedulerService(pb_grpc.SglangSchedulerServicer):
 
         await self._engine(lambda: add_requests(self.engine, call.requests))
 
-    async def _responses(self, call: _Call, stream: bool) -> AsyncIterator[pb.GenerateResponse]:
+    async def _responses(self, call: Call, stream: bool) -> AsyncIterator[pb.GenerateResponse]:
         """Chunks of new tokens while the requests run (when streaming); returns once all have finished."""
         requests = call.requests
         sent = [0] * len(requests)
@@ -216,28 +206,11 @@ class SchedulerService(pb_grpc.SglangSchedulerServicer):
     async def HealthCheck(
         self, request: pb.HealthCheckRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.HealthCheckResponse:
-        """Healthy once warm-up is done and a one-token probe gets through the scheduler in time (it goes
-        straight to the scheduler, as SGLang's does, so a long pause makes it time out)."""
+        """Healthy once warm-up is done and a one-token probe gets through the scheduler in time
+        (`info.probe_health`)."""
         if not self.ready:
             return pb.HealthCheckResponse(healthy=False, message="The server is starting")
-        probe = Request(
-            rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",
-            prompt_ids=[0],
-            options=SamplingOptions(max_new_tokens=1, temperature=0.0),
-        )
-        done = asyncio.Event()
-        loop = asyncio.get_running_loop()
-
-        def on_update(_request: Request, finished: bool) -> None:
-            if finished:
-                loop.call_soon_threadsafe(done.set)
-
-        probe.on_update = on_update
-        await self._engine(lambda: self.engine.add_request(probe))
-        try:
-            await asyncio.wait_for(done.wait(), timeout=HEALTH_CHECK_TIMEOUT_S)
-        except TimeoutError:
-            self.engine.call_async(lambda: self.engine.abort(probe.rid))
+        if not await probe_health(self.engine):
             return pb.HealthCheckResponse(
                 healthy=False, message=f"Health check timeout after {HEALTH_CHECK_TIMEOUT_S:.0f}s"
             )

@@ -37,6 +37,8 @@ LOAD_SECTIONS = frozenset({"core", "memory", "spec", "lora", "disagg", "queues",
 """The `include` sections of a load report (SGLang's `LoadSnapshot.VALID_SECTIONS`)."""
 GRAPH_PHASES = ("prefill", "decode", "target_verify", "draft_prefill", "draft_decode", "draft_extend")
 """The CUDA-graph phases SGLang reports memory and capture time for; the built-in engine captures `decode`."""
+HEALTH_CHECK_TIMEOUT_S = 20.0
+"""How long the one-token health probe may take (SGLang's `SGLANG_HEALTH_CHECK_TIMEOUT` default)."""
 _NOT_SERVER_ARGS = frozenset({"api_key", "weight_version_route", "launch_command"})
 _GB = float(1 << 30)
 
@@ -68,6 +70,32 @@ class Startup:
             "scheduler_e2e": self.scheduler_e2e_s,
             "cuda_graph": dict.fromkeys(GRAPH_PHASES, 0.0),
         }
+
+
+async def probe_health(engine: Engine, timeout_s: float = HEALTH_CHECK_TIMEOUT_S) -> bool:
+    """Whether a one-token greedy request gets through the scheduler within `timeout_s` (`/health_generate`,
+    gRPC `HealthCheck`). It goes straight to the scheduler, past the admission gate, as SGLang's probe does,
+    so a long pause makes it time out; a probe that times out is aborted."""
+    probe = Request(
+        rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",
+        prompt_ids=[0],
+        options=SamplingOptions(max_new_tokens=1, temperature=0.0),
+    )
+    done = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_update(_request: Request, finished: bool) -> None:
+        if finished:
+            loop.call_soon_threadsafe(done.set)
+
+    probe.on_update = on_update
+    await asyncio.wrap_future(engine.call_async(lambda: engine.add_request(probe)))
+    try:
+        await asyncio.wait_for(done.wait(), timeout=timeout_s)
+    except TimeoutError:
+        engine.call_async(lambda: engine.abort(probe.rid))
+        return False
+    return True
 
 
 def server_args(args: ServerArgs) -> Json:
@@ -288,24 +316,7 @@ class InfoRoutes:
     async def health_generate(self, request: web.Request) -> web.Response:
         if not self.ready:
             return web.Response(status=503)
-        probe = Request(
-            rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", prompt_ids=[0], options=SamplingOptions(max_new_tokens=1)
-        )
-        done = asyncio.Event()
-        loop = asyncio.get_running_loop()
-
-        def on_update(_request: Request, finished: bool) -> None:
-            if finished:
-                loop.call_soon_threadsafe(done.set)
-
-        probe.on_update = on_update
-        await self._engine(lambda: self.engine.add_request(probe))
-        try:
-            await asyncio.wait_for(done.wait(), timeout=20.0)
-        except TimeoutError:
-            self.engine.call_async(lambda: self.engine.abort(probe.rid))
-            return web.Response(status=503)
-        return web.Response(status=200)
+        return web.Response(status=200 if await probe_health(self.engine) else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
         if not self.args.enable_metrics:
