@@ -46,7 +46,11 @@ class BM25Index:
         k = min(k, self._num_documents)
         # Token strings, not ids: the retriever maps them through the corpus vocabulary (unknown ones drop).
         tokens = bm25s.tokenize(list(queries), stopwords="en", return_ids=False, show_progress=False)
-        documents, scores = self._retriever.retrieve(tokens, k=k, show_progress=False)
+        # NumPy's top-k, always: bm25s's default picks JAX wherever it is installed, and JAX's first use on
+        # a GPU machine reserves most of the GPU's memory for itself, which the engines and the actor need.
+        documents, scores = self._retriever.retrieve(
+            tokens, k=k, show_progress=False, backend_selection="numpy"
+        )
         return [
             [(int(document), float(score)) for document, score in zip(row_documents, row_scores, strict=True)]
             for row_documents, row_scores in zip(documents, scores, strict=True)
