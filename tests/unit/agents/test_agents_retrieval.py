@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -168,3 +170,26 @@ def test_indexes_find_the_supporting_passage_of_mini_world_questions(index_kind:
     )
     # Fictional names are rare words: lexical search finds nearly every supporting passage.
     assert found >= (95 if index_kind is BM25Index else 60)
+
+
+def test_bm25_keeps_jax_on_the_cpu() -> None:
+    # bm25s runs a JAX operation at import when JAX is installed; on a GPU machine JAX's GPU backend would
+    # take three quarters of the GPU's memory. The index imports bm25s with JAX_PLATFORMS=cpu unless set.
+    code = (
+        "import os\n"
+        "from asyncrl_agents.retrieval.index import BM25Index\n"
+        "BM25Index(['a cat', 'a dog']).search(['cat'], 1)\n"
+        "print(os.environ.get('JAX_PLATFORMS'))\n"
+    )
+    env = {key: value for key, value in os.environ.items() if key != "JAX_PLATFORMS"}
+    found = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert found.returncode == 0, found.stderr
+    assert found.stdout.strip() == "cpu"
+    mine = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**env, "JAX_PLATFORMS": "cuda"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert mine.stdout.strip() == "cuda"

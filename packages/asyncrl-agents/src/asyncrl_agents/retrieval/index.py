@@ -6,10 +6,11 @@ kind of index (a neural embedding model, FAISS) implements `Index` and is added 
 
 from __future__ import annotations
 
+import os
 import re
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -30,8 +31,7 @@ class BM25Index:
     """Okapi BM25 over word tokens (English stop words removed), built with `bm25s`."""
 
     def __init__(self, texts: Sequence[str]) -> None:
-        import bm25s
-
+        bm25s = _import_bm25s()
         self._num_documents = len(texts)
         self._retriever = bm25s.BM25()
         self._retriever.index(
@@ -39,15 +39,13 @@ class BM25Index:
         )
 
     def search(self, queries: Sequence[str], k: int) -> Hits:
-        import bm25s
-
+        bm25s = _import_bm25s()
         if not queries:
             return []
         k = min(k, self._num_documents)
         # Token strings, not ids: the retriever maps them through the corpus vocabulary (unknown ones drop).
         tokens = bm25s.tokenize(list(queries), stopwords="en", return_ids=False, show_progress=False)
-        # NumPy's top-k, always: bm25s's default picks JAX wherever it is installed, and JAX's first use on
-        # a GPU machine reserves most of the GPU's memory for itself, which the engines and the actor need.
+        # NumPy's top-k: bm25s's default would pick JAX wherever it is installed.
         documents, scores = self._retriever.retrieve(
             tokens, k=k, show_progress=False, backend_selection="numpy"
         )
@@ -110,3 +108,16 @@ class LsaIndex:
 
 INDEXES: dict[str, Callable[[Sequence[str]], Index]] = {"bm25": BM25Index, "lsa": LsaIndex}
 """The index kinds by name, as `--index` selects them."""
+
+
+def _import_bm25s() -> Any:
+    """`bm25s`, imported with JAX kept on the CPU.
+
+    Importing bm25s runs a JAX operation when JAX is installed; on a GPU machine that would start JAX's GPU
+    backend, which reserves three quarters of the GPU's memory at once and leaves the engines and the actor
+    none. `JAX_PLATFORMS` is left as it is when set, and has no effect when JAX was already imported.
+    """
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import bm25s
+
+    return bm25s
