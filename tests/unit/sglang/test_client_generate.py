@@ -84,7 +84,7 @@ def test_stop_reasons_keep_the_matched_stop() -> None:
         (lambda body: body["meta_info"].update(finish_reason=None), "finish_reason null"),
         (
             lambda body: body["meta_info"].update(weight_versions=[{"version": "1", "start": 0, "end": 1}]),
-            "weight_versions end at 1",
+            "do not tile the 2 output tokens",
         ),
         (lambda body: body.pop("output_ids"), "output_ids: Field required"),
         (lambda body: body.update(output_ids=["5", 6]), r"output_ids\.0: Input should be a valid integer"),

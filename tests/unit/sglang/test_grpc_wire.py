@@ -69,7 +69,10 @@ def test_trailer_round_trip() -> None:
         ((WEIGHT_VERSIONS_KEY, '{"version": "1"}'),),
         ((WEIGHT_VERSIONS_KEY, '[[{"version": 1, "start": 0, "end": 1}]]'),),
         ((WEIGHT_VERSIONS_KEY, '[[{"version": "1", "start": true, "end": 1}]]'),),
+        ((WEIGHT_VERSIONS_KEY, '[[{"version": "1", "start": 0}]]'),),
         ((NUM_RETRACTIONS_KEY, '["1"]'),),
+        ((NUM_RETRACTIONS_KEY, "[1.5]"),),
+        ((NUM_RETRACTIONS_KEY, "[true]"),),
     ],
 )
 def test_malformed_trailers_are_refused_by_name(metadata: tuple[tuple[str, str], ...]) -> None:

@@ -19,13 +19,16 @@ here). What this module adds is the part both sides must agree on beyond the `.p
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping, Sequence
-from typing import cast
+from typing import TypeVar
 
+from pydantic import StrictInt, TypeAdapter, ValidationError
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
-from asyncrl_core.types import SamplingParams
+from asyncrl_core.types import FinishReason, SamplingParams
+from asyncrl_sglang.wire import WeightVersionSpan, describe
+
+T = TypeVar("T")
 
 WEIGHT_VERSIONS_KEY = "asyncrl-weight-versions"
 """Trailing-metadata key of the per-token version spans (JSON, one list of spans per completion index)."""
@@ -33,8 +36,8 @@ NUM_RETRACTIONS_KEY = "asyncrl-num-retractions"
 """Trailing-metadata key of the retraction counts (JSON, one int per completion index)."""
 AUTHORIZATION_KEY = "authorization"
 """Call-metadata key of the API key (`Bearer KEY`)."""
-FINISH_REASONS = ("stop", "length", "abort")
-"""`GenerateComplete.finish_reason` values."""
+FINISH_REASONS: Mapping[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+"""`GenerateComplete.finish_reason` values, each as asyncrl's `FinishReason`."""
 
 Span = tuple[str, int, int]
 """(version label, start, end): a half-open range of output positions generated under one version."""
@@ -100,17 +103,23 @@ def sampling_fields(message: pb.SamplingParams) -> dict[str, object]:
     return fields
 
 
+_SPANS = TypeAdapter(list[list[WeightVersionSpan]])
+"""`asyncrl-weight-versions`: per completion index, `/generate`'s `meta_info.weight_versions`."""
+_RETRACTIONS = TypeAdapter(list[StrictInt])
+"""`asyncrl-num-retractions`: per completion index, an int."""
+
+
 def encode_trailer(
     spans: Sequence[Sequence[Span]], num_retractions: Sequence[int]
 ) -> tuple[tuple[str, str], ...]:
     """The trailing metadata of one `Generate` call: spans and retractions per completion index."""
     versions = [
-        [{"version": version, "start": start, "end": end} for version, start, end in index_spans]
+        [WeightVersionSpan(version=version, start=start, end=end) for version, start, end in index_spans]
         for index_spans in spans
     ]
     return (
-        (WEIGHT_VERSIONS_KEY, json.dumps(versions, separators=(",", ":"))),
-        (NUM_RETRACTIONS_KEY, json.dumps(list(num_retractions), separators=(",", ":"))),
+        (WEIGHT_VERSIONS_KEY, _SPANS.dump_json(versions).decode()),
+        (NUM_RETRACTIONS_KEY, _RETRACTIONS.dump_json(list(num_retractions)).decode()),
     )
 
 
@@ -122,47 +131,17 @@ def decode_trailer(metadata: MetadataItems | None) -> tuple[list[list[Span]] | N
     """Spans and retraction counts per completion index from trailing metadata; None for a key the server
     did not send. Raises `TrailerError` when a key is present but malformed."""
     values: Mapping[str, str | bytes] = dict(metadata or ())
-    spans = _decode_spans(values.get(WEIGHT_VERSIONS_KEY))
-    retractions = _decode_retractions(values.get(NUM_RETRACTIONS_KEY))
-    return spans, retractions
+    spans = _decode(_SPANS, values.get(WEIGHT_VERSIONS_KEY), WEIGHT_VERSIONS_KEY)
+    retractions = _decode(_RETRACTIONS, values.get(NUM_RETRACTIONS_KEY), NUM_RETRACTIONS_KEY)
+    if spans is None:
+        return None, retractions
+    return [[(s.version, s.start, s.end) for s in index_spans] for index_spans in spans], retractions
 
 
-def _loads(raw: str | bytes, key: str) -> object:
+def _decode(adapter: TypeAdapter[T], raw: str | bytes | None, key: str) -> T | None:
+    if raw is None:
+        return None
     try:
-        return json.loads(raw)
-    except ValueError as error:
-        raise TrailerError(f"trailing metadata {key} is not JSON: {error}") from None
-
-
-def _decode_spans(raw: str | bytes | None) -> list[list[Span]] | None:
-    if raw is None:
-        return None
-    parsed = _loads(raw, WEIGHT_VERSIONS_KEY)
-    if not isinstance(parsed, list):
-        raise TrailerError(f"trailing metadata {WEIGHT_VERSIONS_KEY} is not a list: {raw!r}")
-    result: list[list[Span]] = []
-    for index_spans in cast(list[object], parsed):
-        if not isinstance(index_spans, list):
-            raise TrailerError(f"trailing metadata {WEIGHT_VERSIONS_KEY} holds a non-list entry: {raw!r}")
-        spans: list[Span] = []
-        for item in cast(list[object], index_spans):
-            span = cast(Mapping[str, object], item) if isinstance(item, dict) else {}
-            version, start, end = span.get("version"), span.get("start"), span.get("end")
-            if not isinstance(version, str) or not _is_int(start) or not _is_int(end):
-                raise TrailerError(f"trailing metadata {WEIGHT_VERSIONS_KEY} has a malformed span: {item!r}")
-            spans.append((version, cast(int, start), cast(int, end)))
-        result.append(spans)
-    return result
-
-
-def _decode_retractions(raw: str | bytes | None) -> list[int] | None:
-    if raw is None:
-        return None
-    parsed = _loads(raw, NUM_RETRACTIONS_KEY)
-    if not isinstance(parsed, list) or not all(_is_int(item) for item in cast(list[object], parsed)):
-        raise TrailerError(f"trailing metadata {NUM_RETRACTIONS_KEY} is not a list of ints: {raw!r}")
-    return cast(list[int], parsed)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+        return adapter.validate_json(raw)
+    except ValidationError as error:
+        raise TrailerError(f"trailing metadata {key} is malformed: {describe(error)}") from None

@@ -113,21 +113,23 @@ def _spans(meta: MetaInfo, num_tokens: int) -> tuple[tuple[VersionSpan, ...], bo
     reported = meta.weight_versions
     if not reported:
         return (VersionSpan(parse_version(meta.weight_version), 0, num_tokens),), False
-    spans = [VersionSpan(parse_version(span.version), span.start, span.end) for span in reported]
-    expected_start = 0
-    for span in spans:
-        if span.start != expected_start or span.end < span.start:
-            raise GenerationError(
-                f"malformed /generate response: weight_versions {spans!r} do not tile the "
-                f"{num_tokens} output tokens"
-            )
-        expected_start = span.end
-    if expected_start != num_tokens:
+    spans = tuple(VersionSpan(parse_version(span.version), span.start, span.end) for span in reported)
+    if not tiles(spans, num_tokens):
         raise GenerationError(
-            f"malformed /generate response: weight_versions end at {expected_start}, "
-            f"but there are {num_tokens} output tokens"
+            f"malformed /generate response: weight_versions {list(spans)!r} do not tile the "
+            f"{num_tokens} output tokens"
         )
-    return tuple(spans), True
+    return spans, True
+
+
+def tiles(spans: tuple[VersionSpan, ...], num_tokens: int) -> bool:
+    """Whether `spans` cover output positions `0..num_tokens` in order, without gaps or overlaps."""
+    expected = 0
+    for span in spans:
+        if span.start != expected or span.end < span.start:
+            return False
+        expected = span.end
+    return expected == num_tokens
 
 
 def parse_generation(response: bytes | str, num_prompt_tokens: int) -> Generation:

@@ -35,7 +35,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from asyncrl_core.errors import EngineUnavailableError, GenerationError
-from asyncrl_core.types import FinishReason, Generation, SamplingParams, VersionSpan
+from asyncrl_core.types import Generation, SamplingParams, VersionSpan
 from asyncrl_sglang._grpc_wire import (
     FINISH_REASONS,
     TrailerError,
@@ -43,7 +43,7 @@ from asyncrl_sglang._grpc_wire import (
     decode_trailer,
     sampling_message,
 )
-from asyncrl_sglang._schema import parse_version
+from asyncrl_sglang._schema import parse_version, tiles
 from asyncrl_sglang.client import ClientTimeouts, PauseMode, RetryPolicy, SGLangClient
 from asyncrl_sglang.wire import DUPLICATE_RID
 
@@ -230,9 +230,9 @@ class GrpcSGLangClient(SGLangClient):
             raise malformed(f"{len(output_ids)} output ids, completion_tokens {complete.completion_tokens}")
         if len(logprobs) != len(output_ids):
             raise malformed(f"{len(logprobs)} output logprobs for {len(output_ids)} output ids")
-        if complete.finish_reason not in FINISH_REASONS:
+        finish = FINISH_REASONS.get(complete.finish_reason)
+        if finish is None:
             raise malformed(f"unknown finish_reason {complete.finish_reason!r}")
-        finish: FinishReason = complete.finish_reason  # pyright: ignore[reportAssignmentType]
         matched_kind = complete.WhichOneof("matched_stop")
         matched: int | str | None = None if matched_kind is None else getattr(complete, matched_kind)
         index = complete.index
@@ -240,7 +240,7 @@ class GrpcSGLangClient(SGLangClient):
             if index >= len(spans):
                 raise malformed(f"no version spans for completion index {index}")
             version_spans = tuple(VersionSpan(parse_version(v), start, end) for v, start, end in spans[index])
-            if not _tiles(version_spans, len(output_ids)):
+            if not tiles(version_spans, len(output_ids)):
                 raise malformed(f"version spans {spans[index]} do not tile the {len(output_ids)} output ids")
             verified = True
         else:
@@ -344,16 +344,6 @@ class GrpcSGLangClient(SGLangClient):
 
     def _relabelled(self, version: int) -> None:
         self.syncs.set_version(version)
-
-
-def _tiles(spans: tuple[VersionSpan, ...], num_tokens: int) -> bool:
-    """Whether `spans` cover output positions `0..num_tokens` in order, without gaps or overlaps."""
-    expected = 0
-    for span in spans:
-        if span.start != expected or span.end < span.start:
-            return False
-        expected = span.end
-    return expected == num_tokens
 
 
 def grpc_health_check(target: str, api_key: str | None, *, timeout_s: float) -> bool:

@@ -17,6 +17,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -83,7 +84,7 @@ class ModelConfig:
         rope_type = str(rope_dict.get("rope_type", rope_dict.get("type", "default")))
         scaling = None if rope_type == "default" else {**rope_dict, "rope_type": rope_type}
         eos = raw.get("eos_token_id")
-        eos_list: list[object] = list(eos) if isinstance(eos, list) else [eos]  # pyright: ignore[reportUnknownArgumentType]
+        eos_list = cast(list[object], eos) if isinstance(eos, list) else [eos]
         eos_ids = tuple(e for e in eos_list if isinstance(e, int))
         head_dim = raw.get("head_dim")
         return cls(
