@@ -282,3 +282,5 @@ def test_prometheus_samples_are_summed_per_name() -> None:
     assert values["sglang:num_queue_reqs"] == 3.0
     assert values["sglang:e2e_request_latency_seconds_bucket"] == 4.0
     assert "sglang:token_usage" not in values
+    with pytest.raises(ValueError, match="Invalid value"):
+        parse_prometheus('sglang:num_running_reqs{model_name="m" 1.0')

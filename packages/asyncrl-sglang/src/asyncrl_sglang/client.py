@@ -24,13 +24,13 @@ import contextlib
 import json
 import math
 import random
-import re
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Self, TypeVar, cast
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
 
 from asyncrl_core.errors import (
@@ -126,26 +126,14 @@ class EngineMetrics:
     suffixes)."""
 
 
-_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{.*\})?\s+(\S+)(?:\s+\S+)?$")
-
-
 def parse_prometheus(text: str) -> dict[str, float]:
-    """Sum every sample of a Prometheus text exposition per metric name (labels are dropped)."""
+    """Sum every sample of a Prometheus text exposition per sample name (labels dropped, NaN samples skipped),
+    read by `prometheus_client`'s parser. `ValueError` for text that is not the exposition format."""
     totals: dict[str, float] = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        match = _SAMPLE.match(line)
-        if match is None:
-            continue
-        try:
-            value = float(match.group(3))
-        except ValueError:
-            continue
-        if math.isnan(value):
-            continue
-        totals[match.group(1)] = totals.get(match.group(1), 0.0) + value
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not math.isnan(sample.value):
+                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
     return totals
 
 
@@ -649,7 +637,10 @@ class SGLangClient:
             )
         if response.status_code != 200:
             raise self._control_error("/metrics", response)
-        values = parse_prometheus(response.text)
+        try:
+            values = parse_prometheus(response.text)
+        except ValueError as error:
+            raise EngineControlError(f"{self.base_url}/metrics is not Prometheus text: {error}") from None
         return EngineMetrics(
             num_running_requests=values.get("sglang:num_running_reqs", 0.0),
             num_queued_requests=values.get("sglang:num_queue_reqs", 0.0),
