@@ -332,6 +332,18 @@ class GenerationControlResult(BaseModel):
     status: str
 
 
+class LoadsQuery(BaseModel):
+    """The query of `/v1/loads`. Query values are text, so numbers are read from their decimal form."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    dp_rank: int | None = None
+    """Only this data-parallel rank (a rank the server does not have: no loads)."""
+    include: str | None = None
+    """Comma-separated sections: `core`, `memory`, `spec`, `lora`, `disagg`, `queues`, `all` (absent: all)."""
+    format: str | None = None
+    """`prometheus` for Prometheus text; anything else is JSON, as in SGLang."""
+
+
 class ModelInfo(BaseModel):
     """`/model_info` (SGLang 0.5.23 writes every one of these keys)."""
 

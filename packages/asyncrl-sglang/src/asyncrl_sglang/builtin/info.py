@@ -27,7 +27,7 @@ from asyncrl_sglang.builtin._http import Json, error_response, json_model, not_f
 from asyncrl_sglang.builtin.engine import Engine, Request
 from asyncrl_sglang.builtin.gate import AdmissionGate
 from asyncrl_sglang.builtin.sampling import SamplingOptions
-from asyncrl_sglang.wire import ModelInfo, WeightVersionReply
+from asyncrl_sglang.wire import LoadsQuery, ModelInfo, WeightVersionReply, parse_object
 
 if TYPE_CHECKING:
     from asyncrl_sglang.builtin.server import ServerArgs
@@ -361,18 +361,14 @@ class InfoRoutes:
 
     async def loads(self, request: web.Request) -> web.Response:
         """`/v1/loads?dp_rank=&include=&format=`: SGLang's load report, in JSON or Prometheus text."""
-        query = request.query
+        query = parse_object(LoadsQuery, dict(request.query))
         try:
-            dp_rank = int(query["dp_rank"]) if "dp_rank" in query else None
-        except ValueError:
-            return error_response(f"dp_rank: {query['dp_rank']!r} is not an integer")
-        try:
-            include = load_sections(query["include"].split(",")) if query.get("include") else None
+            include = load_sections(query.include.split(",")) if query.include else None
         except ValueError as error:
             return error_response(str(error), 400, "400")
         load = Load.read(self.engine, self.gate)
-        loads = [load.sglang_json(include)] if dp_rank in (None, 0) else []
-        if query.get("format") == "prometheus":
+        loads = [load.sglang_json(include)] if query.dp_rank in (None, 0) else []
+        if query.format == "prometheus":
             return web.Response(text=_loads_prometheus(loads), content_type="text/plain", charset="utf-8")
         return web.json_response(
             {
