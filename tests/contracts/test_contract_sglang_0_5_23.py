@@ -120,6 +120,16 @@ LOAD_SECTIONS = {
 }  # fmt: skip
 # load_inquirer.get_loads: written whatever the features (memory whenever the scheduler can measure it).
 LOAD_SECTIONS_ALWAYS = {"memory", "disaggregation", "queues"}
+# srt/observability/metrics_collector.py: names of the scheduler's and tokenizer's collectors that a server of
+# one instance without speculative decoding, LoRA, disaggregation or hierarchical cache writes.
+METRIC_NAMES = {
+    "sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:num_paused_reqs", "sglang:num_retracted_reqs",
+    "sglang:gen_throughput", "sglang:num_used_tokens", "sglang:token_usage", "sglang:cache_hit_rate",
+    "sglang:num_grammar_queue_reqs", "sglang:prompt_tokens_total", "sglang:generation_tokens_total",
+    "sglang:num_requests_total", "sglang:num_aborted_requests_total", "sglang:num_retracted_requests_total",
+    "sglang:num_retracted_input_tokens_total", "sglang:num_retracted_output_tokens_total",
+    "sglang:weight_load_duration_seconds",
+}  # fmt: skip
 ERROR_RESPONSE_KEYS = {"object", "message", "type", "param", "code"}
 CONTROL_KEYS = {"message", "status"}
 UPDATE_KEYS = {"success", "message"}
@@ -218,6 +228,15 @@ def check_load(load: dict[str, Any], sections: set[str]) -> None:
     for section in sections:
         assert set(load[section]) == LOAD_SECTIONS[section], section
     assert isinstance(load["timestamp"], float)
+
+
+async def test_metrics_are_named_as_sglang_names_them(http: httpx.AsyncClient) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = (await http.get("/metrics")).text
+    names = {sample.name for family in text_string_to_metric_families(text) for sample in family.samples}
+    assert names <= METRIC_NAMES, names - METRIC_NAMES
+    assert {"sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage"} <= names
 
 
 async def test_loads_carry_sglang_keys_and_honour_the_query(http: httpx.AsyncClient) -> None:

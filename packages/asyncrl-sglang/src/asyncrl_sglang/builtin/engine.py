@@ -109,7 +109,6 @@ class EngineCounters:
     num_aborted_requests_total: int = 0
     num_retracted_requests_total: int = 0
     num_retracted_output_tokens_total: int = 0
-    num_weight_updates_total: int = 0
     prefill_tokens_total: int = 0
     """Tokens run through prefill, re-prefills after a retraction included (no prefix cache: all uncached)."""
     prefill_busy_us: int = 0
@@ -296,7 +295,6 @@ class Engine:
         Raises `ModelLoadError` (nothing changed) when a name or shape does not fit.
         """
         self.model.load_named_tensors(tensors)
-        self.counters.num_weight_updates_total += 1
         if self._graphs is not None:
             self._graphs.weights_changed()
         if version is not None:

@@ -335,7 +335,6 @@ class InfoRoutes:
             "gen_throughput": ("Decode tokens per second.", load.gen_throughput),
             "num_used_tokens": ("Tokens held in the KV cache.", load.num_used_tokens),
             "token_usage": ("Fraction of the KV capacity in use.", load.token_usage),
-            "max_running_requests": ("The running-batch limit.", load.max_running_requests),
         }
         totals = {
             "prompt_tokens_total": ("Prompt tokens prefilled.", counters.prompt_tokens_total),
@@ -347,7 +346,6 @@ class InfoRoutes:
                 "Output tokens recomputed after retractions.",
                 counters.num_retracted_output_tokens_total,
             ),
-            "num_weight_updates_total": ("Weight updates applied.", counters.num_weight_updates_total),
         }
         lines: list[str] = []
         for kind, table in (("gauge", gauges), ("counter", totals)):
