@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Self, TypeVar, cast
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
+from pydantic_core import to_json
 
 from asyncrl_core.errors import (
     EngineControlError,
@@ -147,6 +148,15 @@ def serialize_named_tensors(named_tensors: NamedTensors) -> str:
         raise EngineControlError(f"weight bucket: {error}") from None
 
 
+_JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+def _json_bytes(body: JsonObject | None) -> bytes | None:
+    """A request body as JSON bytes, by pydantic-core's serialiser: the standard library's takes 0.17 s over
+    the 38 MB string of a 7M-parameter weight payload, this one a small fraction of that."""
+    return None if body is None else to_json(body)
+
+
 def _body(request: BaseModel) -> JsonObject:
     """The JSON of a request model, with only the fields that were set."""
     return request.model_dump(mode="json", exclude_unset=True)
@@ -248,7 +258,12 @@ class SGLangClient:
                 await asyncio.sleep(self.retry.backoff_s(attempt - 1))
             try:
                 return await self._http.request(
-                    method, path, json=body, params=params, timeout=self._timeout(timeout_s)
+                    method,
+                    path,
+                    content=_json_bytes(body),
+                    headers=_JSON_HEADERS if body is not None else None,
+                    params=params,
+                    timeout=self._timeout(timeout_s),
                 )
             except _NEVER_SENT as exc:
                 last_error = exc
@@ -343,7 +358,10 @@ class SGLangClient:
                         await asyncio.sleep(self.retry.backoff_s(attempt - 1))
                     try:
                         response = await self._http.post(
-                            "/generate", json=body, timeout=self._timeout(timeout_s)
+                            "/generate",
+                            content=_json_bytes(body),
+                            headers=_JSON_HEADERS,
+                            timeout=self._timeout(timeout_s),
                         )
                     except _NEVER_SENT as exc:
                         last_error = exc
