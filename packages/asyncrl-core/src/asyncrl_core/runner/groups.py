@@ -180,6 +180,7 @@ class WorkerGroups:
                     endpoints=self.endpoints,
                     task_services=task_services,
                     worker_index=i,
+                    cores=() if gpu else rollout_devices,
                 )
             )
             for i in range(config.agentloop.num_workers)

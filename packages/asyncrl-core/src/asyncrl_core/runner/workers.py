@@ -227,7 +227,8 @@ class AgentLoopWorker:
     """Runs groups of a task's trajectories against the engines at `endpoints`.
 
     `task_services` are the keyword arguments the task's `serve()` yielded in the driver (e.g. the
-    retriever's URL); they are added to `agentloop.task_args`.
+    retriever's URL); they are added to `agentloop.task_args`. On a machine without GPUs, `cores` are the
+    rollout's: tokenising, parsing and tool calls then take time from the engines, never from the actor.
     """
 
     def __init__(
@@ -238,7 +239,9 @@ class AgentLoopWorker:
         endpoints: Sequence[EngineEndpoint],
         task_services: Mapping[str, str],
         worker_index: int = 0,
+        cores: Sequence[int] = (),
     ) -> None:
+        pin_to_cores(cores)
         self.config = config
         self.worker_index = worker_index
         self.task = build_task(config, task_services)
