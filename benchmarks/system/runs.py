@@ -37,7 +37,8 @@ def config_and_overrides(arguments: list[str]) -> tuple[str | None, list[str]]:
 
 def common_overrides(config_path: str | None, overrides: list[str], runs_dir: Path) -> list[str]:
     """`overrides` for runs compared with each other: no progress bar, evaluation or final checkpoint, and
-    one warm start (when the configuration has one) made here once, that every run then starts from."""
+    one warm start (when the configuration has one) that every run then starts from, made once in
+    `runs_dir/warm_start` and reused by later invocations with the same model, task and settings."""
     overrides = [
         *overrides,
         "logging.progress_bar=false",

@@ -59,7 +59,7 @@ def main() -> int:
     config_path, overrides = runs.config_and_overrides(args.arguments)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     overrides = runs.common_overrides(
-        config_path, [*overrides, f"runner.num_steps={args.steps}"], args.runs_dir / stamp
+        config_path, [*overrides, f"runner.num_steps={args.steps}"], args.runs_dir
     )
     records: dict[str, list[dict[str, float]]] = {}
     for name, async_mode in (("sync", False), ("async", True)):
