@@ -16,6 +16,7 @@ starts.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
@@ -82,11 +83,23 @@ def pin_to_cores(cores: Sequence[int]) -> None:
         raise RunnerError(
             f"none of the cores {list(cores)} is available to this process ({sorted(available)})"
         )
-    os.sched_setaffinity(0, chosen)
+    # Every thread of the process: `sched_setaffinity(0, ...)` alone moves only the calling thread, and an
+    # async Ray actor runs `__init__` beside its event loop's thread, which would stay where it was.
+    for thread_id in _thread_ids():
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(thread_id, chosen)
     os.environ["OMP_NUM_THREADS"] = str(len(chosen))
     import torch
 
     torch.set_num_threads(len(chosen))
+
+
+def _thread_ids() -> list[int]:
+    """The ids of this process's threads (Linux), or this thread's (0) where `/proc` does not list them."""
+    try:
+        return [int(name) for name in os.listdir("/proc/self/task")]
+    except OSError:
+        return [0]
 
 
 # ---------------------------------------------------------------------------------------------------------
