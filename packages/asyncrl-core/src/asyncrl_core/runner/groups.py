@@ -166,10 +166,12 @@ class WorkerGroups:
                     )
                 )
             )
-        self.endpoints: list[EngineEndpoint] = self.get(
-            [rollout.endpoint.remote() for rollout in self.rollouts], "engine start"
-        )
-        self.get([actor.get_version.remote() for actor in self.actors], "actor start")
+        # One wait for both: `ray.get` of a list raises at its first failure, so an actor that fails to
+        # start is reported at once, not after every engine has started.
+        endpoints = [rollout.endpoint.remote() for rollout in self.rollouts]
+        versions = [actor.get_version.remote() for actor in self.actors]
+        started = self.get([*endpoints, *versions], "the start of the engines and the actor")
+        self.endpoints: list[EngineEndpoint] = started[: len(endpoints)]
 
         loop_class = ray.remote(AgentLoopWorker)
         self.agent_loops = [
