@@ -135,6 +135,13 @@ CONTROL_KEYS = {"message", "status"}
 UPDATE_KEYS = {"success", "message"}
 
 
+def check_keys(found: dict[str, Any], always: set[str], optional: set[str], what: str) -> None:
+    """`found` has every key of `always` and no key outside `always | optional`."""
+    assert set(found) >= always, f"{what} lacks {always - set(found)}"
+    extra = set(found) - always - optional
+    assert not extra, f"{what}: keys SGLang 0.5.23 does not write: {extra}"
+
+
 def check_generate_body(body: dict[str, Any], *, finished: bool = True) -> None:
     assert set(body) <= RESPONSE_KEYS, set(body) - RESPONSE_KEYS
     meta = body["meta_info"]
@@ -142,8 +149,7 @@ def check_generate_body(body: dict[str, Any], *, finished: bool = True) -> None:
     if reason is not None and reason["type"] == "abort" and "prompt_tokens" not in meta:
         assert set(meta) - {"weight_versions", "response_sent_to_client_ts"} == META_ABORT_WAITING
     else:
-        assert set(meta) >= META_ALWAYS, META_ALWAYS - set(meta)
-        assert set(meta) <= META_ALWAYS | META_OPTIONAL, set(meta) - META_ALWAYS - META_OPTIONAL
+        check_keys(meta, META_ALWAYS, META_OPTIONAL, "meta_info")
     if reason is not None:
         assert set(reason) == FINISH_KEYS[reason["type"]]
     assert finished == (reason is not None)
@@ -204,9 +210,7 @@ async def test_server_info_has_every_key_sglang_writes(http: httpx.AsyncClient) 
     for path in ("/server_info", "/get_server_info"):
         info = (await http.get(path)).json()
         check_server_args(info)
-        assert set(info) >= SERVER_INFO_ALWAYS, SERVER_INFO_ALWAYS - set(info)
-        extra = set(info) - SERVER_INFO_ALWAYS - SERVER_INFO_OPTIONAL - SERVER_ARGS
-        assert not extra, f"{path}: keys SGLang 0.5.23 does not write: {extra}"
+        check_keys(info, SERVER_INFO_ALWAYS, SERVER_INFO_OPTIONAL | SERVER_ARGS, path)
         assert set(info["startup_time"]) == STARTUP_TIME_KEYS
         assert set(info["startup_time"]["cuda_graph"]) == GRAPH_PHASES
         assert set(info["hicache_object_layout"]) == HICACHE_LAYOUT_KEYS
@@ -214,9 +218,9 @@ async def test_server_info_has_every_key_sglang_writes(http: httpx.AsyncClient) 
         assert "--model-path" in info["launch_command"]
         (state,) = info["internal_states"]
         check_server_args(state)
-        assert set(state) >= INTERNAL_STATE_ALWAYS, INTERNAL_STATE_ALWAYS - set(state)
-        extra = set(state) - INTERNAL_STATE_ALWAYS - INTERNAL_STATE_OPTIONAL - SERVER_ARGS
-        assert not extra, f"{path}: internal state keys SGLang 0.5.23 does not write: {extra}"
+        check_keys(
+            state, INTERNAL_STATE_ALWAYS, INTERNAL_STATE_OPTIONAL | SERVER_ARGS, f"{path} internal state"
+        )
         assert set(state["memory_usage"]) == MEMORY_USAGE_KEYS
         assert set(state["memory_usage"]["graph"]) == GRAPH_PHASES
         assert state["memory_usage"]["weight"] > 0
