@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from asyncrl_core.actor import ActorError, TorchActor
-from asyncrl_core.actor.torch_actor import bfloat16_supported
+from asyncrl_core.actor.torch_actor import LossPositionLogits, bfloat16_supported
 from asyncrl_core.algorithms import BatchError
 from asyncrl_core.config import AlgorithmConfig, TorchActorConfig
 from asyncrl_core.errors import AsyncRLError
@@ -433,3 +433,23 @@ def test_the_torch_actor_meets_the_actor_protocol(model_dir: Path) -> None:
     actor: Actor = make_actor(model_dir)
     assert isinstance(actor, Actor)
     assert actor.version == 0
+
+
+@pytest.mark.parametrize("plain", [True, False], ids=["output-layer-at-trained-positions", "full-forward"])
+def test_logits_at_trained_positions_are_the_full_forward_logits(model_dir: Path, plain: bool) -> None:
+    actor = make_actor(model_dir)
+    module = actor.module
+    assert LossPositionLogits(module).plain  # a Llama: the output layer runs at the trained positions only
+    logits_at = LossPositionLogits(module)
+    logits_at.plain = plain
+    generator = torch.Generator().manual_seed(3)
+    input_ids = torch.randint(0, module.config.vocab_size, (3, 12), generator=generator)
+    position_ids = torch.arange(12).expand(3, 12)
+    first = 4
+    mask = torch.rand((3, 12 - first), generator=generator) < 0.4
+    mask[0, :] = False  # a row with nothing trained
+    with torch.no_grad():
+        expected = module(input_ids=input_ids, position_ids=position_ids).logits[:, first:][mask]
+        got = logits_at(input_ids, position_ids, mask, first)
+    assert got.shape == (int(mask.sum()), module.config.vocab_size)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
