@@ -1,13 +1,17 @@
 """The two admission limits swept on one async workload: what each costs or buys.
 
-- `rollout_buffer.max_buffered_groups` at 1 x B and 2 x B (B = `data.rollout_batch_size`): with room for
-  only one batch, the engines stop while the actor trains on it, so when training is the bottleneck the
-  step is slower than with 2 x B, where the next batch is generated during training.
+- `rollout_buffer.max_buffered_groups` at 1 x B and 2 x B (B = `data.rollout_batch_size`, in-flight limit B
+  in both): with room for one batch, the next batch's groups are admitted only when the actor takes the
+  current one, so every step waits for the slowest group of that batch whenever it outlasts the training
+  step, even when the engines' throughput keeps up with training; with 2 x B the engines keep a second
+  batch going and the actor takes the first B groups to finish. So 1 x B is slower when training is the
+  bottleneck on average but a batch's tail is longer than a training step.
 - `rollout_buffer.max_inflight_groups` below and above what the engines can run at once (their saturation:
   `rollout.max_running_requests * instances / group_size`): past saturation, more groups in flight only wait
   in the engines' queues, so throughput stays flat while the data gets staler.
 
-    uv run python benchmarks/system/limits.py [CONFIG] [key=value ...] [--steps 8] [--out FILE]
+    uv run python benchmarks/system/limits.py [CONFIG] [key=value ...] [--steps 8] [--points buffer]
+      [--out FILE]
 
 Every point is one run of the runner (same seed and placement); prints per point the median step time, the
 admission waits per limit, the staleness and the engines' tokens per second, and writes them as JSON
@@ -38,6 +42,7 @@ REPORTED = (
     metrics.DATA_STALENESS_MEAN,
     metrics.DATA_STALENESS_MAX,
     metrics.TOKENS_PER_S,
+    metrics.TRAIN_NUM_LOSS_TOKENS,
 )
 
 
@@ -47,9 +52,14 @@ def run_point(config_path: str | None, overrides: list[str], run_dir: Path, warm
 
 
 def main() -> int:
-    args = runs.parser(
-        __doc__, steps=8, runs_dir="runs/limits", out="benchmarks/results/limits.json"
-    ).parse_args()
+    parser = runs.parser(__doc__, steps=8, runs_dir="runs/limits", out="benchmarks/results/limits.json")
+    parser.add_argument(
+        "--points",
+        choices=("all", "buffer", "inflight"),
+        default="all",
+        help="sweep both limits (default) or only one",
+    )
+    args = parser.parse_args()
     config_path, overrides = runs.config_and_overrides(args.arguments)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     overrides = [
@@ -86,6 +96,8 @@ def main() -> int:
             f"rollout_buffer.max_buffered_groups={large + batch}",
         ],
     }
+    if args.points != "all":
+        points = {name: point for name, point in points.items() if name.startswith(args.points)}
     results: dict[str, dict[str, float]] = {}
     for index, (name, point) in enumerate(points.items()):
         print(f"point {name} ...", flush=True)

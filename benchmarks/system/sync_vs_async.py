@@ -39,7 +39,21 @@ PARTS = (
     metrics.TIME_TRAINING,
     metrics.TIME_SYNC_WEIGHTS,
 )
-REPORTED = (*PARTS, metrics.DATA_STALENESS_MEAN, metrics.DATA_STALENESS_MAX, metrics.TOKENS_PER_S)
+REPORTED = (
+    *PARTS,
+    metrics.DATA_STALENESS_MEAN,
+    metrics.DATA_STALENESS_MAX,
+    metrics.TOKENS_PER_S,
+    metrics.TRAIN_NUM_TOKENS,
+    metrics.TRAIN_NUM_LOSS_TOKENS,
+)
+
+
+def trained_tokens_per_s(records: list[dict[str, float]], warmup: int) -> float:
+    """Trained (loss) tokens per second of step time over the steps after the warm-up: the step rate
+    weighted by each step's work, which differs between the modes as soon as their policies drift apart."""
+    kept = records[warmup:]
+    return sum(r[metrics.TRAIN_NUM_LOSS_TOKENS] for r in kept) / sum(r[metrics.TIME_STEP] for r in kept)
 
 
 def one_mode(config_path: str | None, overrides: list[str], *, async_mode: bool, run_dir: Path) -> Path:
@@ -75,6 +89,8 @@ def main() -> int:
     sync_s = sync[metrics.TIME_SYNC_WEIGHTS]
     ideal = (rollout + training + sync_s) / (max(rollout, training) + sync_s)
     speedup = sync[metrics.TIME_STEP] / asynchronous[metrics.TIME_STEP]
+    token_rates = {name: trained_tokens_per_s(steps, args.warmup_steps) for name, steps in records.items()}
+    token_speedup = token_rates["async"] / token_rates["sync"]
     config = load_config(config_path, [*overrides, "runner.async_mode=true"])
     assert config.rollout_buffer.max_buffered_groups is not None  # derived
     bound = config.rollout_buffer.max_buffered_groups / config.data.rollout_batch_size
@@ -88,6 +104,11 @@ def main() -> int:
     print(f"\nspeedup of the step rate (async over sync): {speedup:.2f}x")
     print(
         f"ideal from the sync run's parts:            {ideal:.2f}x  (measured = {speedup / ideal:.0%} of it)"
+    )
+    print(
+        f"trained tokens per second, async over sync: {token_speedup:.2f}x  "
+        f"({token_rates['sync']:.0f} and {token_rates['async']:.0f}: the same ratio when both modes' steps "
+        "carry the same work)"
     )
     print(
         f"async staleness: max {staleness_max:.0f} over all steps; the buffer bounds it by "
@@ -107,6 +128,8 @@ def main() -> int:
         "speedup": speedup,
         "ideal_speedup": ideal,
         "share_of_ideal": speedup / ideal,
+        "trained_tokens_per_s": token_rates,
+        "trained_tokens_speedup": token_speedup,
         "staleness_max": staleness_max,
         "staleness_bound": bound,
         "reward": {name: [r.get(metrics.REWARD_MEAN) for r in steps] for name, steps in records.items()},

@@ -407,8 +407,8 @@ class SGLangConfig(Section):
     """How weight syncs reach the engines. `tensor`: each bucket travels in the body of
     `/update_weights_from_tensor` as safetensors bytes (`load_format: "safetensors"`), which only the built-in
     engine accepts (SGLang 0.5.23 takes CUDA-IPC handles there). `distributed`: the trainer broadcasts each
-    bucket over a torch process group the engines join (`/update_weights_from_distributed`; NCCL on GPUs),
-    the route real SGLang servers take."""
+    bucket over a torch process group the engines join (`/update_weights_from_distributed`; NCCL between
+    GPUs, gloo on CPUs and where actor and rollout share a GPU), the route real SGLang servers take."""
     transport: Literal["http", "grpc"] = "http"
     """How generation reaches the engines: `http` (`/generate`, JSON) or `grpc` (SGLang's `SglangScheduler`
     service, token ids as protobuf). Pause, weight sync and versions always use HTTP."""

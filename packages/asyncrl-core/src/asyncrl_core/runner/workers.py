@@ -548,13 +548,17 @@ def _weight_transport(config: AsyncRLConfig) -> Any:
         return cast("Callable[..., Any]", load_target(TENSOR_TRANSPORT_TARGET))(num_ranks)
     from asyncrl_core.actor.distributed import free_port
 
-    gpu = config.cluster.device_type == "gpu"
+    cluster = config.cluster
+    shared = set(cluster.devices_of("actor")) & set(cluster.devices_of("rollout"))
+    # NCCL forms no group with two ranks on one GPU: a trainer sharing its GPU with the engines goes
+    # through gloo, staging each bucket in host memory.
+    nccl = cluster.device_type == "gpu" and not shared
     distributed = cast("Callable[..., Any]", load_target(DISTRIBUTED_TRANSPORT_TARGET))
     return distributed(
         master_address=config.rollout.sglang.host,
         master_port=free_port(config.rollout.sglang.host),
-        backend="nccl" if gpu else "gloo",
+        backend="nccl" if nccl else "gloo",
         num_ranks=num_ranks,
-        device="cuda" if gpu else "cpu",
+        device="cuda" if nccl else "cpu",
         timeout_s=config.rollout.request_timeout_s,
     )
