@@ -447,7 +447,7 @@ class TorchActor:
         self, model: torch.nn.Module, part: PackedBatch, first: int, *, entropy_grad: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Logprobs of the targets and entropies `[n, width - first]` at the trained positions (zero
-        elsewhere), from logits of those positions only; the entropy carries a gradient with `entropy_grad`."""
+        elsewhere), from logits of those positions only; the entropy has a gradient with `entropy_grad`."""
         mask = part.loss_mask[:, first:].bool()
         with self._autocast():
             logits = model(part.input_ids, part.position_ids, mask, first)
@@ -537,7 +537,8 @@ class LossPositionLogits(torch.nn.Module):
     ) -> torch.Tensor:
         if self.plain:
             decoder = self.causal_lm.get_decoder()
-            hidden = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+            output = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+            hidden = output.last_hidden_state
             return self.causal_lm.get_output_embeddings()(hidden[:, first:][mask])
         num_last = input_ids.shape[1] - first
         if self.accepts_logits_to_keep:
