@@ -13,7 +13,7 @@
     uv run python benchmarks/system/limits.py [CONFIG] [key=value ...] [--steps 8] [--points buffer]
       [--out FILE]
 
-Every point is one run of the runner (same seed and placement); prints per point the median step time, the
+Every point is one run of the runner (same seed and placement); prints per point the mean step time, the
 admission waits per limit, the staleness and the engines' tokens per second, and writes them as JSON
 (default `benchmarks/results/limits.json`).
 """
@@ -48,7 +48,7 @@ REPORTED = (
 
 def run_point(config_path: str | None, overrides: list[str], run_dir: Path, warmup: int) -> dict[str, float]:
     run(load_config(config_path, [*overrides, f"runner.run_dir={run_dir}"]))
-    return runs.medians(runs.step_records(run_dir), warmup, REPORTED)
+    return runs.means(runs.step_records(run_dir), warmup, REPORTED)
 
 
 def main() -> int:

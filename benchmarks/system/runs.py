@@ -1,5 +1,5 @@
 """What the benchmarks that run whole training runs share: their command line, one warm start for all their
-runs, and the medians of a run's step records."""
+runs, and the means of a run's step records."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def parser(description: str | None, *, steps: int, runs_dir: str, out: str) -> a
     )
     result.add_argument("arguments", nargs="*", metavar="CONFIG key=value")
     result.add_argument("--steps", type=int, default=steps, help="training steps of each run")
-    result.add_argument("--warmup-steps", type=int, default=2, help="first steps left out of the medians")
+    result.add_argument("--warmup-steps", type=int, default=2, help="first steps left out of the means")
     result.add_argument("--runs-dir", type=Path, default=Path(runs_dir))
     result.add_argument("--out", type=Path, default=Path(out))
     return result
@@ -64,12 +64,16 @@ def step_records(run_dir: Path) -> list[dict[str, float]]:
         return [record for line in lines if metrics.TIME_STEP in (record := json.loads(line))]
 
 
-def medians(records: list[dict[str, float]], warmup: int, names: Iterable[str]) -> dict[str, float]:
-    """The median of each of `names` over the steps after the first `warmup` (all steps if none is left)."""
+def means(records: list[dict[str, float]], warmup: int, names: Iterable[str]) -> dict[str, float]:
+    """The mean of each of `names` over the steps after the first `warmup` (all steps if none is left).
+
+    Means, not medians: the step rate is the number of steps over their total time, and async step times
+    are often bimodal (a step that found its batch ready, one that waited for it), where a median picks
+    one of the modes."""
     kept = records[warmup:] or records
     result: dict[str, float] = {}
     for name in names:
         values = [record[name] for record in kept if name in record]
         if values:
-            result[name] = statistics.median(values)
+            result[name] = statistics.fmean(values)
     return result

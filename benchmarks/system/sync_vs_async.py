@@ -2,13 +2,13 @@
 
 Runs `asyncrl-run`'s runner twice on one configuration (default: the embedded `searchr1-mini`, multi-turn
 search with a long tail of trajectory lengths), first with `runner.async_mode=false`, then `true`, and prints
-per mode the median `time/step` and its parts, the measured speedup of the step rate, and the ideal speedup
+per mode the mean `time/step` and its parts, the measured speedup of the step rate, and the ideal speedup
 from the sync run's own parts:
 
     ideal = (rollout + training + sync) / (max(rollout, training) + sync)
 
 (async overlaps generation with training; the weight sync still stops the actor). The first
-`--warmup-steps` steps of each run are left out of the medians. Both reward curves are printed too.
+`--warmup-steps` steps of each run are left out of the means. Both reward curves are printed too.
 
     uv run python benchmarks/system/sync_vs_async.py [CONFIG] [key=value ...] [--steps 12] [--out FILE]
 
@@ -83,7 +83,7 @@ def main() -> int:
         records[name] = runs.step_records(run_dir)
 
     sync, asynchronous = (
-        runs.medians(records[name], args.warmup_steps, REPORTED) for name in ("sync", "async")
+        runs.means(records[name], args.warmup_steps, REPORTED) for name in ("sync", "async")
     )
     rollout, training = sync[metrics.TIME_ROLLOUT], sync[metrics.TIME_TRAINING]
     sync_s = sync[metrics.TIME_SYNC_WEIGHTS]
@@ -97,7 +97,7 @@ def main() -> int:
     cap = config.agentloop.max_actor_accept_staleness
     staleness_max = max(record.get(metrics.DATA_STALENESS_MAX, 0.0) for record in records["async"])
 
-    print(f"\n{'median per step':<30}{'sync':>10}{'async':>10}")
+    print(f"\n{'mean per step':<30}{'sync':>10}{'async':>10}")
     for name in REPORTED:
         cells = [f"{m[name]:>10.3f}" if name in m else f"{'-':>10}" for m in (sync, asynchronous)]
         print(f"{name:<30}{''.join(cells)}")
@@ -124,7 +124,7 @@ def main() -> int:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "steps": args.steps,
         "warmup_steps": args.warmup_steps,
-        "median": {"sync": sync, "async": asynchronous},
+        "mean": {"sync": sync, "async": asynchronous},
         "speedup": speedup,
         "ideal_speedup": ideal,
         "share_of_ideal": speedup / ideal,
