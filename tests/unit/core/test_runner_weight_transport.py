@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl_core.config import load_config
-from asyncrl_core.runner.workers import _weight_transport
+from asyncrl_core.runner.workers import weight_transport
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 
@@ -37,5 +37,5 @@ def test_the_process_group_backend_follows_the_placement(
     example: str, overrides: list[str], backend: str, device: str
 ) -> None:
     config = load_config(EXAMPLES / example, [*overrides, "rollout.sglang.weight_transport=distributed"])
-    transport = _weight_transport(config)
+    transport = weight_transport(config)
     assert (transport.backend, transport.device) == (backend, device)

