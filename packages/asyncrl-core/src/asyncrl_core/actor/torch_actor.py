@@ -520,9 +520,10 @@ class LossPositionLogits(torch.nn.Module):
     `mask` (`[n, width - first]`, boolean) selects among the columns from `first` on, in row-major order. In
     agentic trajectories most positions after the first answer token are tool output, which is not trained,
     and for a small model with a large vocabulary the output layer is most of the compute (a 7.1M-parameter
-    Llama with a 49k vocabulary trained on one batch in 0.75 s instead of 1.86 s). Families outside `_PLAIN_OUTPUT_LAYER` take the full forward from
-    `first` on (`logits_to_keep` where the model accepts it) and select afterwards. A module, so that DDP
-    wraps it and sees every parameter used in its forward pass.
+    Llama with a 49k vocabulary trained on one batch in 0.75 s instead of 1.86 s). Families outside
+    `_PLAIN_OUTPUT_LAYER` take the full forward from `first` on (`logits_to_keep` where the model accepts
+    it) and select afterwards. A module, so that DDP wraps it and sees every parameter used in its forward
+    pass.
 
     Right padding needs no attention mask: causal attention never lets a real token see a later pad.
     """
