@@ -64,13 +64,18 @@ def step_records(run_dir: Path) -> list[dict[str, float]]:
         return [record for line in lines if metrics.TIME_STEP in (record := json.loads(line))]
 
 
+def measured_steps(records: list[dict[str, float]], warmup: int) -> list[dict[str, float]]:
+    """The steps after the first `warmup` (all steps if none is left)."""
+    return records[warmup:] or records
+
+
 def means(records: list[dict[str, float]], warmup: int, names: Iterable[str]) -> dict[str, float]:
-    """The mean of each of `names` over the steps after the first `warmup` (all steps if none is left).
+    """The mean of each of `names` over the measured steps (`measured_steps`).
 
     Means, not medians: the step rate is the number of steps over their total time, and async step times
     are often bimodal (a step that found its batch ready, one that waited for it), where a median picks
     one of the modes."""
-    kept = records[warmup:] or records
+    kept = measured_steps(records, warmup)
     result: dict[str, float] = {}
     for name in names:
         values = [record[name] for record in kept if name in record]

@@ -50,9 +50,9 @@ REPORTED = (
 
 
 def trained_tokens_per_s(records: list[dict[str, float]], warmup: int) -> float:
-    """Trained (loss) tokens per second of step time over the steps after the warm-up: the step rate
-    weighted by each step's work, which differs between the modes as soon as their policies drift apart."""
-    kept = records[warmup:]
+    """Trained (loss) tokens per second of step time over the measured steps: the step rate weighted by
+    each step's work, which differs between the modes as soon as their policies drift apart."""
+    kept = runs.measured_steps(records, warmup)
     return sum(r[metrics.TRAIN_NUM_LOSS_TOKENS] for r in kept) / sum(r[metrics.TIME_STEP] for r in kept)
 
 

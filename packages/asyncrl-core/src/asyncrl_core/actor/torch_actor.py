@@ -191,12 +191,11 @@ class TorchActor:
                 broadcast_buffers=False,
                 gradient_as_bucket_view=True,
             )
-        self.reference: PreTrainedModel | None = None
         self._reference_logits: LossPositionLogits | None = None
         if self.settings.needs_reference:
-            self.reference = load_causal_lm(self.model_path, self.device, self.compute_dtype).eval()
-            self.reference.requires_grad_(False)
-            self._reference_logits = LossPositionLogits(self.reference)
+            reference = load_causal_lm(self.model_path, self.device, self.compute_dtype).eval()
+            reference.requires_grad_(False)
+            self._reference_logits = LossPositionLogits(reference)
 
         parameters = [p for p in self.module.parameters() if p.requires_grad]
         if actor.optimizer == "adamw":
@@ -230,6 +229,11 @@ class TorchActor:
     @property
     def version(self) -> int:
         return self._version
+
+    @property
+    def reference(self) -> PreTrainedModel | None:
+        """The frozen reference model of the KL term, loaded only when `algorithm.kl_coef > 0`."""
+        return None if self._reference_logits is None else self._reference_logits.causal_lm
 
     def train_step(self, groups: Sequence[Group]) -> dict[str, float]:
         """One training step on `groups`: `actor.ppo_epochs` passes over mini-batches of
