@@ -81,14 +81,14 @@ def type_text(schema: dict[str, Any], node: dict[str, Any]) -> str:
         return " \\| ".join(f"`{value}`" for value in node["enum"])
     kind = node.get("type")
     if kind == "array":
-        return f"list of {type_text(schema, node.get('items', {}))}"
+        return f"list of {_grouped(type_text(schema, node.get('items', {})))}"
     if kind == "object":
         values = node.get("additionalProperties")
-        return (
-            "mapping" if not isinstance(values, dict) else f"mapping of text to {type_text(schema, values)}"
-        )
+        if not isinstance(values, dict):
+            return "mapping"
+        return f"mapping of text to {_grouped(type_text(schema, values))}"
     if kind == "string":
-        return "text" + (f", at least {node['minLength']} character" if node.get("minLength") else "")
+        return "non-empty text" if node.get("minLength") == 1 else "text"
     if kind == "boolean":
         return "boolean"
     if kind in ("integer", "number"):
@@ -96,6 +96,11 @@ def type_text(schema: dict[str, Any], node: dict[str, Any]) -> str:
     if kind == "null":
         return "null"
     return "any"
+
+
+def _grouped(text: str) -> str:
+    """`text` in parentheses when it is a union, so that `list of (a or b)` reads unambiguously."""
+    return f"({text})" if " or " in text else text
 
 
 def _default_text(node: dict[str, Any], required: bool, description: str) -> str:
