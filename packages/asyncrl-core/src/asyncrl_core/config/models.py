@@ -624,7 +624,10 @@ class ActorCommon(Section):
     (`asyncrl_core.models.smollm2_135m()`); or `tiny-llama:<preset>` (`test`, `small`, `medium`) for a
     random-initialised Llama with SmolLM2's tokenizer, built once into the cache."""
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    """Parameter and compute dtype (the optimiser keeps float32 master weights with bfloat16)."""
+    """Compute dtype, and the dtype of the weights sent to the engines. `bfloat16`: the torch actor keeps
+    float32 parameters and runs forward and backward under bfloat16 autocast (float32 where the device has no
+    native bfloat16), the Megatron actor keeps bfloat16 parameters on a GPU with float32 master weights in
+    its optimiser (float32 on a CPU). `float32`: everything in float32."""
     micro_batch_size: PositiveInt = 1
     """Trajectories per forward/backward pass on one data-parallel rank; gradients accumulate over the
     micro batches of a step."""
