@@ -100,6 +100,9 @@ def parse_args() -> argparse.Namespace:
         help="tokenizer.json for the agentic stop strings (default: the SmolLM2 folder's, else a synthetic "
         "one-character-per-token text)",
     )
+    parser.add_argument(
+        "--prefill-interval", type=int, help="the engine's prefill_interval (default: the engine's)"
+    )
     parser.add_argument("--json", dest="json_path", help="write the results here")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
@@ -290,6 +293,11 @@ class AgenticResult:
     """Per trajectory, its finished turn requests in order."""
 
 
+def _cached_total(counters: Any) -> int:
+    """Prefix-cache hits so far (0 for an engine without a prefix cache)."""
+    return int(getattr(counters, "cached_tokens_total", 0))
+
+
 def synthetic_decoder(vocab_size: int) -> Any:
     """Token ids -> text, one printable character per id (a stand-in when no tokenizer is at hand)."""
     alphabet = "abcdefghijklmnopqrstuvwxyz <>/_\n:ABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -373,7 +381,7 @@ def run_agentic(
 
     first = [make(index, 0, prompts[index]) for index in range(num_trajectories)]
     counters = engine.counters
-    before = (counters.prefill_tokens_total, counters.cached_tokens_total, counters.prefill_busy_us)
+    before = (counters.prefill_tokens_total, _cached_total(counters), counters.prefill_busy_us)
     started = time.perf_counter()
     engine.call(lambda: [engine.add_request(r) for r in first])
     if not done.wait(timeout_s):
@@ -386,7 +394,7 @@ def run_agentic(
         generated_tokens=generated,
         elapsed_s=elapsed,
         prefill_tokens=counters.prefill_tokens_total - before[0],
-        cached_tokens=counters.cached_tokens_total - before[1],
+        cached_tokens=_cached_total(counters) - before[1],
         prefill_busy_share=prefill_busy_s / elapsed,
         turns=history,
     )
@@ -439,7 +447,7 @@ def main() -> int:
             max_running_requests=batch,
             context_length=args.prompt_len + args.new_tokens + 8,
             use_cuda_graphs=not args.no_cuda_graphs,
-            prefix_cache=not args.no_prefix_cache,
+            **engine_options(args),
         )
         engine.start()
         try:
@@ -498,6 +506,16 @@ def main() -> int:
     return 0
 
 
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options that the command line sets (none by default, so that an older engine runs)."""
+    options: dict[str, Any] = {}
+    if args.no_prefix_cache:
+        options["prefix_cache"] = False
+    if args.prefill_interval is not None:
+        options["prefill_interval"] = args.prefill_interval
+    return options
+
+
 def bench_agentic(args: argparse.Namespace, engine_model: Any, device: torch.device) -> dict[str, Any]:
     """(f): a warm-up run of a few trajectories, then the measured one, on a fresh engine."""
     from asyncrl_sglang.builtin.engine import Engine
@@ -517,8 +535,8 @@ def bench_agentic(args: argparse.Namespace, engine_model: Any, device: torch.dev
         context_length=args.prompt_len + args.turns * (256 + 120) + 8,
         use_cuda_graphs=not args.no_cuda_graphs,
         decode_text=decode_text,
-        prefix_cache=not args.no_prefix_cache,
         seed=args.seed,
+        **engine_options(args),
     )
     engine.start()
     try:
