@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from asyncrl_core import metrics
 from asyncrl_core.runner.dataloader import LoaderState
+from asyncrl_core.runner.timeouts import timed_out
 from asyncrl_core.runner.workers import RunnerError
 
 if TYPE_CHECKING:
@@ -53,7 +54,9 @@ class RunContext:
 
     def train(self, batch: Any) -> dict[str, float]:
         """One step of every actor rank on `batch` (a Ray reference or a `Batch`); rank 0's metrics."""
-        results = self.workers.get([actor.train.remote(batch) for actor in self.workers.actors], "training")
+        results = self.workers.get(
+            [actor.train.remote(batch) for actor in self.workers.actors], "training", "actor.train_timeout_s"
+        )
         self.version += 1
         return results[0]
 
@@ -81,7 +84,7 @@ class RunContext:
         """End the agent loops' continuous generation and wait for their running groups."""
         for loop in self.workers.agent_loops:
             loop.stop.remote()
-        self.workers.get(list(serving), "stopping the agent loops")
+        self.workers.get(list(serving), "stopping the agent loops", "rollout.drain_timeout_s")
 
     # --- end of a step ---------------------------------------------------------------------------------
 
@@ -111,7 +114,10 @@ class RunContext:
 
         if self._pending_eval is None:
             return
-        ready, _ = ray.wait([self._pending_eval], timeout=self.timeout_s if wait else 0)
+        timeout_s = self.config.runner.eval_timeout_s
+        ready, _ = ray.wait([self._pending_eval], timeout=timeout_s if wait else 0)
+        if wait and not ready:
+            raise timed_out("evaluation", timeout_s, "runner.eval_timeout_s")
         if ready:
             step_metrics.update(self.workers.get(self._pending_eval, "evaluation"))
             self._pending_eval = None
@@ -142,9 +148,12 @@ class RunContext:
         folder = self.run_dir / "checkpoints" / f"{CHECKPOINT_PREFIX}{step}"
         self.workers.get(
             [actor.save_checkpoint.remote(str(folder / "actor")) for actor in self.workers.actors],
-            "checkpoint",
+            "saving a checkpoint",
+            "checkpoint.timeout_s",
         )
-        loader: LoaderState = self.workers.get(self.workers.buffer.loader_state.remote(), "checkpoint")
+        loader: LoaderState = self.workers.get(
+            self.workers.buffer.loader_state.remote(), "the dataloader's position"
+        )
         state = {"step": step, "version": self.version, "loader": asdict(loader)}
         (folder / "runner_state.json").write_text(json.dumps(state), encoding="utf-8")
         kept = sorted(checkpoints(self.run_dir), key=lambda path: int(path.name[len(CHECKPOINT_PREFIX) :]))
@@ -157,7 +166,9 @@ class RunContext:
         then the engines get the restored weights."""
         state = _runner_state(folder)
         self.workers.get(
-            [actor.load_checkpoint.remote(str(folder / "actor")) for actor in self.workers.actors], "resume"
+            [actor.load_checkpoint.remote(str(folder / "actor")) for actor in self.workers.actors],
+            "loading a checkpoint",
+            "checkpoint.timeout_s",
         )
         loader = state["loader"]
         restored = LoaderState(

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from asyncrl_core.runner.timeouts import CONTROL_TIMEOUT_S, TimeoutKey, timed_out, timeout_of
 from asyncrl_core.runner.workers import (
     ActorWorker,
     AgentLoopWorker,
@@ -170,7 +171,9 @@ class WorkerGroups:
         # start is reported at once, not after every engine has started.
         endpoints = [rollout.endpoint.remote() for rollout in self.rollouts]
         versions = [actor.get_version.remote() for actor in self.actors]
-        started = self.get([*endpoints, *versions], "the start of the engines and the actor")
+        started = self.get(
+            [*endpoints, *versions], "the start of the engines and the actor", "runner.startup_timeout_s"
+        )
         self.endpoints: list[EngineEndpoint] = started[: len(endpoints)]
 
         loop_class = ray.remote(AgentLoopWorker)
@@ -187,7 +190,11 @@ class WorkerGroups:
             )
             for i in range(config.agentloop.num_workers)
         ]
-        dataset_size: int = self.get(self.agent_loops[0].dataset_size.remote(), "agent loop start")
+        dataset_size: int = self.get(
+            self.agent_loops[0].dataset_size.remote(),
+            "the start of the agent loops",
+            "runner.startup_timeout_s",
+        )
         buffer_class = ray.remote(BufferWorker)
         self.buffer = self._keep(
             buffer_class.options(
@@ -200,16 +207,17 @@ class WorkerGroups:
         self._handles.append(handle)
         return handle
 
-    def get(self, refs: Any, what: str, timeout_s: float | None = None) -> Any:
-        """`ray.get` with a timeout (`rollout.request_timeout_s` by default) and an error naming `what`."""
+    def get(self, refs: Any, what: str, key: TimeoutKey | None = None) -> Any:
+        """`ray.get` bounded by the timeout `key` names (`CONTROL_TIMEOUT_S` without one: a call that
+        answers at once), with an error naming `what` and the key."""
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError
 
-        timeout = timeout_s if timeout_s is not None else self.config.rollout.request_timeout_s
+        timeout = timeout_of(self.config, key) if key is not None else CONTROL_TIMEOUT_S
         try:
             return ray.get(refs, timeout=timeout)
         except GetTimeoutError as error:
-            raise RunnerError(f"{what} did not finish within {timeout:.0f} s") from error
+            raise timed_out(what, timeout, key) from error
         except RayActorError as error:
             raise RunnerError(f"a worker died during {what}: {error}") from error
 
@@ -217,11 +225,17 @@ class WorkerGroups:
         """Push the actor's weights into every engine in `mode`; in `drain` mode the agent loops hold new
         requests and wait for theirs first, and reopen afterwards whatever happens."""
         if mode == "drain":
-            timeout_s = self.config.rollout.request_timeout_s
-            self.get([loop.drain.remote(timeout_s) for loop in self.agent_loops], "draining the agent loops")
+            timeout_s = self.config.rollout.drain_timeout_s
+            self.get(
+                [loop.drain.remote(timeout_s) for loop in self.agent_loops],
+                "draining the agent loops",
+                "rollout.drain_timeout_s",
+            )
         try:
             results = self.get(
-                [actor.sync_weights.remote(self.endpoints, mode) for actor in self.actors], "weight sync"
+                [actor.sync_weights.remote(self.endpoints, mode) for actor in self.actors],
+                "weight sync",
+                "actor.train_timeout_s",
             )
         finally:
             if mode == "drain":
