@@ -14,6 +14,7 @@ import yaml
 
 from asyncrl_core.cli import EXIT_INVALID, main, prepare_run_dir
 from asyncrl_core.config import load_config
+from asyncrl_core.models import model_path_problem
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 MINI = EXAMPLES / "searchr1-mini.yaml"
@@ -161,7 +162,23 @@ def test_examples_pass_the_dry_run(path: Path, capsys: pytest.CaptureFixture[str
     target = next(info.target for info in infos if info.name == task_name)
     if not module_exists(target.split(":")[0]):
         pytest.skip(f"the module of task {task_name!r} ({target}) is not written yet")
-    assert main(["--dry-run", str(path)]) == 0, capsys.readouterr().err
+    # A model folder the example names (the GPU one's) does not exist here: the dry run checks it.
+    model_path = load_config(path).actor.model_path
+    overrides = [] if model_path_problem(model_path) is None else ["actor.model_path=tiny-llama:small"]
+    assert main(["--dry-run", str(path), *overrides]) == 0, capsys.readouterr().err
+
+
+def test_a_model_path_that_names_no_model_fails_the_dry_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "no-such-model"
+    assert main(["--dry-run", str(MINI), f"actor.model_path={missing}"]) == EXIT_INVALID
+    err = capsys.readouterr().err
+    assert f"actor.model_path: {str(missing)!r} is not a HuggingFace model folder (it does not exist)" in err
+    assert main(["--dry-run", str(MINI), "actor.model_path=tiny-llama:huge"]) == EXIT_INVALID
+    assert "actor.model_path: unknown model tiny-llama:huge" in capsys.readouterr().err
+    # An alias resolves by name: nothing is built for the check.
+    assert main(["--dry-run", str(MINI), "actor.model_path=tiny-llama:small"]) == 0
 
 
 def test_invalid_configuration_exits_2_and_starts_nothing(tmp_path: Path) -> None:

@@ -198,6 +198,9 @@ def _run(config_path: str | None, overrides: list[str], *, dry_run: bool) -> int
                 "starts",
             )
         )
+    path_problems = _model_path_problems(config)
+    if path_problems:
+        return _report_invalid(path_problems)
     model_problems = _model_install_problems(config)
     if not dry_run and model_problems:
         return _report_invalid(model_problems)
@@ -211,6 +214,26 @@ def _run(config_path: str | None, overrides: list[str], *, dry_run: bool) -> int
     if problems:
         return _report_invalid(problems)
     return _launch(config)
+
+
+def _model_path_problems(config: AsyncRLConfig) -> list[ConfigProblem]:
+    """A model path that names no model here (no such folder, no `config.json`, an unknown alias): an
+    error in a dry run too, found in milliseconds instead of after the engines' and actor's start-up.
+    Aliases (`smollm2-135m`, `tiny-llama:<preset>`) are checked by name, nothing is built."""
+    from asyncrl_core.errors import ConfigProblem
+    from asyncrl_core.models import model_path_problem
+
+    problems: list[ConfigProblem] = []
+    for key, model_path in (
+        ("actor.model_path", config.actor.model_path),
+        ("rollout.model_path", config.rollout.model_path),
+    ):
+        if model_path is None or (key == "rollout.model_path" and model_path == config.actor.model_path):
+            continue
+        problem = model_path_problem(model_path)
+        if problem is not None:
+            problems.append(ConfigProblem(key, problem))
+    return problems
 
 
 def _model_install_problems(config: AsyncRLConfig) -> list[ConfigProblem]:
