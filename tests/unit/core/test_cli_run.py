@@ -274,8 +274,9 @@ def test_launch_refuses_gpus_that_are_not_here(
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     gpu_example = str(EXAMPLES / "searchr1-gpu.yaml")
-    assert main(["--dry-run", gpu_example, "agentloop.task_name=good"]) == 0
-    assert main([gpu_example, "agentloop.task_name=good"]) == EXIT_INVALID
+    here = "actor.model_path=tiny-llama:small"  # the example's model folder is not on this machine
+    assert main(["--dry-run", gpu_example, "agentloop.task_name=good", here]) == 0
+    assert main([gpu_example, "agentloop.task_name=good", here]) == EXIT_INVALID
     error = capsys.readouterr().err
     assert (
         "cluster.component_placement: the placement asks for GPUs, but this machine has no visible GPU"
@@ -297,11 +298,16 @@ def test_run_folder_holds_config_and_warnings(tmp_path: Path) -> None:
     assert "# derived" in written
     assert load_config(run_dir / "config.yaml").model_dump() == config.model_dump()
     assert "max_actor_accept_staleness" in (run_dir / "warnings.log").read_text()
+    # A start that trained nothing (it failed or was stopped during start-up): the same command runs again.
+    prepare_run_dir(config)
+    assert (run_dir / "config.1.yaml").read_text() == written
+    # A folder where a step was trained is kept, unless the run resumes.
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
     with pytest.raises(FileExistsError, match=r"checkpoint\.resume_from"):
         prepare_run_dir(config)
     resumed = load_config(MINI, [*overrides, "checkpoint.resume_from=latest"])
     prepare_run_dir(resumed)
-    assert (run_dir / "config.1.yaml").read_text() == written
+    assert (run_dir / "config.2.yaml").read_text() == written
     assert "resume_from: latest" in (run_dir / "config.yaml").read_text()
 
 
