@@ -200,13 +200,16 @@ def _run(config_path: str | None, overrides: list[str], *, dry_run: bool) -> int
                 "starts",
             )
         )
+    # A model path that names no model here is an error, in a dry run too, unless the configuration is
+    # prepared here for another machine (devices this one lacks, or a Ray cluster): then a warning.
     path_problems = _model_path_problems(config)
-    if path_problems:
+    elsewhere = dry_run and bool(config.cluster.launch_problems(config) or _joins_a_cluster(config))
+    if path_problems and not elsewhere:
         return _report_invalid(path_problems)
     model_problems = _model_install_problems(config)
     if not dry_run and model_problems:
         return _report_invalid(model_problems)
-    for warning in [*warnings, *model_problems]:
+    for warning in [*warnings, *path_problems, *model_problems]:
         print(f"{_PROGRAM}: warning: {warning}", file=sys.stderr)
     if dry_run:
         print("# resolved configuration; `# derived` marks values computed from other keys")
@@ -218,10 +221,14 @@ def _run(config_path: str | None, overrides: list[str], *, dry_run: bool) -> int
     return _launch(config)
 
 
+def _joins_a_cluster(config: AsyncRLConfig) -> bool:
+    return config.runner.ray_address is not None or bool(os.environ.get("RAY_ADDRESS"))
+
+
 def _model_path_problems(config: AsyncRLConfig) -> list[ConfigProblem]:
-    """A model path that names no model here (no such folder, no `config.json`, an unknown alias): an
-    error in a dry run too, found in milliseconds instead of after the engines' and actor's start-up.
-    Aliases (`smollm2-135m`, `tiny-llama:<preset>`) are checked by name, nothing is built."""
+    """A model path that names no model here (no such folder, no `config.json`, an unknown alias), found
+    in milliseconds instead of after the engines' and actor's start-up. Aliases (`smollm2-135m`,
+    `tiny-llama:<preset>`) are checked by name, nothing is built."""
     from asyncrl_core.errors import ConfigProblem
     from asyncrl_core.models import model_path_problem
 
