@@ -101,8 +101,8 @@ def _run(config: AsyncRLConfig, run_dir: Path, stopper: RunStopper, *, owns_ray:
                     if checkpoint is not None:
                         context.resume(checkpoint)
                     mode = "async" if config.runner.async_mode else "sync"
-                    logger.info("training: %d steps, %s mode", config.runner.num_steps, mode)
                     stopper.phase = "training"
+                    logger.info("training: %d steps, %s mode", config.runner.num_steps, mode)
                     (run_async if config.runner.async_mode else run_sync)(context)
                     stopper.phase = "the end of the run"
                     context.finish()

@@ -120,6 +120,7 @@ class RunStopper:
         if self._signum is None:
             self._signum = signum
             if not self.stopping:
+                print(f"asyncrl-run: {name}: stopping the run; send it again to force", file=sys.stderr)
                 self.stopping = True
                 self._interrupted = RunInterrupted(signum, self.phase, self.stopped)
                 raise self._interrupted
