@@ -187,6 +187,7 @@ class RunContext:
         folder = checkpoint.commit(temporary, final, runner_state, self.config.checkpoint.keep_last)
         write_json(self.run_dir / LEDGER_FILE, state.ledger)
         self._saved_step = step
+        logger.info("checkpoint %s written", folder)
         return folder
 
     def resume(self, folder: Path) -> None:

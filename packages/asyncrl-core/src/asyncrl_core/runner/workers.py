@@ -175,7 +175,7 @@ class BufferWorker:
                 prompt_index, epoch = self.ledger.dropped(group_id, STALE)
                 self.loader.give_back(prompt_index, epoch)
             for group in result.groups:
-                self.ledger.trained(group.group_id)
+                self.ledger.trained(group.group_id, actor_version)
         return result if result.ready else None
 
     def end_step(self) -> dict[str, float]:
