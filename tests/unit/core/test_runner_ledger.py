@@ -74,7 +74,7 @@ def test_the_audit_names_each_kind_of_fault() -> None:
     (first, second) = audit(ledger.to_json(live_group_ids=[6], queued=[], epochs_issued=1))
     assert first.problems == [
         "prompt 0 was trained 2 times (in steps 1, 2)",
-        "1 prompts were never issued: 2",
+        "1 of its prompts never issued: 2",
     ]
     assert second.problems == ["prompt 2 was issued and then lost (neither trained, dropped nor held)"]
     assert second.open == 1
