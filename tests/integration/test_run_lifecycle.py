@@ -168,7 +168,7 @@ def test_a_second_signal_forces_and_sigkill_of_the_driver_leaves_nothing(start: 
     killed.process.kill()
     killed.wait()
     # The watchdog sees the driver's pipe close and stops the rest: Ray, its helpers, the engines.
-    assert killed.left(timeout_s=60.0) == []
+    assert killed.left(timeout_s=STOP_S) == []
 
 
 def test_a_damaged_checkpoint_is_named_before_ray_starts(tmp_path: Path, tiny_llama_path: Path) -> None:
