@@ -5,6 +5,7 @@ counts that add up, the ledger, and the state a checkpoint takes and a resume re
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 
 import pytest
@@ -166,3 +167,16 @@ def test_restored_state_reissues_the_inflight_prompts_first_and_keeps_the_buffer
     assert sorted(group.prompt_index for group in batch.groups) == [0, 1, 2, 3]
     assert batch.groups[0].group_id == first + 1 == second  # the buffered group, kept with its id
     assert all(not r.problems for r in audit(resumed.ledger_json()))
+
+
+def test_a_resume_keeps_the_checkpoints_limits_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    state = BufferWorker(_config(tmp_path), dataset_size=5).state()
+    resumed = BufferWorker(_config(tmp_path, **{"rollout_buffer.max_inflight_groups": 2}), dataset_size=5)
+    with caplog.at_level(logging.WARNING):
+        resumed.restore(state)
+    assert resumed.buffer.max_inflight_groups == 3
+    assert (
+        "rollout_buffer.max_inflight_groups is 3 in the checkpoint and 2 in this configuration" in caplog.text
+    )

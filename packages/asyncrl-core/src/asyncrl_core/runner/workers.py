@@ -225,6 +225,16 @@ class BufferWorker:
         the next hand-off, as ever), the groups that were in flight are handed back and issued again
         before any other prompt. Returns their prompt indices."""
         buffer = GroupBuffer.restore(state.snapshot)
+        for key in ("max_inflight_groups", "max_buffered_groups", "max_dropped_groups_per_step"):
+            saved, configured = getattr(buffer, key), getattr(self.buffer, key)
+            if saved != configured:
+                logger.warning(
+                    "rollout_buffer.%s is %s in the checkpoint and %s in this configuration: the "
+                    "checkpoint's value applies (the buffer's limits are part of its state)",
+                    key,
+                    saved,
+                    configured,
+                )
         ledger = PromptLedger.from_state(state.ledger)
         inflight = buffer.inflight_groups()
         tickets: list[Ticket] = []
