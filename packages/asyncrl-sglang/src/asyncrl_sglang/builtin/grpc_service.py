@@ -240,6 +240,7 @@ class SchedulerService(pb_grpc.SglangSchedulerServicer):
     ) -> pb.GetServerInfoResponse:
         """The launch arguments and the scheduler's handshake that `/server_info` reports, and the state."""
         engine = self.engine
+        snapshot = engine.snapshot
         arguments = Struct()
         arguments.update(server_args(self.info.args))
         handshake = scheduler_info(engine, self.info.startup)
@@ -250,7 +251,7 @@ class SchedulerService(pb_grpc.SglangSchedulerServicer):
         return pb.GetServerInfoResponse(
             server_args=arguments,
             scheduler_info=scheduler,
-            active_requests=engine.num_running + engine.num_waiting + self.gate.num_waiting,
+            active_requests=snapshot.num_running + snapshot.num_waiting + self.gate.num_waiting,
             is_paused=self.gate.paused is not None,
             uptime_seconds=time.time() - self.started_s,
             sglang_version=SERVER_VERSION,
