@@ -980,7 +980,8 @@ class LoggingConfig(Section):
 
 
 class CheckpointConfig(Section):
-    """When to save model, optimiser and buffer state, and what to resume from."""
+    """When to save the run's state (actor, buffer with its groups, dataloader, ledger, random generators),
+    and what to resume from."""
 
     save_every_steps: PositiveInt | None = None
     """Save a checkpoint every this many steps; unset saves none on the way."""
@@ -989,7 +990,11 @@ class CheckpointConfig(Section):
     keep_last: PositiveInt = 2
     """Checkpoints kept under `<run_dir>/checkpoints`; older ones are deleted."""
     resume_from: str | None = None
-    """Resume from this checkpoint folder, or `latest` for the newest one under `<run_dir>/checkpoints`."""
+    """Resume from this checkpoint folder, or `latest` for the newest intact one under
+    `<run_dir>/checkpoints` (a damaged one is passed over with a warning naming the file)."""
+    timeout_s: Annotated[float, Field(gt=0.0)] = 1800.0
+    """Seconds that saving or loading one checkpoint (actor, buffer state) may take before the run stops
+    with an error naming it."""
 
     def check(self, root: AsyncRLConfig, found: Validation) -> None:
         num_steps = root.runner.num_steps

@@ -102,8 +102,8 @@ class RayBufferPort:
     async def complete(self, group: Group) -> bool:
         return await self.handle.complete.remote(group)
 
-    async def abandon(self, group_id: int) -> None:
-        await self.handle.abandon.remote(group_id)
+    async def abandon(self, group_id: int, reason: str | None = None) -> None:
+        await self.handle.abandon.remote(group_id, reason)
 
 
 class WorkerGroups:

@@ -1,7 +1,8 @@
 """The workers of a run (ARCHITECTURE.md section 5), as plain classes a test can build in one process.
 
-- `BufferWorker` owns the dataloader (`PromptLoader`) and the `GroupBuffer`: it issues prompts under the two
-  admission limits, buffers finished groups and hands the oldest to the actor.
+- `BufferWorker` owns the dataloader (`PromptLoader`), the `GroupBuffer` and the prompt ledger: it issues
+  prompts under the two admission limits, buffers finished groups, hands the oldest to the actor and
+  records where every prompt went.
 - `AgentLoopWorker` runs a task's trajectories against the engines: a fixed number of groups (sync mode), or
   continuously while admission allows (async mode), and evaluations on the task's test split.
 - `RolloutWorker` owns one engine server process on its devices.
@@ -27,9 +28,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from asyncrl_core import metrics, plugins
-from asyncrl_core.buffer import Batch, GroupBuffer
+from asyncrl_core.buffer import Batch, BufferSnapshot, GroupBuffer
 from asyncrl_core.errors import AsyncRLError
-from asyncrl_core.runner.dataloader import LoaderState, PromptLoader
+from asyncrl_core.runner.dataloader import LoaderState, PromptLoader, Ticket
+from asyncrl_core.runner.ledger import STALE, PromptLedger
 from asyncrl_core.types import Group, SamplingParams
 
 if TYPE_CHECKING:
@@ -107,22 +109,22 @@ def _thread_ids() -> list[int]:
 
 
 class BufferWorker:
-    """The dataloader and the `GroupBuffer`: admission, finished groups, hand-off to the actor.
+    """The dataloader, the `GroupBuffer` and the prompt ledger: admission, finished groups, hand-off to the
+    actor, and where every issued prompt went (`asyncrl_core.runner.ledger`).
 
     Thread-safe: agent-loop workers admit and complete from several threads while the driver takes batches.
+    Every change that touches the ledger happens under one lock, the loader's, also held while `state`
+    takes a checkpoint's copy, so a checkpoint never holds a prompt admitted half-way.
     """
 
     def __init__(self, config: AsyncRLConfig, dataset_size: int) -> None:
         self.buffer = GroupBuffer.from_config(config)
         seed = config.data.seed if config.data.seed is not None else config.runner.seed
         self.loader = PromptLoader(dataset_size, shuffle=config.data.shuffle, seed=seed)
+        self.ledger = PromptLedger(dataset_size)
         # Held while an admission waits for capacity (at most its timeout), so that two admitters never
-        # take the same prompt.
+        # take the same prompt; and by every change of the ledger.
         self._loader_lock = threading.Lock()
-        self.num_issued = 0
-        self.num_abandoned = 0
-        self.num_dropped = 0
-        self.num_trained = 0
 
     def admit(self, max_groups: int, timeout_s: float) -> list[tuple[int, int]]:
         """Admit up to `max_groups` new prompts, waiting up to `timeout_s` for the first one.
@@ -134,64 +136,112 @@ class BufferWorker:
             prompt_index = self.loader.peek()
             group_id = self.buffer.wait_admit(prompt_index, timeout_s)
             while group_id is not None:
-                self.loader.advance()
+                self.ledger.issued(group_id, self.loader.advance_ticket())
                 admitted.append((group_id, prompt_index))
                 if len(admitted) == max_groups:
                     break
                 prompt_index = self.loader.peek()
                 group_id = self.buffer.try_admit(prompt_index)
-            self.num_issued += len(admitted)
         return admitted
 
     def complete(self, group: Group) -> bool:
         """Buffer a finished group; False when it was already buffered (a retried call changes nothing)."""
         return self.buffer.complete(group)
 
-    def abandon(self, group_id: int) -> None:
-        """A group's generation failed: free its slot and issue its prompt again in a later epoch."""
-        prompt_index = self.buffer.abandon(group_id)
+    def abandon(self, group_id: int, reason: str | None = None) -> None:
+        """A group's generation failed: free its slot. With `reason` None the failure is retryable and the
+        prompt is handed back, to be issued again in a later epoch; with a reason (a prompt too long for the
+        context, say) it is permanent and the prompt is dropped, recorded in the ledger with `reason`.
+
+        A group that is no longer in flight (already abandoned or completed) raises `InvalidGroupError`
+        and changes nothing."""
+        if reason is not None and not reason.strip():
+            raise ValueError("abandon: a permanent failure needs a non-empty reason")
         with self._loader_lock:
-            self.loader.give_back(prompt_index)
-            self.num_abandoned += 1
+            self.buffer.abandon(group_id)
+            if reason is None:
+                prompt_index, epoch = self.ledger.handed_back(group_id)
+                self.loader.give_back(prompt_index, epoch)
+            else:
+                self.ledger.dropped(group_id, reason)
 
     def take_batch(self, num_groups: int, actor_version: int, timeout_s: float) -> Batch | None:
         """The `num_groups` oldest fresh groups for the actor at `actor_version`, waiting up to `timeout_s`
         for them; None when they are not ready by then. Stale groups dropped meanwhile go back to the
         dataloader either way."""
         result = self.buffer.take_batch(num_groups, actor_version, timeout_s=timeout_s)
-        if result.dropped_prompt_indices:
-            with self._loader_lock:
-                for prompt_index in result.dropped_prompt_indices:
-                    self.loader.give_back(prompt_index)
-                self.num_dropped += len(result.dropped_prompt_indices)
-        if not result.ready:
-            return None
-        self.num_trained += num_groups
-        return result
+        with self._loader_lock:
+            for group_id in result.dropped_group_ids:
+                prompt_index, epoch = self.ledger.dropped(group_id, STALE)
+                self.loader.give_back(prompt_index, epoch)
+            for group in result.groups:
+                self.ledger.trained(group.group_id)
+        return result if result.ready else None
 
     def end_step(self) -> dict[str, float]:
         """Close the step's buffer statistics: the staleness, drop and admission-wait metrics."""
         return self.buffer.end_step().metrics()
 
     def counts(self) -> dict[str, int]:
-        """Where every issued prompt went: `issued = trained + dropped + abandoned + inflight + buffered`."""
-        return {
-            "issued": self.num_issued,
-            "trained": self.num_trained,
-            "dropped": self.num_dropped,
-            "abandoned": self.num_abandoned,
-            "inflight": self.buffer.num_inflight,
-            "buffered": self.buffer.num_buffered,
-            "epoch": self.loader.epoch,
-        }
-
-    def loader_state(self) -> LoaderState:
+        """Where every issued prompt went over the whole run (restarts included):
+        `issued = trained + handed_back + dropped + inflight + buffered`."""
         with self._loader_lock:
-            return self.loader.state()
+            totals = self.ledger.totals()
+            return {
+                "issued": totals["issued"],
+                "trained": totals["trained"],
+                "handed_back": totals["handed_back"],
+                "dropped": totals["dropped"],
+                "dropped_stale": totals["dropped_stale"],
+                "inflight": self.buffer.num_inflight,
+                "buffered": self.buffer.num_buffered,
+                "epoch": self.loader.epoch,
+            }
 
-    def restore_loader(self, state: LoaderState) -> None:
+    def ledger_json(self) -> dict[str, Any]:
+        """The ledger as `ledger.json` holds it, its open tickets checked against the buffer and loader."""
         with self._loader_lock:
-            self.loader.restore(state)
+            return self._ledger_json()
+
+    def _ledger_json(self) -> dict[str, Any]:
+        live = [group_id for group_id, _ in self.buffer.inflight_groups()]
+        live += [group.group_id for group in self.buffer.buffered_groups()]
+        return self.ledger.to_json(
+            live_group_ids=live, queued=self.loader.pending(), epochs_issued=self.loader.order_done
+        )
+
+    def state(self) -> BufferState:
+        """The whole state for a checkpoint, taken at one instant under the loader's lock: the buffer's
+        snapshot with its buffered groups, the loader's position and queues, and the ledger."""
+        with self._loader_lock:
+            return BufferState(self.buffer.snapshot(), self.loader.state(), self._ledger_json())
+
+    def restore(self, state: BufferState) -> list[int]:
+        """Continue from a checkpoint's `state`: the buffered groups are kept (the staleness cap applies at
+        the next hand-off, as ever), the groups that were in flight are handed back and issued again
+        before any other prompt. Returns their prompt indices."""
+        buffer = GroupBuffer.restore(state.snapshot)
+        ledger = PromptLedger.from_state(state.ledger)
+        inflight = buffer.inflight_groups()
+        tickets: list[Ticket] = []
+        for group_id, _ in inflight:
+            buffer.abandon(group_id)
+            tickets.append(ledger.handed_back(group_id))
+        with self._loader_lock:
+            self.buffer, self.ledger = buffer, ledger
+            self.loader.restore(state.loader)
+            self.loader.reissue_first(tickets)
+        return [prompt_index for prompt_index, _ in tickets]
+
+
+@dataclass(frozen=True, slots=True)
+class BufferState:
+    """What a checkpoint holds of the buffer worker (`BufferWorker.state`)."""
+
+    snapshot: BufferSnapshot
+    loader: LoaderState
+    ledger: dict[str, Any]
+    """The ledger as `ledger.json` holds it (`BufferWorker.ledger_json`)."""
 
 
 class BufferPort(Protocol):
@@ -199,7 +249,7 @@ class BufferPort(Protocol):
 
     async def admit(self, max_groups: int, timeout_s: float) -> list[tuple[int, int]]: ...
     async def complete(self, group: Group) -> bool: ...
-    async def abandon(self, group_id: int) -> None: ...
+    async def abandon(self, group_id: int, reason: str | None = None) -> None: ...
 
 
 class LocalBufferPort:
@@ -214,8 +264,8 @@ class LocalBufferPort:
     async def complete(self, group: Group) -> bool:
         return await asyncio.to_thread(self.worker.complete, group)
 
-    async def abandon(self, group_id: int) -> None:
-        await asyncio.to_thread(self.worker.abandon, group_id)
+    async def abandon(self, group_id: int, reason: str | None = None) -> None:
+        await asyncio.to_thread(self.worker.abandon, group_id, reason)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -294,6 +344,12 @@ class AgentLoopWorker:
 
     def dataset_size(self, split: str = "train") -> int:
         return len(self.loop.dataset(split))
+
+    def dataset_fingerprint(self, split: str = "train") -> str:
+        """A hash of the split's samples (ids, messages, answers), so a checkpoint names its dataset."""
+        from asyncrl_core.runner.checkpoint import dataset_fingerprint
+
+        return dataset_fingerprint(self.loop.dataset(split))
 
     async def _run_one(self, buffer: BufferPort, group_id: int, prompt_index: int) -> None:
         self.num_running += 1
