@@ -92,6 +92,7 @@ async def test_malformed_json_is_400(http: httpx.AsyncClient, path: str) -> None
         {"input_ids": [1, -5]},
         {"input_ids": [1, 2], "return_logprob": True, "top_logprobs_num": 10**6},
         {"input_ids": [1, 2], "sampling_params": {"n": 10**6}},
+        {"input_ids": [1, 2], "sampling_params": {"sampling_seed": 2**64}},
         {"input_ids": [[1, 2]] * 300, "sampling_params": {"n": 256}},
     ],
 )

@@ -583,6 +583,8 @@ class Engine:
 
     def _accept(self, requests: list[Request], logits: Tensor) -> None:
         """Sample one token per request from logits [B, vocab], record it, and finish who is done."""
+        # Published before any client hears of this step: one told of a token sees its request running.
+        self._publish()
         sampled = sample_tokens(requests, logits, self.generator, self.eos_token_ids)
         for request, (token, logprob, top) in zip(requests, sampled, strict=True):
             request.output_ids.append(token)
