@@ -57,9 +57,8 @@ def _submit(
         if finished:
             done.set()
 
-    request = Request(
-        rid=f"r{time.monotonic_ns()}", prompt_ids=[5, 6, 7], options=options, on_update=update, **fields
-    )
+    fields.setdefault("prompt_ids", [5, 6, 7])
+    request = Request(rid=f"r{time.monotonic_ns()}", options=options, on_update=update, **fields)
     engine.call(lambda: engine.add_request(request), timeout_s=WAIT_S)
     return request, done
 
@@ -140,6 +139,55 @@ def test_a_step_failure_that_no_request_reproduces_alone_loses_nothing(
     for request, done in requests:
         _assert_finished_normally(request, done)
     assert failures["left"] == 0
+    _answers_afterwards(engine)
+
+
+# ---------------------------------------------------------------------------------------------- prefix cache
+def test_a_prefix_cache_that_cannot_store_fails_no_request(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Finishes and a retract pause store prefixes; a store that raises costs the cache, never a request."""
+    assert engine.prefix_cache is not None
+
+    def broken_store(*args: Any) -> None:
+        raise RuntimeError("the block pool is corrupt")
+
+    monkeypatch.setattr(engine.prefix_cache, "store", broken_store)
+    requests = [_submit(engine) for _ in range(3)]
+    for request, _ in requests:
+        _wait_tokens(request, 2)
+    engine.call(lambda: engine.pause("retract"), timeout_s=WAIT_S)
+    engine.call(engine.resume, timeout_s=WAIT_S)
+    for request, done in requests:
+        assert done.wait(WAIT_S), "the request did not finish"
+        assert request.finish_reason == {"type": "length", "length": LONG.max_new_tokens}
+        assert request.num_retractions == 1
+    _answers_afterwards(engine)
+
+
+def test_a_request_whose_cached_prefix_cannot_load_ends_alone(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert engine.prefix_cache is not None
+    load = engine.prefix_cache.load
+    poisoned = [99] * 40
+
+    def load_unless_poisoned(tokens: Any, *args: Any) -> int:
+        if list(tokens[:40]) == poisoned:
+            raise RuntimeError("a cached block of this prefix is unreadable")
+        return load(tokens, *args)
+
+    monkeypatch.setattr(engine.prefix_cache, "load", load_unless_poisoned)
+    others = [_submit(engine) for _ in range(3)]
+    for request, _ in others:
+        _wait_tokens(request, 2)
+    bad, bad_done = _submit(engine, prompt_ids=[*poisoned, 1])
+    assert bad_done.wait(WAIT_S)
+    assert bad.finish_reason is not None
+    assert bad.finish_reason["type"] == "abort"
+    assert "unreadable" in bad.finish_reason["message"]
+    for request, done in others:
+        _assert_finished_normally(request, done)
     _answers_afterwards(engine)
 
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from asyncrl_core import metrics
 from asyncrl_core.runner import checkpoint
 from asyncrl_core.runner.ledger import LEDGER_FILE, write_json
+from asyncrl_core.runner.timeouts import timed_out
 from asyncrl_core.runner.workers import BufferState, RunnerError
 
 if TYPE_CHECKING:
@@ -58,7 +59,9 @@ class RunContext:
 
     def train(self, batch: Any) -> dict[str, float]:
         """One step of every actor rank on `batch` (a Ray reference or a `Batch`); rank 0's metrics."""
-        results = self.workers.get([actor.train.remote(batch) for actor in self.workers.actors], "training")
+        results = self.workers.get(
+            [actor.train.remote(batch) for actor in self.workers.actors], "training", "actor.train_timeout_s"
+        )
         self.version += 1
         return results[0]
 
@@ -86,7 +89,7 @@ class RunContext:
         """End the agent loops' continuous generation and wait for their running groups."""
         for loop in self.workers.agent_loops:
             loop.stop.remote()
-        self.workers.get(list(serving), "stopping the agent loops")
+        self.workers.get(list(serving), "stopping the agent loops", "rollout.drain_timeout_s")
 
     # --- end of a step ---------------------------------------------------------------------------------
 
@@ -116,7 +119,10 @@ class RunContext:
 
         if self._pending_eval is None:
             return
-        ready, _ = ray.wait([self._pending_eval], timeout=self.timeout_s if wait else 0)
+        timeout_s = self.config.runner.eval_timeout_s
+        ready, _ = ray.wait([self._pending_eval], timeout=timeout_s if wait else 0)
+        if wait and not ready:
+            raise timed_out("evaluation", timeout_s, "runner.eval_timeout_s")
         if ready:
             step_metrics.update(self.workers.get(self._pending_eval, "evaluation"))
             self._pending_eval = None
@@ -158,18 +164,17 @@ class RunContext:
         """`<run_dir>/checkpoints/step_<step>/`, written atomically (`asyncrl_core.runner.checkpoint`): the
         actor, the buffer's state with its buffered groups, the dataloader's position and the prompts in
         flight, the ledger, step and version; `ledger.json` in the run folder is brought up to date."""
-        timeout_s = self.config.checkpoint.timeout_s
         final, temporary = checkpoint.begin(self.run_dir, step)
         self.workers.get(
             [
                 actor.save_checkpoint.remote(str(temporary / checkpoint.ACTOR_DIR))
                 for actor in self.workers.actors
             ],
-            "saving the actor's checkpoint (checkpoint.timeout_s)",
-            timeout_s,
+            "saving the actor's checkpoint",
+            "checkpoint.timeout_s",
         )
         state: BufferState = self.workers.get(
-            self.workers.buffer.state.remote(), "taking the buffer's state", timeout_s
+            self.workers.buffer.state.remote(), "taking the buffer's state", "checkpoint.timeout_s"
         )
         checkpoint.write_buffer_state(temporary, state)
         runner_state = {
@@ -182,6 +187,7 @@ class RunContext:
         folder = checkpoint.commit(temporary, final, runner_state, self.config.checkpoint.keep_last)
         write_json(self.run_dir / LEDGER_FILE, state.ledger)
         self._saved_step = step
+        logger.info("checkpoint %s written", folder)
         return folder
 
     def resume(self, folder: Path) -> None:
@@ -197,17 +203,16 @@ class RunContext:
                 "resume with the same dataset, seeds and task, or start a new run folder"
             )
         buffer_state = checkpoint.read_buffer_state(folder, state["loader"])
-        timeout_s = self.config.checkpoint.timeout_s
         self.workers.get(
             [
                 actor.load_checkpoint.remote(str(folder / checkpoint.ACTOR_DIR))
                 for actor in self.workers.actors
             ],
-            "loading the actor's checkpoint (checkpoint.timeout_s)",
-            timeout_s,
+            "loading the actor's checkpoint",
+            "checkpoint.timeout_s",
         )
         reissued: list[int] = self.workers.get(
-            self.workers.buffer.restore.remote(buffer_state), "restoring the buffer", timeout_s
+            self.workers.buffer.restore.remote(buffer_state), "restoring the buffer", "checkpoint.timeout_s"
         )
         self.start_step = self._saved_step = int(state["step"])
         self.version = int(state["version"])

@@ -18,7 +18,8 @@ def run_sync(ctx: RunContext) -> None:
         started = time.perf_counter()
         workers.get(
             [loop.run_groups.remote(workers.buffer_port, num, ctx.timeout_s) for loop, num in ctx.shares()],
-            "rollout",
+            "the rollout of a batch",
+            "rollout.request_timeout_s",
         )
         rollout_s = time.perf_counter() - started
         batch = workers.buffer.take_batch.remote(batch_size, ctx.version, ctx.timeout_s)

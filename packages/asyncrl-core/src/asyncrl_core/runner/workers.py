@@ -175,7 +175,7 @@ class BufferWorker:
                 prompt_index, epoch = self.ledger.dropped(group_id, STALE)
                 self.loader.give_back(prompt_index, epoch)
             for group in result.groups:
-                self.ledger.trained(group.group_id)
+                self.ledger.trained(group.group_id, actor_version)
         return result if result.ready else None
 
     def end_step(self) -> dict[str, float]:
@@ -480,7 +480,13 @@ class RolloutWorker:
                 ),
             }
         )
-        self.engines = launch(rollout, run_dir=run_dir / f"rollout-{index}", devices=tuple(devices), gpu=gpu)
+        self.engines = launch(
+            rollout,
+            run_dir=run_dir / f"rollout-{index}",
+            devices=tuple(devices),
+            gpu=gpu,
+            health_timeout_s=config.runner.startup_timeout_s,
+        )
 
     def endpoint(self) -> EngineEndpoint:
         """Where the engine answers: HTTP for control, and gRPC for generation when configured."""
@@ -616,5 +622,5 @@ def weight_transport(config: AsyncRLConfig) -> Any:
         backend="nccl" if nccl else "gloo",
         num_ranks=num_ranks,
         device="cuda" if nccl else "cpu",
-        timeout_s=config.rollout.request_timeout_s,
+        timeout_s=config.actor.train_timeout_s,
     )

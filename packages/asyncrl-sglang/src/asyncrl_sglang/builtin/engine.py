@@ -6,16 +6,21 @@ through each request's `on_update` callback, which the thread calls after every 
 
 A step: run the pending control calls; unless paused, admit waiting requests into free slots (one prefill
 each, FIFO, up to `max_running_requests`), then decode one token for every running request in one batched
-forward. Running requests occupy slots `0..B-1`; when one finishes, the last slot's KV moves into its place,
-so the decode reads one contiguous view of the cache.
+forward. Running requests occupy slots `0..B-1`; when one finishes, the last slot's KV moves into its place
+(one copy for every layer), so the decode reads one contiguous view of the cache.
+
+The prefix cache (`prefix_cache.py`): a request's KV goes into the cache's block pool when it finishes or
+is retracted, and a request whose tokens start with a cached prefix copies that KV into its slot and prefills
+only the rest. Loading weights empties the cache, except under an `in_place` pause (whose running requests
+keep their old KV too); `/flush_cache` empties it.
 
 Invariant of a running request: the cache of its slot holds K/V for `prompt + output[:-1]`; the last output
 token is fed at the next decode step (at position `len(prompt) + len(output) - 1`).
 
 No request can take the others down: a step that raises is retried request by request (`_recover`), and only
 a request that fails on its own is finished with the error; an `on_update` callback that raises ends its own
-request. Other threads read the engine through `snapshot` (`EngineSnapshot`, swapped in once per iteration),
-never through the containers the scheduler mutates.
+request. Other threads read the engine through `snapshot` (an `EngineSnapshot` the scheduler swaps in),
+never through the containers it mutates.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import torch
 from torch import Tensor
 
 from asyncrl_sglang.builtin.model import EngineModel, KVCache
+from asyncrl_sglang.builtin.prefix_cache import PrefixCache
 from asyncrl_sglang.builtin.sampling import SamplingOptions, sample_tokens
 from asyncrl_sglang.builtin.snapshot import EngineSnapshot, WaitingQueue
 from asyncrl_sglang.wire import PauseMode as PauseMode
@@ -48,6 +54,12 @@ KV_CAPACITY_STEP = 256
 STOP_TEXT_MAX_PENDING_TOKENS = 16
 """Output tokens whose text may stay undecided (ending in an incomplete UTF-8 character) before the stop
 string matcher takes their text as it decodes now (a character has at most 4 bytes)."""
+KV_BLOCK_SIZE = 16
+"""Tokens per block of the prefix cache (a cached prefix is a whole number of blocks)."""
+CUDA_PREFILL_INTERVAL = 8
+"""On CUDA, waiting requests join the running batch at most every this many decode steps (unless the batch
+is empty or a quarter of its slots are waiting): an eager prefill costs ~25 ms of kernel launches for a
+30-layer model whatever its token count, so one prefill of many turns beats one per decode step."""
 
 
 class EngineBusyError(RuntimeError):
@@ -92,6 +104,8 @@ class Request:
     stop_tail: str = ""
     """Stop strings: the end of the matched text that a stop string completed by a later token can start in
     (the longest stop string's length minus one)."""
+    cached_tokens: int = 0
+    """Tokens whose KV came from the prefix cache instead of a prefill (summed over re-prefills)."""
 
     @property
     def finished(self) -> bool:
@@ -127,7 +141,9 @@ class EngineCounters:
     num_retracted_requests_total: int = 0
     num_retracted_output_tokens_total: int = 0
     prefill_tokens_total: int = 0
-    """Tokens run through prefill, re-prefills after a retraction included (no prefix cache: all uncached)."""
+    """Tokens run through prefill, re-prefills after a retraction included (prefix-cache hits excluded)."""
+    cached_tokens_total: int = 0
+    """Tokens whose KV a prefill took from the prefix cache."""
     prefill_busy_us: int = 0
     """Microseconds spent in prefill steps."""
     gen_throughput: float = 0.0
@@ -148,6 +164,10 @@ class Engine:
         eos_token_ids: Sequence[int] = (),
         decode_text: Callable[[list[int]], str] | None = None,
         use_cuda_graphs: bool = False,
+        prefix_cache: bool = True,
+        kv_block_size: int = KV_BLOCK_SIZE,
+        prefix_cache_tokens: int | None = None,
+        prefill_interval: int | None = None,
     ) -> None:
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
@@ -167,10 +187,27 @@ class Engine:
         self._step_requests: list[Request] = []
         """The requests of the step in progress (admitted and running), for `_recover`."""
         self.snapshot = EngineSnapshot()
-        """The state at the end of the last scheduler iteration; read it from any thread."""
+        """The scheduler's last published state; read it from any thread."""
         self.paused: PauseMode | None = None
         self.weights_released = False
         self._cache: KVCache | None = None
+        self.prefill_interval = prefill_interval or (
+            CUDA_PREFILL_INTERVAL if model.device.type == "cuda" else 1
+        )
+        """Decode steps between two admissions of waiting requests while others run (1: every step)."""
+        self._steps_since_prefill = 0
+        self.prefix_cache = (
+            PrefixCache(
+                model.config,
+                model.device,
+                model.dtype,
+                kv_block_size,
+                prefix_cache_tokens or max_running_requests * self.context_length,
+            )
+            if prefix_cache
+            else None
+        )
+        """KV of finished requests by token prefix (None: every prefill starts from scratch)."""
         self._graphs = _DecodeGraphs(self) if use_cuda_graphs and model.device.type == "cuda" else None
         self._commands: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
         self._wake = threading.Condition()
@@ -223,7 +260,8 @@ class Engine:
     @property
     def kv_cache_bytes(self) -> int:
         """Bytes held by the KV cache (0 before the first request or after a release)."""
-        return 0 if self._cache is None else self._cache.nbytes()
+        pool = 0 if self.prefix_cache is None else self.prefix_cache.nbytes()
+        return pool + (0 if self._cache is None else self._cache.nbytes())
 
     @property
     def cuda_graph_batch_sizes(self) -> list[int]:
@@ -291,6 +329,8 @@ class Engine:
     def pause(self, mode: PauseMode) -> None:
         """Stop forming batches. `retract` also frees the KV of every running request and requeues it."""
         if mode == "retract":
+            for slot, request in enumerate(self.running):
+                self._store_prefix(request, slot)
             for request in reversed(self.running):
                 request.num_retractions += 1
                 self.counters.num_retracted_requests_total += 1
@@ -329,19 +369,20 @@ class Engine:
     def load_weights(self, tensors: Sequence[tuple[str, Tensor]], version: str | None) -> None:
         """Load (a subset of) parameters by HuggingFace name, then relabel if `version` is given.
 
-        Raises `ModelLoadError` (nothing changed) when a name or shape does not fit.
+        Raises `ModelLoadError` (nothing changed) when a name or shape does not fit. The prefix cache's KV
+        was computed under the old weights: it is dropped, except under an `in_place` pause, which keeps old
+        KV by contract (for the requests it holds, and so for the cache).
         """
         self.model.load_named_tensors(tensors)
+        if self.prefix_cache is not None and self.paused != "in_place":
+            self.prefix_cache.clear()
         if self._graphs is not None:
             self._graphs.weights_changed()
         if version is not None:
             self.set_weight_version(version)
 
     def flush_cache(self) -> None:
-        """Drop the KV buffers (they are reallocated at the next prefill); refused unless fully idle.
-
-        The engine keeps no prefix cache, so no KV is ever reused across requests or weight versions.
-        """
+        """Empty the prefix cache, drop the KV buffers (reallocated on demand); refused unless fully idle."""
         if not self.is_idle():
             raise EngineBusyError(
                 f"Cannot flush the cache: {self.num_running} running and {self.num_waiting} waiting requests "
@@ -375,6 +416,8 @@ class Engine:
 
     def _release_cache(self) -> None:
         self._cache = None
+        if self.prefix_cache is not None:
+            self.prefix_cache.release()
         if self._graphs is not None:
             self._graphs.clear()
         if self.model.device.type == "cuda":
@@ -427,9 +470,9 @@ class Engine:
         step's requests a re-prefill, never their output."""
         involved = [r for r in self._step_requests if not r.finished]
         logger.exception("engine step failed for %d requests; retrying them one by one", len(involved))
+        # Every running request belongs to the step (a finished one the failure left in place included).
+        self.running.clear()
         for request in involved:
-            if request in self.running:
-                self.running.remove(request)
             if not request.was_running:
                 # Prompt logprobs are computed once, at the first prefill: drop any half-written ones.
                 request.input_logprobs.clear()
@@ -438,7 +481,7 @@ class Engine:
         for request in involved:
             if request.finished:
                 continue
-            assert not self.running, "the probe runs each request alone"
+            self.running.clear()
             try:
                 self._prefill([request])
                 if self.running:
@@ -450,6 +493,7 @@ class Engine:
                     self._abort(request, f"Internal engine error: {probe_error}")
                 continue
             if not request.finished:
+                self._store_prefix(request, 0)  # its re-prefill then copies what the probe computed
                 self.running.clear()
                 survivors.append(request)
         for request in reversed(survivors):
@@ -471,10 +515,22 @@ class Engine:
     def _has_work(self) -> bool:
         return self.paused is None and not self.weights_released and bool(self.running or self.waiting)
 
+    def _admission_due(self) -> bool:
+        """Whether this step admits waiting requests (see `prefill_interval`)."""
+        if not self.waiting:
+            return False
+        return (
+            not self.running
+            or self._steps_since_prefill + 1 >= self.prefill_interval
+            or 4 * len(self.waiting) >= self.max_running_requests
+        )
+
     def _step(self) -> None:
         admitted: list[Request] = []
         budget = PREFILL_TOKEN_BUDGET
-        while self.waiting and len(self.running) + len(admitted) < self.max_running_requests:
+        due = self._admission_due()
+        self._steps_since_prefill = 0 if due else self._steps_since_prefill + 1
+        while due and self.waiting and len(self.running) + len(admitted) < self.max_running_requests:
             size = self.waiting[0].num_tokens
             if admitted and size > budget:
                 break
@@ -499,11 +555,7 @@ class Engine:
         grown = KVCache(model.config, self.max_running_requests, capacity, model.device, model.dtype)
         if cache is not None:
             used = max((r.num_tokens for r in self.running), default=0)
-            for old_k, new_k, old_v, new_v in zip(
-                cache.keys, grown.keys, cache.values, grown.values, strict=True
-            ):
-                new_k[:, :, :used].copy_(old_k[:, :, :used])
-                new_v[:, :, :used].copy_(old_v[:, :, :used])
+            grown.copy_from(cache, len(self.running), min(used, cache.capacity))
         self._cache = grown
         if self._graphs is not None:
             self._graphs.clear()
@@ -511,20 +563,30 @@ class Engine:
 
     def _prefill(self, requests: list[Request]) -> None:
         """Run prompt + output-so-far of each request into a fresh slot (one right-padded batch) and sample
-        its next token. A re-prefill after a retract recomputes all KV under the current weights."""
+        its next token. A prefix found in the prefix cache is copied into the slot instead of prefilled.
+        A re-prefill after a retract takes from the cache only what is valid under the current weights."""
         sequences = [r.prompt_ids + r.output_ids for r in requests]
-        self.counters.prefill_tokens_total += sum(len(s) for s in sequences)
         cache = self._ensure_cache(max(len(s) for s in sequences) + 1)
         first_slot = len(self.running)
         slots = list(range(first_slot, first_slot + len(requests)))
-        hidden = self.model.prefill_batch(sequences, cache, slots)
-        last_rows = torch.tensor([len(s) - 1 for s in sequences], device=hidden.device)
+        starts = [0] * len(requests)
+        if self.prefix_cache is not None:
+            for row, request in enumerate(requests):
+                starts[row] = self.prefix_cache.load(
+                    sequences[row], self._cacheable_prefix(request, len(sequences[row])), cache, slots[row]
+                )
+                request.cached_tokens += starts[row]
+        self.counters.cached_tokens_total += sum(starts)
+        self.counters.prefill_tokens_total += sum(len(s) for s in sequences) - sum(starts)
+        suffixes = [s[start:] for s, start in zip(sequences, starts, strict=True)]
+        hidden = self.model.prefill_batch(suffixes, cache, slots, starts)
+        last_rows = torch.tensor([len(s) - 1 for s in suffixes], device=hidden.device)
         last_hidden = hidden[torch.arange(len(requests), device=hidden.device), last_rows]
         for row, request in enumerate(requests):
             if not request.was_running:
                 self.counters.prompt_tokens_total += len(request.prompt_ids)
                 if request.return_logprob and request.logprob_start_len >= 0:
-                    self._input_logprobs(request, hidden[row, : len(sequences[row])])
+                    self._input_logprobs(request, hidden[row, : len(suffixes[row])], starts[row])
             request.was_running = True
         self.running.extend(requests)
         # max_new_tokens 0 is prefill only (scoring callers read the input logprobs): nothing is sampled.
@@ -539,8 +601,29 @@ class Engine:
             requests = [requests[row] for row in sampling_rows]
         self._accept(requests, self.model.logits(last_hidden))
 
-    def _input_logprobs(self, request: Request, hidden: Tensor) -> None:
-        """Logprobs of prompt tokens from `logprob_start_len` on (the first prompt token has none)."""
+    @staticmethod
+    def _cacheable_prefix(request: Request, length: int) -> int:
+        """How much of a request's `length` tokens may come from the prefix cache: all but the last (whose
+        hidden state samples the next token), and none of the prompt positions whose logprobs it asked for."""
+        limit = length - 1
+        if not request.was_running and request.return_logprob and request.logprob_start_len >= 0:
+            limit = min(limit, max(0, min(request.logprob_start_len, len(request.prompt_ids)) - 1))
+        return limit
+
+    def _store_prefix(self, request: Request, slot: int) -> None:
+        """Put the KV that `slot` holds for `request` (all its tokens but the last) into the prefix cache.
+        Caching is an optimisation: a failure is logged, and the finish or retract that called goes on."""
+        if self.prefix_cache is not None and self._cache is not None:
+            held = min(request.num_tokens - 1, self._cache.capacity)
+            try:
+                self.prefix_cache.store((request.prompt_ids + request.output_ids)[:held], self._cache, slot)
+            except Exception:
+                logger.exception("the prefix of request %s could not be cached", request.rid)
+
+    def _input_logprobs(self, request: Request, hidden: Tensor, offset: int = 0) -> None:
+        """Logprobs of prompt tokens from `logprob_start_len` on (the first prompt token has none).
+
+        `hidden` holds the hidden states of positions `offset..` (the part that was prefilled)."""
         start = min(request.logprob_start_len, len(request.prompt_ids))
         if start == 0:
             request.input_logprobs.append(None)
@@ -549,7 +632,7 @@ class Engine:
         num_prompt = len(request.prompt_ids)
         if start >= num_prompt:
             return
-        logits = self.model.logits(hidden[start - 1 : num_prompt - 1])
+        logits = self.model.logits(hidden[start - 1 - offset : num_prompt - 1 - offset])
         logprobs = torch.log_softmax(logits / request.options.logprob_temperature, dim=-1)
         targets = torch.tensor(request.prompt_ids[start:num_prompt], device=logprobs.device)
         chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
@@ -646,7 +729,9 @@ class Engine:
         if self._by_rid.get(request.rid) is request:
             del self._by_rid[request.rid]
         if request in self.running:
-            self._free_slot(self.running.index(request))
+            slot = self.running.index(request)
+            self._store_prefix(request, slot)
+            self._free_slot(slot)
         elif request in self.waiting:
             self.waiting.remove(request)
         self._publish()  # a client told that its request finished never reads a snapshot where it runs

@@ -339,7 +339,7 @@ class GenerateRoutes:
         if request.was_running or not finished or reason is None or reason.get("type") != "abort":
             meta["prompt_tokens"] = len(request.prompt_ids)
             meta["reasoning_tokens"] = 0
-            meta["cached_tokens"] = 0
+            meta["cached_tokens"] = request.cached_tokens
             meta["num_retractions"] = request.num_retractions
         meta["completion_tokens"] = length
         spans = request.weight_versions(length)

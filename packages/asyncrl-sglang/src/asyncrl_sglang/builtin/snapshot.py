@@ -3,8 +3,9 @@ keeps its totals as it changes (`WaitingQueue`).
 
 The HTTP and gRPC handlers run on the event loop while the scheduler thread mutates its running batch and its
 waiting queue; iterating either from the loop can fail (`deque mutated during iteration`) or read a half-done
-step. The scheduler therefore builds one immutable snapshot at the end of each loop iteration and swaps it
-in with one attribute assignment (atomic in CPython); readers take `engine.snapshot` once and use only it.
+step. The scheduler therefore builds immutable snapshots (after each loop iteration and each control call,
+and before it tells any client of a token or a finish) and swaps each in with one attribute assignment
+(atomic in CPython); readers take `engine.snapshot` once and use only it.
 Building it costs O(running requests), never O(queue): the queue keeps its token and retraction totals.
 """
 
@@ -85,7 +86,7 @@ class WaitingQueue(deque[R], Generic[R]):
 
 @dataclass(frozen=True, slots=True)
 class EngineSnapshot:
-    """The engine's state at the end of one scheduler iteration (the `/v1/loads`, `/metrics`, gRPC `GetLoads`
+    """The engine's state at one moment of the scheduler thread (the `/v1/loads`, `/metrics`, gRPC `GetLoads`
     and `/server_info` reading). Immutable: a reader holds one and sees one consistent moment."""
 
     num_running: int = 0
