@@ -419,7 +419,7 @@ def test_auth_exempts_probes_and_matches_the_scheme_case_insensitively(tiny_llam
     ("model_path", "needle"),
     [
         ("model.Q4_1.gguf", "is a GGUF file; give a HuggingFace model folder"),
-        ("no/such/folder", "no config.json"),
+        ("no/such/folder", "does not exist"),
     ],
 )
 def test_the_server_command_refuses_what_it_cannot_load_in_one_line(
