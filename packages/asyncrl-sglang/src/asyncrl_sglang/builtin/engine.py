@@ -46,6 +46,9 @@ KV_CAPACITY_STEP = 256
 """The KV cache grows in multiples of this many positions (up to the context length)."""
 KV_BLOCK_SIZE = 16
 """Tokens per block of the prefix cache (a cached prefix is a whole number of blocks)."""
+CPU_PREFIX_CACHE_BYTES = 1 << 30
+"""On CPU the prefix cache's pool holds at most this many bytes by default (host memory is shared with the
+rest of the job; on CUDA the default is the size of the slots at full length)."""
 CUDA_PREFILL_INTERVAL = 8
 """On CUDA, waiting requests join the running batch at most every this many decode steps (unless the batch
 is empty or a quarter of its slots are waiting): an eager prefill costs ~25 ms of kernel launches for a
@@ -173,14 +176,14 @@ class Engine:
         )
         """Decode steps between two admissions of waiting requests while others run (1: every step)."""
         self._steps_since_prefill = 0
+        if prefix_cache_tokens is None:
+            prefix_cache_tokens = max_running_requests * self.context_length
+            if model.device.type != "cuda":
+                c = model.config
+                token_bytes = 2 * c.num_layers * c.num_kv_heads * c.head_dim * model.embed.element_size()
+                prefix_cache_tokens = min(prefix_cache_tokens, CPU_PREFIX_CACHE_BYTES // token_bytes)
         self.prefix_cache = (
-            PrefixCache(
-                model.config,
-                model.device,
-                model.dtype,
-                kv_block_size,
-                prefix_cache_tokens or max_running_requests * self.context_length,
-            )
+            PrefixCache(model.config, model.device, model.dtype, kv_block_size, prefix_cache_tokens)
             if prefix_cache
             else None
         )
