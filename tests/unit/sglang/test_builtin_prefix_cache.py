@@ -260,3 +260,40 @@ def test_the_cpu_pool_defaults_to_a_gibibyte(tiny_model: EngineModel) -> None:
 def _token_bytes(model: EngineModel) -> int:
     c = model.config
     return 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
+
+
+def test_a_retract_on_top_of_an_in_place_update_recomputes_the_kept_kv(
+    tiny_llama_path: Path, engines: list[Engine]
+) -> None:
+    model = EngineModel.from_pretrained(tiny_llama_path)
+    engine = _start(engines, model)
+    started, done = threading.Event(), threading.Event()
+
+    def on_update(request: Request, finished: bool) -> None:
+        if len(request.output_ids) >= 3:
+            started.set()
+        if finished:
+            done.set()
+
+    options = SamplingOptions(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    request = Request(
+        rid="kept", prompt_ids=list(range(50, 70)), options=options, on_update=on_update, stream=True
+    )
+    engine.call(lambda: engine.add_request(request), timeout_s=WAIT_S)
+    assert started.wait(WAIT_S)
+    engine.call(lambda: engine.pause("in_place"))
+    noise = torch.Generator().manual_seed(5)
+    engine.call(
+        lambda: engine.load_weights(
+            [
+                (n, model.named[n] + 0.02 * torch.randn(model.named[n].shape, generator=noise))
+                for n in sorted(model.required_names())
+            ],
+            "v2",
+        )
+    )
+    engine.call(lambda: engine.pause("retract"))
+    engine.call(engine.resume)
+    assert done.wait(WAIT_S)
+    assert request.num_retractions == 1
+    assert request.cached_tokens == 0

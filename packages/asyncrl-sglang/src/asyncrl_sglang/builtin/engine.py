@@ -92,6 +92,8 @@ class Request:
     stop_text_scan: int = 0
     cached_tokens: int = 0
     """Tokens whose KV came from the prefix cache instead of a prefill (summed over re-prefills)."""
+    kv_weights_epoch: int = -1
+    """The engine's `weights_epoch` when this request's KV was (re)computed at its last prefill."""
 
     @property
     def finished(self) -> bool:
@@ -176,6 +178,8 @@ class Engine:
         )
         """Decode steps between two admissions of waiting requests while others run (1: every step)."""
         self._steps_since_prefill = 0
+        self.weights_epoch = 0
+        """Counts weight loads: KV computed before the last load is stale under the current weights."""
         if prefix_cache_tokens is None:
             prefix_cache_tokens = max_running_requests * self.context_length
             if model.device.type != "cuda":
@@ -296,7 +300,10 @@ class Engine:
         """Stop forming batches. `retract` also frees the KV of every running request and requeues it."""
         if mode == "retract":
             for slot, request in enumerate(self.running):
-                self._store_prefix(request, slot)
+                # Only KV computed wholly under the current weights: a request kept through an in_place update
+                # holds older KV, and retraction promises a recomputation under the current weights.
+                if request.kv_weights_epoch == self.weights_epoch:
+                    self._store_prefix(request, slot)
             for request in reversed(self.running):
                 request.num_retractions += 1
                 self.counters.num_retracted_requests_total += 1
@@ -340,6 +347,7 @@ class Engine:
         KV by contract (for the requests it holds, and so for the cache).
         """
         self.model.load_named_tensors(tensors)
+        self.weights_epoch += 1
         if self.prefix_cache is not None and self.paused != "in_place":
             self.prefix_cache.clear()
         if self._graphs is not None:
@@ -481,6 +489,8 @@ class Engine:
                     sequences[row], self._cacheable_prefix(request, len(sequences[row])), cache, slots[row]
                 )
                 request.cached_tokens += starts[row]
+        for request in requests:
+            request.kv_weights_epoch = self.weights_epoch
         self.counters.cached_tokens_total += sum(starts)
         self.counters.prefill_tokens_total += sum(len(s) for s in sequences) - sum(starts)
         suffixes = [s[start:] for s, start in zip(sequences, starts, strict=True)]
