@@ -141,14 +141,19 @@ def _reached(run_dir: Path, point: KillPoint, step: int) -> bool:
 def run_until(config_path: Path, overrides: list[str], run_dir: Path, point: KillPoint, log: Path) -> int:
     """Start the run and SIGKILL it (and everything it started) at `point`; returns the step it was killed
     at. Raises when the run ended before."""
+    trainings = _trainings(log)
     run = RunProcess(config_path, overrides, log)
     step = point.step
     deadline = time.monotonic() + RUN_TIMEOUT_S
     looks = 0
     try:
-        while not _reached(run_dir, point, step):
+        # A step's line counts once this run has started training: by then it has removed the lines that a
+        # killed run logged after its checkpoint.
+        training = False
+        while not (training and _reached(run_dir, point, step)):
+            training = training or _trainings(log) > trainings
             final = run_dir / "checkpoints" / f"{CHECKPOINT_PREFIX}{step}"
-            if point.kind == "in_checkpoint" and final.is_dir():
+            if training and point.kind == "in_checkpoint" and final.is_dir():
                 step += 1  # that write was over between two looks: catch the next one
             if run.process.poll() is not None:
                 raise AssertionError(f"the run ended ({run.process.returncode}) before {point}:\n{tail(log)}")
@@ -175,6 +180,13 @@ def run_to_end(config_path: Path, overrides: list[str], log: Path) -> None:
     finally:
         run.stop()
     assert run.process.returncode == 0, f"asyncrl-run exited with {run.process.returncode}:\n{tail(log)}"
+
+
+def _trainings(log: Path) -> int:
+    """How many runs logging to `log` have started training."""
+    if not log.exists():
+        return 0
+    return log.read_text(encoding="utf-8", errors="replace").count("asyncrl-run: training:")
 
 
 def tail(log: Path, lines: int = 40) -> str:

@@ -15,11 +15,13 @@ from asyncrl_core.runner.atomic import atomic_write_bytes
 from asyncrl_core.runner.checkpoint import (
     CHECKPOINT_FORMAT,
     begin,
+    check_resumable,
     checkpoints,
     commit,
     identity_problems,
     read_buffer_state,
     resolve_resume,
+    run_identity,
     verify_checkpoint,
     write_buffer_state,
     write_manifest,
@@ -143,10 +145,22 @@ def _loader_json(state: object) -> dict[str, object]:
     return asdict(state.loader)  # type: ignore[attr-defined]
 
 
-def test_identity_problems_name_each_difference() -> None:
-    saved = {"dataset_size": 8, "runner.seed": 3, "task_name": "arith"}
-    assert identity_problems(saved, dict(saved)) == []
-    assert identity_problems(saved, {**saved, "dataset_size": 9, "runner.seed": 4}) == [
+def test_a_checkpoint_of_another_dataset_seed_or_task_is_refused(tmp_path: Path) -> None:
+    config = load_config(None, [f"runner.run_dir={tmp_path / 'run'}", "runner.seed=3"])
+    identity = run_identity(config, 8, "ab12")
+    final, temporary = begin(tmp_path / "run", 1)
+    folder = commit(temporary, final, {"format": CHECKPOINT_FORMAT, "step": 1, "identity": identity}, 2)
+    assert check_resumable(folder, identity)["step"] == 1
+    other = run_identity(load_config(None, ["runner.seed=4", "agentloop.task_name=arith"]), 9, "cd34")
+    with pytest.raises(RunnerError, match="belongs to another run") as refused:
+        check_resumable(folder, other)
+    message = str(refused.value)
+    for difference in (
+        "task_name: the checkpoint's is 'searchr1-mini', this run's 'arith'",
         "dataset_size: the checkpoint's is 8, this run's 9",
+        "dataset_fingerprint: the checkpoint's is 'ab12', this run's 'cd34'",
         "runner.seed: the checkpoint's is 3, this run's 4",
-    ]
+        "data.seed: the checkpoint's is 3, this run's 4",
+    ):
+        assert difference in message
+    assert identity_problems(identity, dict(identity)) == []

@@ -195,13 +195,7 @@ class RunContext:
         actor (weights, optimiser, random generators), the buffer with its buffered groups, the ledger, the
         dataloader with the prompts that were in flight first in line, version and step; then the engines
         get the restored weights."""
-        state = checkpoint.read_runner_state(folder)
-        problems = checkpoint.identity_problems(state.get("identity", {}), self.identity())
-        if problems:
-            raise RunnerError(
-                f"checkpoint.resume_from: {folder} belongs to another run (" + "; ".join(problems) + "); "
-                "resume with the same dataset, seeds and task, or start a new run folder"
-            )
+        state = checkpoint.check_resumable(folder, self.identity())
         buffer_state = checkpoint.read_buffer_state(folder, state["loader"])
         self.workers.get(
             [
