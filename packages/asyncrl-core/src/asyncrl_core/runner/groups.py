@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,6 +138,8 @@ class WorkerGroups:
         self.rollouts: list[Any] = []
         self.actors: list[Any] = []
         self.agent_loops: list[Any] = []
+        self.start_times: dict[str, float] = {}
+        """Seconds each stage of the start took: `engines and actor`, `agent loops`, `buffer`."""
         try:
             self._start(config, actor_model_path, rollout_model_path, run_dir, task_services)
         except BaseException:
@@ -157,6 +160,7 @@ class WorkerGroups:
 
         from asyncrl_core.actor.distributed import free_port
 
+        stage_started = time.perf_counter()
         nodes = cluster_devices(config.cluster.device_type)
         gpu = config.cluster.device_type == "gpu"
 
@@ -201,6 +205,8 @@ class WorkerGroups:
             [*endpoints, *versions], "the start of the engines and the actor", "runner.startup_timeout_s"
         )
         self.endpoints: list[EngineEndpoint] = started[: len(endpoints)]
+        self.start_times["engines and actor"] = time.perf_counter() - stage_started
+        stage_started = time.perf_counter()
 
         loop_class = ray.remote(AgentLoopWorker)
         for i in range(config.agentloop.num_workers):
@@ -221,6 +227,8 @@ class WorkerGroups:
             "the start of the agent loops",
             "runner.startup_timeout_s",
         )
+        self.start_times["agent loops"] = time.perf_counter() - stage_started
+        stage_started = time.perf_counter()
         buffer_class = ray.remote(BufferWorker)
         self.buffer = self._keep(
             buffer_class.options(
@@ -228,6 +236,8 @@ class WorkerGroups:
             ).remote(config, dataset_size)
         )
         self.buffer_port = RayBufferPort(self.buffer)
+        self.get(self.buffer.counts.remote(), "the start of the buffer", "runner.startup_timeout_s")
+        self.start_times["buffer"] = time.perf_counter() - stage_started
 
     def _keep(self, handle: Any) -> Any:
         self._handles.append(handle)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -70,16 +71,24 @@ def _run(config: AsyncRLConfig, run_dir: Path, stopper: RunStopper, *, owns_ray:
     from asyncrl_core.runner.tracking import RunTracker
     from asyncrl_core.runner.workers import build_task
 
+    stopper.phase = "the check of the checkpoint to resume"
+    resume = config.checkpoint.resume_from
+    # Every file of the checkpoint is checked against its manifest before anything starts: a damaged one is
+    # named at once (or passed over for `latest`), not after the workers' start-up.
+    checkpoint = resolve_resume(run_dir, resume) if resume is not None else None
     stopper.phase = "the start of Ray"
+    started = time.perf_counter()
     try:
         start_ray(config)
         stopper.take_signals()  # `ray.init` installed its own SIGTERM handler, which skips every cleanup
-        logger.info("Ray: %s", config.runner.ray_address or "a local instance")
+        ray_s = time.perf_counter() - started
+        logger.info("Ray: %s (%.1f s)", config.runner.ray_address or "a local instance", ray_s)
         stopper.phase = "start-up"
         task = build_task(config, {})
         with task.serve() as task_services:
             actor_path, rollout_path = _model_paths(config, task, run_dir)
             logger.info("starting the engines, the actor and the agent loops (model %s)", rollout_path)
+            workers_started = time.perf_counter()
             workers = WorkerGroups(
                 config,
                 actor_model_path=actor_path,
@@ -88,9 +97,15 @@ def _run(config: AsyncRLConfig, run_dir: Path, stopper: RunStopper, *, owns_ray:
                 task_services=dict(task_services),
                 stopped=stopper.stopped,
             )
+            logger.info(
+                "started in %.1f s: Ray %.1f s, task and model %.1f s, workers %.1f s (%s)",
+                time.perf_counter() - started,
+                ray_s,
+                workers_started - started - ray_s,
+                time.perf_counter() - workers_started,
+                ", ".join(f"{what} {seconds:.1f} s" for what, seconds in workers.start_times.items()),
+            )
             try:
-                resume = config.checkpoint.resume_from
-                checkpoint = resolve_resume(run_dir, resume) if resume is not None else None
                 with RunTracker(
                     run_dir,
                     config.logging,

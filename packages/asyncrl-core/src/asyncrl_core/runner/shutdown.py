@@ -182,7 +182,8 @@ def run_processes(token: str, *, exclude: set[int] | None = None) -> list[psutil
         if process.pid in skip:
             continue
         try:
-            if process.environ().get(RUN_TOKEN_ENV) == token:
+            # A zombie has exited already (its parent, or init, reaps it); it holds nothing.
+            if process.status() != psutil.STATUS_ZOMBIE and process.environ().get(RUN_TOKEN_ENV) == token:
                 found.append(process)
         except (psutil.Error, OSError):
             continue

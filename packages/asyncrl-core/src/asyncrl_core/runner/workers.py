@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -90,10 +91,13 @@ def pin_to_cores(cores: Sequence[int]) -> None:
     for thread_id in _thread_ids():
         with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
             os.sched_setaffinity(thread_id, chosen)
+    # torch sizes its thread pool from OMP_NUM_THREADS when it is imported; a process that has imported it
+    # already is told directly. Importing torch here only for that would cost the engine and agent-loop
+    # workers, which never use it, seconds of their start.
     os.environ["OMP_NUM_THREADS"] = str(len(chosen))
-    import torch
-
-    torch.set_num_threads(len(chosen))
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(len(chosen))
 
 
 def _thread_ids() -> list[int]:
