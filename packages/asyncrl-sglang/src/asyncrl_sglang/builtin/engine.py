@@ -56,6 +56,9 @@ STOP_TEXT_MAX_PENDING_TOKENS = 16
 string matcher takes their text as it decodes now (a character has at most 4 bytes)."""
 KV_BLOCK_SIZE = 16
 """Tokens per block of the prefix cache (a cached prefix is a whole number of blocks)."""
+CPU_PREFIX_CACHE_BYTES = 1 << 30
+"""On CPU the prefix cache's pool holds at most this many bytes by default (host memory is shared with the
+rest of the job; on CUDA the default is the size of the slots at full length)."""
 CUDA_PREFILL_INTERVAL = 8
 """On CUDA, waiting requests join the running batch at most every this many decode steps (unless the batch
 is empty or a quarter of its slots are waiting): an eager prefill costs ~25 ms of kernel launches for a
@@ -106,6 +109,8 @@ class Request:
     (the longest stop string's length minus one)."""
     cached_tokens: int = 0
     """Tokens whose KV came from the prefix cache instead of a prefill (summed over re-prefills)."""
+    kv_weights_epoch: int = -1
+    """The engine's `weights_epoch` when this request's KV was (re)computed at its last prefill."""
 
     @property
     def finished(self) -> bool:
@@ -196,14 +201,16 @@ class Engine:
         )
         """Decode steps between two admissions of waiting requests while others run (1: every step)."""
         self._steps_since_prefill = 0
+        self.weights_epoch = 0
+        """Counts weight loads: KV computed before the last load is stale under the current weights."""
+        if prefix_cache_tokens is None:
+            prefix_cache_tokens = max_running_requests * self.context_length
+            if model.device.type != "cuda":
+                c = model.config
+                token_bytes = 2 * c.num_layers * c.num_kv_heads * c.head_dim * model.embed.element_size()
+                prefix_cache_tokens = min(prefix_cache_tokens, CPU_PREFIX_CACHE_BYTES // token_bytes)
         self.prefix_cache = (
-            PrefixCache(
-                model.config,
-                model.device,
-                model.dtype,
-                kv_block_size,
-                prefix_cache_tokens or max_running_requests * self.context_length,
-            )
+            PrefixCache(model.config, model.device, model.dtype, kv_block_size, prefix_cache_tokens)
             if prefix_cache
             else None
         )
@@ -330,7 +337,10 @@ class Engine:
         """Stop forming batches. `retract` also frees the KV of every running request and requeues it."""
         if mode == "retract":
             for slot, request in enumerate(self.running):
-                self._store_prefix(request, slot)
+                # Only KV computed wholly under the current weights: a request kept through an in_place update
+                # holds older KV, and retraction promises a recomputation under the current weights.
+                if request.kv_weights_epoch == self.weights_epoch:
+                    self._store_prefix(request, slot)
             for request in reversed(self.running):
                 request.num_retractions += 1
                 self.counters.num_retracted_requests_total += 1
@@ -374,6 +384,7 @@ class Engine:
         KV by contract (for the requests it holds, and so for the cache).
         """
         self.model.load_named_tensors(tensors)
+        self.weights_epoch += 1
         if self.prefix_cache is not None and self.paused != "in_place":
             self.prefix_cache.clear()
         if self._graphs is not None:
@@ -576,6 +587,8 @@ class Engine:
                     sequences[row], self._cacheable_prefix(request, len(sequences[row])), cache, slots[row]
                 )
                 request.cached_tokens += starts[row]
+        for request in requests:
+            request.kv_weights_epoch = self.weights_epoch
         self.counters.cached_tokens_total += sum(starts)
         self.counters.prefill_tokens_total += sum(len(s) for s in sequences) - sum(starts)
         suffixes = [s[start:] for s, start in zip(sequences, starts, strict=True)]
