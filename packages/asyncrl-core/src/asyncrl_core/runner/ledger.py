@@ -232,7 +232,7 @@ def audit(data: Mapping[str, Any]) -> list[EpochAudit]:
             missing = [p for p in range(ledger.dataset_size) if (p, report.epoch) not in ledger.tickets]
             if missing:
                 shown = ", ".join(str(p) for p in missing[:10]) + (" ..." if len(missing) > 10 else "")
-                report.problems.append(f"{len(missing)} prompts were never issued: {shown}")
+                report.problems.append(f"{len(missing)} of its prompts never issued: {shown}")
     return [epochs[epoch] for epoch in sorted(epochs)]
 
 
