@@ -223,3 +223,77 @@ def test_agentic_workload_in_ci_size(tiny_model: EngineModel, engines: list[Engi
     assert result.prefill_tokens + result.cached_tokens == sum(
         r.num_tokens - len(r.output_ids) for t in result.turns for r in t
     )
+
+
+def test_waiting_requests_join_at_the_prefill_interval(tiny_model: EngineModel) -> None:
+    """With others running, a waiting request is admitted at the interval's step, or at once when the batch
+    is empty or a quarter of the slots' worth waits (the scheduler's steps run here by hand, no thread)."""
+    engine = Engine(tiny_model, max_running_requests=8, prefill_interval=3)
+    options = SamplingOptions(max_new_tokens=50, temperature=0.0, ignore_eos=True)
+
+    def request(name: str) -> Request:
+        return Request(rid=name, prompt_ids=[5, 6, 7], options=options)
+
+    engine.add_request(request("first"))
+    engine._step()  # pyright: ignore[reportPrivateUsage]
+    assert (engine.num_running, engine.num_waiting) == (1, 0)  # an empty batch admits at once
+    engine.add_request(request("second"))
+    waiting: list[int] = []
+    for _ in range(3):
+        engine._step()  # pyright: ignore[reportPrivateUsage]
+        waiting.append(engine.num_waiting)
+    assert waiting == [1, 1, 0]
+    engine.add_request(request("third"))
+    engine.add_request(request("fourth"))
+    engine._step()  # pyright: ignore[reportPrivateUsage]
+    assert engine.num_waiting == 0  # 2 waiting = a quarter of 8 slots
+    assert Engine(tiny_model).prefill_interval == 1  # on CPU every step admits
+
+
+def test_the_cpu_pool_defaults_to_a_gibibyte(tiny_model: EngineModel) -> None:
+    engine = Engine(tiny_model, max_running_requests=1024, context_length=4096, kv_block_size=BLOCK)
+    assert engine.prefix_cache is not None
+    assert 0 < engine.prefix_cache.pool.max_blocks * BLOCK * _token_bytes(tiny_model) <= 1 << 30
+    assert Engine(tiny_model, prefix_cache_tokens=64).prefix_cache.pool.max_blocks == 64 // 16  # type: ignore[union-attr]
+
+
+def _token_bytes(model: EngineModel) -> int:
+    c = model.config
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
+
+
+def test_a_retract_on_top_of_an_in_place_update_recomputes_the_kept_kv(
+    tiny_llama_path: Path, engines: list[Engine]
+) -> None:
+    model = EngineModel.from_pretrained(tiny_llama_path)
+    engine = _start(engines, model)
+    started, done = threading.Event(), threading.Event()
+
+    def on_update(request: Request, finished: bool) -> None:
+        if len(request.output_ids) >= 3:
+            started.set()
+        if finished:
+            done.set()
+
+    options = SamplingOptions(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    request = Request(
+        rid="kept", prompt_ids=list(range(50, 70)), options=options, on_update=on_update, stream=True
+    )
+    engine.call(lambda: engine.add_request(request), timeout_s=WAIT_S)
+    assert started.wait(WAIT_S)
+    engine.call(lambda: engine.pause("in_place"))
+    noise = torch.Generator().manual_seed(5)
+    engine.call(
+        lambda: engine.load_weights(
+            [
+                (n, model.named[n] + 0.02 * torch.randn(model.named[n].shape, generator=noise))
+                for n in sorted(model.required_names())
+            ],
+            "v2",
+        )
+    )
+    engine.call(lambda: engine.pause("retract"))
+    engine.call(engine.resume)
+    assert done.wait(WAIT_S)
+    assert request.num_retractions == 1
+    assert request.cached_tokens == 0
