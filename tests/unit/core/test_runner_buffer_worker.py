@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
+
 from asyncrl_core import metrics
 from asyncrl_core.config import AsyncRLConfig, load_config
-from asyncrl_core.runner.workers import BufferWorker, LocalBufferPort
+from asyncrl_core.runner.workers import BufferWorker, LocalBufferPort, RunnerError
 from asyncrl_core.types import NO_VERSION, Group, Trajectory
 
 
@@ -36,7 +38,7 @@ def _group(group_id: int, prompt_index: int, version: int) -> Group:
 
 
 def _balanced(counts: dict[str, int]) -> bool:
-    parts = ("trained", "dropped", "abandoned", "inflight", "buffered")
+    parts = ("trained", "dropped", "abandoned", "failed", "inflight", "buffered")
     return counts["issued"] == sum(counts[part] for part in parts)
 
 
@@ -89,3 +91,55 @@ def test_the_local_port_serves_async_callers(tmp_path: Path) -> None:
     batch = worker.take_batch(2, actor_version=0, timeout_s=1.0)
     assert batch is not None
     assert [group.prompt_index for group in batch.groups] == [0, 1]
+
+
+def test_a_permanent_failure_drops_the_prompt_for_good_with_its_reason(tmp_path: Path) -> None:
+    worker = BufferWorker(_config(tmp_path), dataset_size=3)
+    (first, prompt_a), (second, prompt_b), (third, _) = worker.admit(3, timeout_s=0.0)
+    worker.abandon(first, "PromptTooLongError: prompt 'x' has 900 tokens")
+    worker.abandon(second)  # retryable: handed back
+    worker.abandon(third)
+    step = worker.end_step()
+    assert (step[metrics.FAILED_GROUPS_DROPPED], step[metrics.FAILED_GROUPS_RETRIED]) == (1.0, 2.0)
+    assert worker.failure_reasons == {prompt_a: "PromptTooLongError: prompt 'x' has 900 tokens"}
+    counts = worker.counts()
+    assert (counts["failed"], counts["abandoned"]) == (1, 2)
+    assert _balanced(counts)
+    # Epoch 1 skips the dropped prompt; the handed-back ones come again, never the dropped one.
+    issued = [prompt for _, prompt in worker.admit(3, timeout_s=0.0)]
+    assert prompt_a not in issued
+    assert prompt_b in issued
+    assert worker.end_step()[metrics.FAILED_GROUPS_DROPPED] == 0.0  # counted per step
+
+
+def test_every_prompt_failing_for_good_is_an_error_not_a_loop(tmp_path: Path) -> None:
+    worker = BufferWorker(_config(tmp_path), dataset_size=2)
+    for group_id, _ in worker.admit(2, timeout_s=0.0):
+        worker.abandon(group_id, "GenerationError: refused")
+    with pytest.raises(RunnerError, match="every prompt of the dataset \\(2\\) failed for good"):
+        worker.admit(1, timeout_s=0.0)
+
+
+def test_failures_beyond_the_step_limit_stop_the_run_naming_the_setting(tmp_path: Path) -> None:
+    worker = BufferWorker(
+        _config(tmp_path, **{"rollout_buffer.max_failed_groups_per_step": 2}), dataset_size=8
+    )
+    for group_id, _ in worker.admit(3, timeout_s=0.0):
+        worker.abandon(group_id)
+    with pytest.raises(RunnerError, match="max_failed_groups_per_step \\(2\\)"):
+        worker.take_batch(2, actor_version=0, timeout_s=0.0)
+    with pytest.raises(RunnerError, match="max_failed_groups_per_step"):
+        worker.admit(1, timeout_s=0.0)
+
+
+def test_a_dead_workers_groups_are_handed_back(tmp_path: Path) -> None:
+    worker = BufferWorker(_config(tmp_path), dataset_size=8)
+    ((kept, kept_prompt),) = worker.admit(1, timeout_s=0.0, worker_index=0)
+    lost = worker.admit(2, timeout_s=0.0, worker_index=1)
+    worker.complete(_group(lost[0][0], lost[0][1], 0))  # finished before the worker died: kept
+    assert worker.hand_back(1) == 1
+    assert worker.hand_back(1) == 0  # nothing is handed back twice
+    counts = worker.counts()
+    assert (counts["inflight"], counts["buffered"], counts["abandoned"]) == (1, 1, 1)
+    assert _balanced(counts)
+    worker.complete(_group(kept, kept_prompt, 0))

@@ -96,14 +96,14 @@ class RayBufferPort:
     def __init__(self, handle: Any) -> None:
         self.handle = handle
 
-    async def admit(self, max_groups: int, timeout_s: float) -> list[tuple[int, int]]:
-        return await self.handle.admit.remote(max_groups, timeout_s)
+    async def admit(self, max_groups: int, timeout_s: float, worker_index: int = 0) -> list[tuple[int, int]]:
+        return await self.handle.admit.remote(max_groups, timeout_s, worker_index)
 
     async def complete(self, group: Group) -> bool:
         return await self.handle.complete.remote(group)
 
-    async def abandon(self, group_id: int) -> None:
-        await self.handle.abandon.remote(group_id)
+    async def abandon(self, group_id: int, reason: str | None = None) -> None:
+        await self.handle.abandon.remote(group_id, reason)
 
 
 class WorkerGroups:

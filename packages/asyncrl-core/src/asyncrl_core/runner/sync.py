@@ -21,7 +21,7 @@ def run_sync(ctx: RunContext) -> None:
             "rollout",
         )
         rollout_s = time.perf_counter() - started
-        batch = workers.buffer.take_batch.remote(batch_size, ctx.version, ctx.timeout_s)
+        batch = ctx.wait_batch(lambda: workers.buffer.take_batch.remote(batch_size, ctx.version, 1.0), [])
         train_metrics = ctx.train(batch)
         sync_metrics = workers.sync_weights(ctx.config.rollout.pause_mode)
         buffer_metrics = workers.get(workers.buffer.end_step.remote(), "buffer statistics")
