@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from asyncrl_core import metrics
 from asyncrl_core.runner.dataloader import LoaderState
+from asyncrl_core.runner.liveness import Liveness
 from asyncrl_core.runner.workers import RunnerError
 
 if TYPE_CHECKING:
@@ -42,6 +43,8 @@ class RunContext:
         self.timeout_s = config.rollout.request_timeout_s
         self._pending_eval: Any = None
         self._pending_eval_version = 0
+        self.liveness = Liveness(workers, run_dir)
+        """The watch over engines and agent loops the drivers wait through."""
 
     # --- driver helpers --------------------------------------------------------------------------------
 
@@ -52,36 +55,66 @@ class RunContext:
         return [(loop, base + (index < extra)) for index, loop in enumerate(loops) if base + (index < extra)]
 
     def train(self, batch: Any) -> dict[str, float]:
-        """One step of every actor rank on `batch` (a Ray reference or a `Batch`); rank 0's metrics."""
-        results = self.workers.get([actor.train.remote(batch) for actor in self.workers.actors], "training")
+        """One step of every actor rank on `batch` (a Ray reference or a `Batch`); rank 0's metrics. A rank
+        that dies stops the run at once with its rank and error (the others may wait for it forever)."""
+        results = self.wait_all(
+            [actor.train.remote(batch) for actor in self.workers.actors], "training", "actor rank"
+        )
         self.version += 1
         return results[0]
 
-    def wait_batch(self, take: Callable[[], Any], serving: Sequence[Any]) -> Any:
-        """Poll `take()` (a hand-off that waits up to a second) until it yields a batch, failing fast when an
-        agent-loop worker stopped (its error is raised) and after `rollout.request_timeout_s` without data."""
+    def wait_all(self, refs: Sequence[Any], what: str, part: str) -> list[Any]:
+        """The results of calls `refs` (in order), one per worker of a kind (`part`: `actor rank`,
+        `agent-loop worker`), while the engines are watched (a failed one is restarted meanwhile);
+        `RunnerError` naming the worker that died, or after `rollout.request_timeout_s`."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        deadline = time.monotonic() + self.timeout_s
+        pending = list(refs)
+        while pending:
+            watched = self.liveness.refs()
+            ready, _ = ray.wait(
+                [*pending, *watched], num_returns=1, timeout=max(0.0, deadline - time.monotonic())
+            )
+            if not ready:
+                raise RunnerError(
+                    f"{what} did not finish within {self.timeout_s:.0f} s (rollout.request_timeout_s)"
+                )
+            if ready[0] in watched:
+                self.liveness.recover(ready[0])
+                continue
+            pending.remove(ready[0])
+            try:
+                ray.get(ready[0], timeout=0)
+            except RayActorError as error:
+                index = list(refs).index(ready[0])
+                raise self.liveness.fatal(f"{part} {index}", f"died during {what}: {error}") from error
+        return self.workers.get(list(refs), what)
+
+    def wait_batch(self, take: Callable[[], Any]) -> Any:
+        """Poll `take()` (a hand-off that waits up to a second) until it yields a batch, while the engines
+        and agent loops are watched (a failed one is restarted, or its error raised); `RunnerError` after
+        `rollout.request_timeout_s` without data."""
         import ray
 
         deadline = time.monotonic() + self.timeout_s
-        while time.monotonic() < deadline:
-            ref = take()
-            ready, _ = ray.wait([ref, *serving], num_returns=1, timeout=self.timeout_s)
+        ref = take()
+        while True:
+            watched = self.liveness.refs()
+            ready, _ = ray.wait([ref, *watched], num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if ready and ready[0] is not ref:
-                self.workers.get(ready[0], "the agent loop")
-                raise RunnerError("an agent-loop worker stopped while the run needed data")
-            batch = self.workers.get(ref, "the hand-off of a batch")
+                self.liveness.recover(ready[0])
+                continue
+            batch = self.workers.get(ref, "the hand-off of a batch") if ready else None
             if batch is not None:
                 return batch
-        raise RunnerError(
-            f"no batch of {self.config.data.rollout_batch_size} groups was ready within "
-            f"{self.timeout_s:.0f} s (rollout.request_timeout_s)"
-        )
-
-    def stop_serving(self, serving: Sequence[Any]) -> None:
-        """End the agent loops' continuous generation and wait for their running groups."""
-        for loop in self.workers.agent_loops:
-            loop.stop.remote()
-        self.workers.get(list(serving), "stopping the agent loops")
+            if time.monotonic() >= deadline:
+                raise RunnerError(
+                    f"no batch of {self.config.data.rollout_batch_size} groups was ready within "
+                    f"{self.timeout_s:.0f} s (rollout.request_timeout_s)"
+                )
+            ref = take()
 
     # --- end of a step ---------------------------------------------------------------------------------
 

@@ -30,6 +30,8 @@ from asyncrl_core.types import Group
 if TYPE_CHECKING:
     from asyncrl_core.config import AsyncRLConfig
 
+ROLLOUT_CALLS = 4
+"""Concurrent calls a rollout worker serves: its `watch` blocks for the whole run beside the others."""
 MAX_BUFFER_CALLS = 64
 """Concurrent calls the buffer worker serves (blocking admissions of every agent-loop worker, completions
 and the driver's hand-off at once)."""
@@ -140,7 +142,9 @@ class WorkerGroups:
             share = rollout_devices[index * tp : (index + 1) * tp] if gpu else rollout_devices
             self.rollouts.append(
                 self._keep(
-                    rollout_class.options(**remote_options(config, rollout_node, share)).remote(
+                    rollout_class.options(
+                        **remote_options(config, rollout_node, share), max_concurrency=ROLLOUT_CALLS
+                    ).remote(
                         config, model_path=rollout_model_path, index=index, devices=share, run_dir=run_dir
                     )
                 )
@@ -174,19 +178,21 @@ class WorkerGroups:
         self.endpoints: list[EngineEndpoint] = started[: len(endpoints)]
 
         loop_class = ray.remote(AgentLoopWorker)
-        self.agent_loops = [
-            self._keep(
+
+        def agent_loop(index: int) -> Any:
+            return self._keep(
                 loop_class.options(**remote_options(config, rollout_node, ())).remote(
                     config,
                     model_path=rollout_model_path,
                     endpoints=self.endpoints,
                     task_services=task_services,
-                    worker_index=i,
+                    worker_index=index,
                     cores=() if gpu else rollout_devices,
                 )
             )
-            for i in range(config.agentloop.num_workers)
-        ]
+
+        self._agent_loop = agent_loop
+        self.agent_loops = [agent_loop(i) for i in range(config.agentloop.num_workers)]
         dataset_size: int = self.get(self.agent_loops[0].dataset_size.remote(), "agent loop start")
         buffer_class = ray.remote(BufferWorker)
         self.buffer = self._keep(
@@ -195,6 +201,18 @@ class WorkerGroups:
             ).remote(config, dataset_size)
         )
         self.buffer_port = RayBufferPort(self.buffer)
+
+    def restart_agent_loop(self, index: int) -> Any:
+        """A new agent-loop worker in place of worker `index` (whose process died); returns its handle once
+        it has started."""
+        import ray
+
+        old = self.agent_loops[index]
+        ray.kill(old)
+        self._handles.remove(old)
+        self.agent_loops[index] = self._agent_loop(index)
+        self.get(self.agent_loops[index].dataset_size.remote(), f"restarting agent-loop worker {index}")
+        return self.agent_loops[index]
 
     def _keep(self, handle: Any) -> Any:
         self._handles.append(handle)

@@ -544,8 +544,27 @@ def _connect_engines(config: AsyncRLConfig, endpoints: Sequence[EngineEndpoint])
 # Rollout
 
 
+@dataclass(frozen=True, slots=True)
+class EngineFailure:
+    """What `RolloutWorker.watch` saw happen to its engine process."""
+
+    index: int
+    """The engine's index among the rollout workers."""
+    what: str
+    """What happened, for a message: `exited with status -9`, `stopped answering /health for 15 s`."""
+    log_tail: str
+    """The end of the engine's log."""
+    detected_at: float
+    """Unix time at which the watch saw it."""
+
+
 class RolloutWorker:
-    """One engine server process (built-in or SGLang) on `devices`, started through the rollout backend."""
+    """One engine server process (built-in or SGLang) on `devices`, started through the rollout backend.
+
+    `watch` returns when the process exits or stops answering `/health` for `rollout.engine_unresponsive_s`
+    (the process is then killed, so the requests it held fail at once); `restart` starts it again on the
+    same address. Both run beside the other calls (the Ray actor serves several at once).
+    """
 
     def __init__(
         self, config: AsyncRLConfig, *, model_path: str, index: int, devices: Sequence[int], run_dir: Path
@@ -565,14 +584,74 @@ class RolloutWorker:
                 ),
             }
         )
-        self.engines = launch(rollout, run_dir=run_dir / f"rollout-{index}", devices=tuple(devices), gpu=gpu)
+        self.index = index
+        self.unresponsive_s = config.rollout.engine_unresponsive_s
+        self.api_key = config.rollout.sglang.api_key
+        self._launch = lambda: launch(
+            rollout, run_dir=run_dir / f"rollout-{index}", devices=tuple(devices), gpu=gpu
+        )
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self.engines = self._launch()
 
     def endpoint(self) -> EngineEndpoint:
         """Where the engine answers: HTTP for control, and gRPC for generation when configured."""
         return EngineEndpoint(str(self.engines.urls[0]), self.engines.grpc_targets[0])
 
+    def pid(self) -> int | None:
+        """The engine process's id (None for an `external` engine)."""
+        processes = self.engines.processes
+        return int(processes[0].pid) if processes else None
+
+    def watch(self, poll_s: float = 1.0) -> EngineFailure | None:
+        """Block until the engine fails: its process exits, or `/health` stays unanswered for
+        `rollout.engine_unresponsive_s` (then the process group is killed). None once `stop` was called."""
+        from asyncrl_core.server_process import http_ok
+
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+        last_answer = time.monotonic()
+        while not self._stopped.wait(poll_s):
+            with self._lock:
+                engines = self.engines
+            process = engines.processes[0] if engines.processes else None
+            if process is not None and (code := process.returncode()) is not None:
+                if self._stopped.is_set():
+                    return None
+                return EngineFailure(
+                    self.index, f"exited with status {code}", process.log_tail(), time.time()
+                )
+            probe_s = min(5.0, self.unresponsive_s)
+            if http_ok(f"{engines.urls[0]}/health", headers=headers, timeout_s=probe_s):
+                last_answer = time.monotonic()
+            elif time.monotonic() - last_answer >= self.unresponsive_s and not self._stopped.is_set():
+                silent_s = time.monotonic() - last_answer
+                detected_at = time.time()
+                if process is not None:
+                    process.stop(grace_s=1.0)  # SIGKILL reaches a stopped process; SIGTERM waits for it
+                return EngineFailure(
+                    self.index,
+                    f"stopped answering /health for {silent_s:.0f} s (rollout.engine_unresponsive_s)",
+                    process.log_tail() if process is not None else "",
+                    detected_at,
+                )
+        return None
+
+    def restart(self) -> EngineEndpoint:
+        """Stop what is left of the engine and start it again (same command, same address); returns its
+        endpoint once it is healthy. It serves the model it started with: push the current weights next."""
+        with self._lock:
+            if not self.engines.processes:
+                raise RunnerError(
+                    f"engine {self.index} at {self.engines.urls[0]} is external: it cannot be restarted"
+                )
+            self.engines.stop()
+            self.engines = self._launch()
+        return self.endpoint()
+
     def stop(self) -> None:
-        self.engines.stop()
+        self._stopped.set()
+        with self._lock:
+            self.engines.stop()
 
 
 # ---------------------------------------------------------------------------------------------------------
