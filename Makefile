@@ -25,12 +25,14 @@ wheels:  ## build the wheel of every distribution into $(DIST)/ (the Rust extens
 	@command -v uv >/dev/null 2>&1 || python3 -m uv --version >/dev/null 2>&1 || python3 -m pip install --quiet uv
 	$(UV) build --all-packages --wheel --out-dir $(DIST)
 
-lint:  ## ruff, rustfmt and clippy, warnings as errors
+lint:  ## ruff, rustfmt, clippy and the guide's strict build, warnings as errors
 	$(UV) run ruff check .
 	$(UV) run ruff format --check .
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) clippy --workspace --features buffer_core/python -- -D warnings
+# the user guide, warnings as errors (links and anchors included); offline
+	NO_MKDOCS_2_WARNING=1 $(UV) run mkdocs build --strict --quiet -f docs/mkdocs.yml
 
 typecheck:  ## pyright (strict on packages/*/src) and stubtest of the Rust extension's .pyi
 	$(UV) run pyright

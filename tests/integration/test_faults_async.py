@@ -4,8 +4,8 @@ One run takes three faults in turn, each once the previous one has recovered and
 engine process is killed (SIGKILL), its agent-loop worker is killed, and its (restarted) engine is frozen
 (SIGSTOP, so it stops answering). A second run has its actor killed. From the runs' own records: each
 failure is named within 30 s of the fault (`faults.jsonl`), the first run recovers from each and trains
-every step once, the second stops with an error naming the actor's rank, every prompt is accounted for,
-and no process of either run is left.
+every step once, the second stops with an error naming the actor's rank, every prompt is accounted for (the
+ledger's audit, `summary.json`), and no process of either run is left.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from runner_testing import read_metrics, read_summary, run_config
 
 from asyncrl_core import metrics
 from asyncrl_core.runner import run
+from asyncrl_core.runner.ledger import audit_run
 from asyncrl_core.runner.workers import RunnerError
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -46,21 +47,21 @@ def local_ray() -> Iterator[None]:
     ray.shutdown()
 
 
-def _faulted_config(tmp_path: Path, model_path: Path, num_steps: int) -> object:
+def _faulted_config(tmp_path: Path, model_path: Path, num_steps: int, save_every_steps: int | None) -> object:
     return run_config(
         tmp_path,
         model_path,
         runner={"num_steps": num_steps},
         rollout={"engine_unresponsive_s": 10, "max_engine_restarts": 2},
         agentloop={"max_worker_restarts": 1, "task_args": {"num_train": 64, "num_test": 4}},
-        checkpoint={"save_at_end": False},
+        checkpoint={"save_at_end": False, "save_every_steps": save_every_steps},
     )
 
 
 @pytest.fixture(scope="module")
 def recovered_run(tmp_path_factory: pytest.TempPathFactory, tiny_llama_path: Path) -> tuple[Path, Injector]:
     tmp_path = tmp_path_factory.mktemp("faults")
-    config = _faulted_config(tmp_path, tiny_llama_path, NUM_STEPS)
+    config = _faulted_config(tmp_path, tiny_llama_path, NUM_STEPS, None)
     run_dir = tmp_path / "run"
 
     def plan(injector: Injector) -> None:
@@ -116,15 +117,16 @@ def test_the_run_trains_every_step_once_and_counts_the_restarts(recovered_run: t
 
 def test_every_prompt_is_accounted_for(recovered_run: tuple[Path, Injector]) -> None:
     run_dir, _ = recovered_run
+    sound, lines = audit_run(run_dir)
+    assert sound, lines
     prompts = read_summary(run_dir)["prompts"]
-    parts = ("trained", "dropped", "abandoned", "failed", "inflight", "buffered")
+    parts = ("trained", "handed_back", "dropped", "inflight", "buffered")
     assert prompts["issued"] == sum(prompts[part] for part in parts)
     assert prompts["trained"] == 2 * NUM_STEPS
     assert prompts["inflight"] == 0
     records = [record for record in read_metrics(run_dir) if metrics.TIME_STEP in record]
-    retried = sum(record[metrics.FAILED_GROUPS_RETRIED] for record in records)
-    assert prompts["abandoned"] == retried
-    assert prompts["failed"] == sum(record[metrics.FAILED_GROUPS_DROPPED] for record in records) == 0
+    assert prompts["handed_back"] == sum(record[metrics.FAILED_GROUPS_RETRIED] for record in records)
+    assert prompts["dropped"] == sum(record[metrics.FAILED_GROUPS_DROPPED] for record in records) == 0
 
 
 def test_no_process_of_the_recovered_run_is_left(
@@ -134,7 +136,7 @@ def test_no_process_of_the_recovered_run_is_left(
 
 
 def test_a_dead_actor_stops_the_run_naming_its_rank(tmp_path: Path, tiny_llama_path: Path) -> None:
-    config = _faulted_config(tmp_path, tiny_llama_path, 30)
+    config = _faulted_config(tmp_path, tiny_llama_path, 30, 1)
     run_dir = tmp_path / "run"
 
     def plan(injector: Injector) -> None:
@@ -153,4 +155,8 @@ def test_a_dead_actor_stops_the_run_naming_its_rank(tmp_path: Path, tiny_llama_p
     fatal = first_event(run_dir, fault, "fatal")
     assert fatal["time"] - fault.at <= NAMED_WITHIN_S
     assert read_metrics(run_dir)  # it trained before the fault
+    # The last checkpoint's ledger accounts for every prompt issued up to it: the run resumes from there.
+    assert list((run_dir / "checkpoints").iterdir())
+    sound, lines = audit_run(run_dir)
+    assert sound, lines
     wait_until(lambda: not leftovers(tiny_llama_path), 60, "the end of every process of the run")

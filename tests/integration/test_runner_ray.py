@@ -59,7 +59,7 @@ def test_async_run_in_each_pause_mode(tmp_path: Path, tiny_llama_path: Path, pau
     assert summary["version"] == 2
     prompts = summary["prompts"]
     assert prompts["trained"] == 4
-    assert prompts["issued"] == sum(prompts[key] for key in ("trained", "dropped", "abandoned", "buffered"))
+    assert prompts["issued"] == sum(prompts[key] for key in ("trained", "dropped", "handed_back", "buffered"))
     assert prompts["inflight"] == 0
     assert (run_dir / "curves.png").stat().st_size > 0
     assert (run_dir / "checkpoints" / "step_2" / "runner_state.json").is_file()
@@ -100,5 +100,5 @@ def test_staleness_cap_drops_and_returns_prompts(tmp_path: Path, tiny_llama_path
     prompts = read_summary(run_dir)["prompts"]
     assert prompts["dropped"] == sum(record[metrics.DROPPED_GROUPS] for record in records)
     assert prompts["dropped"] > 0
-    assert prompts["issued"] == sum(prompts[key] for key in ("trained", "dropped", "abandoned", "buffered"))
+    assert prompts["issued"] == sum(prompts[key] for key in ("trained", "dropped", "handed_back", "buffered"))
     assert prompts["epoch"] >= 2  # 4 prompts, more than 8 issued: dropped ones came back in later epochs

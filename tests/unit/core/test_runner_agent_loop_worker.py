@@ -130,7 +130,7 @@ async def test_sync_rollout_replaces_failed_groups_by_the_kind_of_their_error(
     assert await worker.run_groups(LocalBufferPort(buffer), 2, timeout_s=60) == 2
     await worker.aclose()
     counts = buffer.counts()
-    assert (counts["issued"], counts["abandoned"], counts["failed"], counts["buffered"]) == (4, 1, 1, 2)
+    assert (counts["issued"], counts["handed_back"], counts["dropped"], counts["buffered"]) == (4, 1, 1, 2)
     assert list(buffer.failure_reasons.values()) == [
         "GenerationError: http://127.0.0.1:9/generate refused request r (400): too long"
     ]

@@ -1,5 +1,6 @@
 """The runner's buffer worker in one process: prompts issued under the limits, retried completions,
-abandoned and dropped prompts handed back to the dataloader, and counts that add up."""
+abandoned and dropped prompts handed back to the dataloader, permanent failures dropped with their reason,
+counts that add up, the ledger, and the state a checkpoint takes and a resume restores."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import pytest
 
 from asyncrl_core import metrics
 from asyncrl_core.config import AsyncRLConfig, load_config
+from asyncrl_core.errors import InvalidGroupError
+from asyncrl_core.runner.ledger import audit
 from asyncrl_core.runner.workers import BufferWorker, LocalBufferPort, RunnerError
 from asyncrl_core.types import NO_VERSION, Group, Trajectory
 
@@ -38,7 +41,7 @@ def _group(group_id: int, prompt_index: int, version: int) -> Group:
 
 
 def _balanced(counts: dict[str, int]) -> bool:
-    parts = ("trained", "dropped", "abandoned", "failed", "inflight", "buffered")
+    parts = ("trained", "dropped", "handed_back", "inflight", "buffered")
     return counts["issued"] == sum(counts[part] for part in parts)
 
 
@@ -69,7 +72,8 @@ def test_abandoned_and_dropped_prompts_come_back_in_a_later_epoch(tmp_path: Path
     assert worker.take_batch(2, actor_version=1, timeout_s=0.0) is None
     assert worker.end_step()[metrics.DROPPED_GROUPS] == 1.0
     counts = worker.counts()
-    assert (counts["abandoned"], counts["dropped"], counts["trained"], counts["buffered"]) == (1, 1, 2, 1)
+    assert (counts["handed_back"], counts["dropped"], counts["trained"], counts["buffered"]) == (1, 1, 2, 1)
+    assert counts["dropped_stale"] == 1
     assert _balanced(counts)
     assert [prompt_a, prompt_b, prompt_c, prompt_d, prompt_e] == [0, 1, 2, 0, 1]
     # The rest of epoch 1, then the prompt abandoned in epoch 0, then epoch 2 opens; the prompt dropped in
@@ -93,23 +97,80 @@ def test_the_local_port_serves_async_callers(tmp_path: Path) -> None:
     assert [group.prompt_index for group in batch.groups] == [0, 1]
 
 
-def test_a_permanent_failure_drops_the_prompt_for_good_with_its_reason(tmp_path: Path) -> None:
+def test_a_permanent_failure_drops_the_prompt_with_its_reason(tmp_path: Path) -> None:
     worker = BufferWorker(_config(tmp_path), dataset_size=3)
-    (first, prompt_a), (second, prompt_b), (third, _) = worker.admit(3, timeout_s=0.0)
-    worker.abandon(first, "PromptTooLongError: prompt 'x' has 900 tokens")
-    worker.abandon(second)  # retryable: handed back
-    worker.abandon(third)
+    port = LocalBufferPort(worker)
+    (first, prompt_a), (second, _), (third, prompt_c) = worker.admit(3, timeout_s=0.0)
+
+    async def fail() -> None:
+        await port.abandon(first, "prompt too long")  # permanent: dropped, never issued again
+        await port.abandon(third)  # retryable: handed back
+
+    asyncio.run(fail())
     step = worker.end_step()
-    assert (step[metrics.FAILED_GROUPS_DROPPED], step[metrics.FAILED_GROUPS_RETRIED]) == (1.0, 2.0)
-    assert worker.failure_reasons == {prompt_a: "PromptTooLongError: prompt 'x' has 900 tokens"}
+    assert (step[metrics.FAILED_GROUPS_DROPPED], step[metrics.FAILED_GROUPS_RETRIED]) == (1.0, 1.0)
+    assert worker.failure_reasons == {prompt_a: "prompt too long"}
+    with pytest.raises(InvalidGroupError):  # no longer in flight: nothing changes
+        worker.abandon(first, "prompt too long")
+    with pytest.raises(ValueError, match="non-empty reason"):
+        worker.abandon(second, " ")
+    assert worker.complete(_group(second, 1, 0))
     counts = worker.counts()
-    assert (counts["failed"], counts["abandoned"]) == (1, 2)
+    assert (counts["dropped"], counts["handed_back"], counts["buffered"]) == (1, 1, 1)
     assert _balanced(counts)
-    # Epoch 1 skips the dropped prompt; the handed-back ones come again, never the dropped one.
+    ledger = worker.ledger_json()
+    assert ledger["prompts"][str(prompt_a)]["dropped"] == {"prompt too long": 1}
+    assert ledger["prompts"][str(prompt_c)]["handed_back"] == 1
+    # Epoch 1 without the prompt dropped for good (its ticket is dropped for the same reason), then the
+    # handed-back prompt of epoch 0.
     issued = [prompt for _, prompt in worker.admit(3, timeout_s=0.0)]
-    assert prompt_a not in issued
-    assert prompt_b in issued
+    assert (prompt_a, prompt_c) == (0, 2)
+    assert issued == [1, 2, 2]
+    assert [prompt_a, 1, 0, "prompt too long"] in worker.ledger_json()["tickets"]
     assert worker.end_step()[metrics.FAILED_GROUPS_DROPPED] == 0.0  # counted per step
+
+
+def test_the_ledger_audits_every_ticket_of_each_issued_epoch(tmp_path: Path) -> None:
+    worker = BufferWorker(_config(tmp_path, **{"rollout_buffer.max_inflight_groups": 4}), dataset_size=2)
+    for _ in range(3):  # three epochs of two prompts, each trained once
+        admitted = worker.admit(2, timeout_s=0.0)
+        for group_id, prompt in admitted:
+            assert worker.complete(_group(group_id, prompt, 0))
+        assert worker.take_batch(2, actor_version=0, timeout_s=0.0) is not None
+    reports = audit(worker.ledger_json())
+    assert [(r.epoch, r.complete, r.trained, r.problems) for r in reports] == [
+        (0, True, 2, []),
+        (1, True, 2, []),
+        (2, True, 2, []),
+    ]
+    # A group in flight when its ledger is written is open, not lost; one the buffer no longer holds is lost.
+    (group_id, _), *_ = worker.admit(1, timeout_s=0.0)
+    assert audit(worker.ledger_json())[3].open == 1
+    worker.buffer.abandon(group_id)  # behind the ledger's back: the prompt is lost
+    (report,) = [r for r in audit(worker.ledger_json()) if r.epoch == 3]
+    assert report.problems == ["prompt 0 was issued and then lost (neither trained, dropped nor held)"]
+
+
+def test_restored_state_reissues_the_inflight_prompts_first_and_keeps_the_buffered(tmp_path: Path) -> None:
+    worker = BufferWorker(_config(tmp_path), dataset_size=5)
+    (first, prompt_a), (second, prompt_b), (_third, prompt_c) = worker.admit(3, timeout_s=0.0)
+    worker.complete(_group(second, prompt_b, 0))
+    state = worker.state()
+    worker.admit(1, timeout_s=0.0)  # after the checkpoint: forgotten by the restart
+
+    resumed = BufferWorker(_config(tmp_path), dataset_size=5)
+    assert resumed.restore(state) == [prompt_a, prompt_c]
+    counts = resumed.counts()
+    assert (counts["issued"], counts["handed_back"], counts["buffered"], counts["inflight"]) == (3, 2, 1, 0)
+    # The prompts in flight come first, then the dataset's order where the checkpoint left it.
+    assert [prompt for _, prompt in resumed.admit(3, timeout_s=0.0)] == [prompt_a, prompt_c, 3]
+    for group_id, prompt in resumed.buffer.inflight_groups():
+        resumed.complete(_group(group_id, prompt, 0))
+    batch = resumed.take_batch(4, actor_version=0, timeout_s=0.0)
+    assert batch is not None
+    assert sorted(group.prompt_index for group in batch.groups) == [0, 1, 2, 3]
+    assert batch.groups[0].group_id == first + 1 == second  # the buffered group, kept with its id
+    assert all(not r.problems for r in audit(resumed.ledger_json()))
 
 
 def test_every_prompt_failing_for_good_is_an_error_not_a_loop(tmp_path: Path) -> None:
@@ -140,6 +201,6 @@ def test_a_dead_workers_groups_are_handed_back(tmp_path: Path) -> None:
     assert worker.hand_back(1) == 1
     assert worker.hand_back(1) == 0  # nothing is handed back twice
     counts = worker.counts()
-    assert (counts["inflight"], counts["buffered"], counts["abandoned"]) == (1, 1, 1)
+    assert (counts["inflight"], counts["buffered"], counts["handed_back"]) == (1, 1, 1)
     assert _balanced(counts)
     worker.complete(_group(kept, kept_prompt, 0))

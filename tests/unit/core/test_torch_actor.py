@@ -6,8 +6,10 @@ from __future__ import annotations
 import logging
 import math
 import os
+import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -346,6 +348,7 @@ def test_checkpoint_round_trip_resumes_the_same_training(model_dir: Path, tmp_pa
     groups = make_groups(actor)
     actor.train_step(groups)
     actor.save_checkpoint(str(tmp_path / "checkpoint"))
+    generators = (random.random(), float(np.random.random()), float(torch.rand(1)))
     continued = actor.train_step(groups)
 
     resumed = make_actor(model_dir, optimizer="adamw", lr=1e-3)
@@ -355,6 +358,11 @@ def test_checkpoint_round_trip_resumes_the_same_training(model_dir: Path, tmp_pa
     assert resumed.version == 2
     assert resumed_metrics["train/loss"] == pytest.approx(continued["train/loss"], abs=1e-6)
     assert_weights_close(weights_of(actor), weights_of(resumed), rtol=0.0, atol=1e-7)
+
+    # Every random generator continues where the checkpoint left it.
+    generators = (random.random(), float(np.random.random()), float(torch.rand(1)))
+    resumed.load_checkpoint(str(tmp_path / "checkpoint"))
+    assert (random.random(), float(np.random.random()), float(torch.rand(1))) == generators
 
     # The checkpoint is a HuggingFace folder too.
     from transformers import AutoModelForCausalLM
@@ -453,3 +461,16 @@ def test_logits_at_trained_positions_are_the_full_forward_logits(model_dir: Path
         got = logits_at(input_ids, position_ids, mask, first)
     assert got.shape == (int(mask.sum()), module.config.vocab_size)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_actor_seeds_every_generator_from_the_run_seed(model_dir: Path) -> None:
+    draws = []
+    for seed in (5, 5, 6):
+        TorchActor(
+            TorchActorConfig(model_path=str(model_dir), dtype="float32", temperature=1.0),
+            AlgorithmConfig(group_size=2),
+            seed=seed,
+        )
+        draws.append((random.random(), float(np.random.random()), float(torch.rand(1))))
+    assert draws[0] == draws[1]
+    assert all(a != b for a, b in zip(draws[0], draws[2], strict=True))

@@ -69,6 +69,8 @@ class Batch:
     num_ready: int
     """Groups buffered after the drops and before the hand-out: below `num_groups` exactly when the batch
     was not ready."""
+    dropped_group_ids: list[int] = field(default_factory=list[int])
+    """The ids of the dropped groups, in the order of `dropped_prompt_indices`."""
 
     @property
     def ready(self) -> bool:
@@ -281,6 +283,7 @@ class GroupBuffer:
             [prompt_index for _, prompt_index in dropped] if dropped else [],
             actor_version,
             num_ready,
+            [group_id for group_id, _ in dropped] if dropped else [],
         )
 
     def end_step(self) -> StepStats:

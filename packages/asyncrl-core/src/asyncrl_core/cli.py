@@ -3,8 +3,8 @@
 Nothing heavy is imported before the configuration is validated: `--help`, `--schema`, `--list-tasks`
 (apart from the tasks themselves) and an invalid configuration never load torch, Ray, Megatron or SGLang.
 
-Exit status: 0 done, 1 the run stopped with an error, 2 invalid configuration or arguments (nothing was
-started), 130 interrupted.
+Exit status: 0 done, 1 the run stopped with an error (or `--audit` found a prompt not accounted for), 2
+invalid configuration or arguments (nothing was started), 130 interrupted.
 
 Before anything starts, the selected task is imported and `agentloop.task_args` is checked against the
 arguments model it declares (`asyncrl_core.config.TaskArguments`), in a dry run too.
@@ -35,7 +35,10 @@ _PROGRAM = "asyncrl-run"
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=_PROGRAM,
-        usage=f"{_PROGRAM} [CONFIG] [key=value ...] [~key ...] [--dry-run] [--list-tasks] [--schema]",
+        usage=(
+            f"{_PROGRAM} [CONFIG] [key=value ...] [~key ...] [--dry-run] [--list-tasks] [--schema] "
+            "[--audit RUN_DIR]"
+        ),
         description=(
             "Train a language-model agent with asynchronous reinforcement learning.\n\n"
             "CONFIG is a YAML file (default: the embedded `searchr1-mini`, sized for a laptop CPU).\n"
@@ -74,6 +77,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--schema", action="store_true", help="print the JSON Schema of the configuration (for editors)"
     )
+    parser.add_argument(
+        "--audit",
+        metavar="RUN_DIR",
+        help=(
+            "check the run folder's prompt ledger (ledger.json): every prompt of each epoch trained exactly "
+            "once, dropped with a reason, or still held by the run; exit status 1 if not"
+        ),
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     return parser
 
@@ -96,6 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _print_schema()
         if args.list_tasks:
             return _list_tasks()
+        if args.audit is not None:
+            return _audit(args.audit)
     except BrokenPipeError:
         sys.stderr.close()
         return EXIT_OK
@@ -155,6 +168,16 @@ def _list_tasks() -> int:
         if info.error is not None:
             print(f"{_PROGRAM}: warning: task {info.name!r} cannot be loaded: {info.error}", file=sys.stderr)
     return EXIT_OK
+
+
+def _audit(run_dir: str) -> int:
+    from pathlib import Path
+
+    from asyncrl_core.runner.ledger import audit_run
+
+    ok, lines = audit_run(Path(run_dir))
+    print("\n".join(lines))
+    return EXIT_OK if ok else EXIT_FAILED
 
 
 def _report_invalid(problems: Sequence[ConfigProblem]) -> int:

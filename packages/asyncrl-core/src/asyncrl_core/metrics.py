@@ -95,14 +95,14 @@ INVALID_TURNS: Final = "rollout/invalid_turns"
 """Model turns of the step's trajectories whose output could not be parsed."""
 OBSERVATIONS_CUT: Final = "rollout/observations_cut"
 """Observations of the step's trajectories cut to fit the response budget."""
-TRAJECTORY_MEAN_PREFIX: Final = "rollout/trajectory/"
+PER_TRAJECTORY_PREFIX: Final = "rollout/trajectory/"
 """Prefix of the per-trajectory time means; `trajectory_mean(key)` builds a full name
 (`rollout/trajectory/generation_s/mean`)."""
 
 
 def trajectory_mean(key: str) -> str:
     """The name of the step's mean of the per-trajectory measurement `key` (a `TRAJECTORY_*` key)."""
-    return f"{TRAJECTORY_MEAN_PREFIX}{key}/mean"
+    return f"{PER_TRAJECTORY_PREFIX}{key}/mean"
 
 
 # --- train/*: the training step, summed over micro-batches and ranks (and, with several optimiser updates per

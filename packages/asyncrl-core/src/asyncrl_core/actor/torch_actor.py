@@ -35,10 +35,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from asyncrl_core import models
 from asyncrl_core.actor.distributed import all_reduce_sum, barrier, world
+from asyncrl_core.actor.rng import load_rng, rng_file, save_rng, seed_all, set_rng_state
 from asyncrl_core.algorithms import (
     LossSettings,
     PackedBatch,
@@ -144,7 +146,12 @@ class TorchActor:
     """
 
     def __init__(
-        self, actor: TorchActorConfig, algorithm: AlgorithmConfig, *, device: torch.device | str | None = None
+        self,
+        actor: TorchActorConfig,
+        algorithm: AlgorithmConfig,
+        *,
+        device: torch.device | str | None = None,
+        seed: int = 0,
     ) -> None:
         if actor.tensor_parallel_size != 1 or actor.pipeline_parallel_size != 1:
             raise ActorError(
@@ -164,6 +171,7 @@ class TorchActor:
         """The metrics of each optimiser update of the last `train_step`, in order."""
         self.device = torch.device(device) if device is not None else default_device()
         self.rank, self.world_size = world()
+        seed_all(seed)  # `runner.seed`: every generator of the run derives from it
         self.model_path = models.resolve_model_path(actor.model_path, key="actor.model_path")
         self.compute_dtype = torch.float32
         if actor.dtype == "bfloat16":
@@ -222,6 +230,7 @@ class TorchActor:
             actor.model_copy(update={"model_path": model_path}),
             config.algorithm,
             device=device,
+            seed=config.runner.seed,
         )
 
     # --- the Actor protocol ---------------------------------------------------------------------------------
@@ -310,13 +319,17 @@ class TorchActor:
         return self._buckets(bucket_bytes, target)
 
     def save_checkpoint(self, path: str) -> None:
-        """Write a HuggingFace model folder plus optimiser state and version under `path` (rank 0 writes).
+        """Write a HuggingFace model folder plus optimiser state and version under `path` (rank 0 writes),
+        and each rank's random generators.
 
         `model.safetensors` holds the float32 master weights (so the folder loads with `from_pretrained`
-        and in the engines), `optimizer.safetensors` the optimiser state, `actor_state.json` the version.
-        Each file is written under a temporary name and renamed into place.
+        and in the engines), `optimizer.safetensors` the optimiser state, `actor_state.json` the version,
+        `rng_state_rank<k>.json` rank k's generators (`asyncrl_core.actor.rng`). Each file is written under
+        a temporary name and renamed into place.
         """
         folder = Path(path)
+        folder.mkdir(parents=True, exist_ok=True)
+        save_rng(folder, self.rank)
         if self.rank == 0:
             folder.mkdir(parents=True, exist_ok=True)
             weights = {name: t.detach().cpu().contiguous() for name, t in _unique_named_tensors(self.module)}
@@ -340,12 +353,17 @@ class TorchActor:
         barrier()
 
     def load_checkpoint(self, path: str) -> None:
-        """Restore weights, optimiser state and version written by `save_checkpoint`.
+        """Restore weights, optimiser state, version and this rank's random generators written by
+        `save_checkpoint`.
 
         Everything is read and checked before anything is changed: a missing file, a tensor of another
         name or shape, or another optimiser raises `ActorError` and leaves the actor as it was.
         """
         folder = Path(path)
+        try:
+            generators = load_rng(folder, self.rank)
+        except (OSError, ValueError) as error:
+            raise ActorError(f"cannot read {rng_file(folder, self.rank)}: {error}") from error
         try:
             state = json.loads((folder / STATE_FILE).read_text())
         except (OSError, ValueError) as error:
@@ -364,7 +382,7 @@ class TorchActor:
         try:
             weights = load_file(str(folder / MODEL_FILE), device=str(self.device))
             optimizer_tensors = load_file(str(folder / OPTIMIZER_FILE))
-        except (OSError, RuntimeError, ValueError) as error:
+        except (OSError, RuntimeError, ValueError, SafetensorError) as error:
             raise ActorError(f"cannot read the checkpoint in {folder}: {error}") from error
         targets = dict(_unique_named_tensors(self.module))
         problems = [f"missing {name}" for name in targets if name not in weights]
@@ -386,6 +404,8 @@ class TorchActor:
             for name, tensor in targets.items():
                 tensor.copy_(weights[name])
         self._version = version
+        if generators is not None:
+            set_rng_state(generators)
 
     # --- beyond the protocol --------------------------------------------------------------------------------
 

@@ -364,9 +364,11 @@ class DataConfig(Section):
     """Groups per training step (B): the actor trains on `rollout_batch_size * algorithm.group_size`
     trajectories per step."""
     dataset: str | None = None
-    """Dataset of the task (a name or path the task understands); unset uses the task's own default."""
+    """Not read yet: a run uses its task's own data, which the task takes from `agentloop.task_args`
+    (e.g. `searchr1`'s `data_path`)."""
     split: str = "train"
-    """Split of the dataset to train on."""
+    """Not read yet: a run trains on its task's `train` split (and evaluates on `test`) whatever this
+    says."""
     shuffle: bool = True
     """Shuffle the prompts at every epoch."""
     seed: Annotated[int, Field(ge=0, le=2**32 - 1)] | None = None
@@ -386,8 +388,9 @@ class SGLangConfig(Section):
     """How the SGLang-protocol engines are reached or started."""
 
     backend_type: Literal["server", "engine"] = "server"
-    """`server`: engines behind the SGLang HTTP protocol (required in async mode). `engine`: an in-process
-    engine object, sync mode only."""
+    """`server`: engines behind the SGLang HTTP protocol, the only kind the runner starts (required in
+    async mode). `engine` (an in-process engine object) is accepted in sync mode but not implemented: the
+    runner uses servers either way."""
     launch: Literal["builtin", "sglang", "external"] = "builtin"
     """`builtin`: asyncrl's torch engine serving the SGLang routes (CPU or GPU). `sglang`: start real
     SGLang servers on the rollout devices. `external`: use the servers at `urls`, started by someone else."""
@@ -526,8 +529,8 @@ class RolloutConfig(Section):
     backend_args: dict[str, JsonValue] = Field(default_factory=dict[str, JsonValue])
     """Arguments passed to a plugin rollout backend's factory; unused by `sglang`."""
     model_path: str | None = None
-    """Model the engines serve at start (a HuggingFace folder, or `smollm2-135m`). Derived:
-    `actor.model_path`."""
+    """Model the engines serve at start: a HuggingFace folder, `smollm2-135m` or `tiny-llama:<preset>`
+    (as `actor.model_path`). Derived: `actor.model_path`."""
     max_running_requests: PositiveInt
     """Requests one engine instance decodes at once."""
     tensor_parallel_size: PositiveInt = 1
@@ -623,10 +626,14 @@ class ActorCommon(Section):
     """Settings every actor backend shares."""
 
     model_path: Annotated[str, Field(min_length=1)]
-    """Model to train: a HuggingFace folder, or `smollm2-135m` for the offline SmolLM2-135M-Instruct from
-    `asyncrl_core.models.smollm2_135m()`."""
+    """Model to train: a HuggingFace folder; `smollm2-135m` for the offline SmolLM2-135M-Instruct
+    (`asyncrl_core.models.smollm2_135m()`); or `tiny-llama:<preset>` (`test`, `small`, `medium`) for a
+    random-initialised Llama with SmolLM2's tokenizer, built once into the cache."""
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    """Parameter and compute dtype (the optimiser keeps float32 master weights with bfloat16)."""
+    """Compute dtype, and the dtype of the weights sent to the engines. `bfloat16`: the torch actor keeps
+    float32 parameters and runs forward and backward under bfloat16 autocast (float32 where the device has no
+    native bfloat16), the Megatron actor keeps bfloat16 parameters on a GPU with float32 master weights in
+    its optimiser (float32 on a CPU). `float32`: everything in float32."""
     micro_batch_size: PositiveInt = 1
     """Trajectories per forward/backward pass on one data-parallel rank; gradients accumulate over the
     micro batches of a step."""
@@ -987,7 +994,8 @@ class LoggingConfig(Section):
 
 
 class CheckpointConfig(Section):
-    """When to save model, optimiser and buffer state, and what to resume from."""
+    """When to save the run's state (actor, buffer with its groups, dataloader, ledger, random generators),
+    and what to resume from."""
 
     save_every_steps: PositiveInt | None = None
     """Save a checkpoint every this many steps; unset saves none on the way."""
@@ -996,7 +1004,11 @@ class CheckpointConfig(Section):
     keep_last: PositiveInt = 2
     """Checkpoints kept under `<run_dir>/checkpoints`; older ones are deleted."""
     resume_from: str | None = None
-    """Resume from this checkpoint folder, or `latest` for the newest one under `<run_dir>/checkpoints`."""
+    """Resume from this checkpoint folder, or `latest` for the newest intact one under
+    `<run_dir>/checkpoints` (a damaged one is passed over with a warning naming the file)."""
+    timeout_s: Annotated[float, Field(gt=0.0)] = 1800.0
+    """Seconds that saving or loading one checkpoint (actor, buffer state) may take before the run stops
+    with an error naming it."""
 
     def check(self, root: AsyncRLConfig, found: Validation) -> None:
         num_steps = root.runner.num_steps

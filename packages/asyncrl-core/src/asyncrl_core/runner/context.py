@@ -4,24 +4,26 @@ and the waits on Ray, each with a timeout."""
 from __future__ import annotations
 
 import json
-import shutil
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from asyncrl_core import metrics
-from asyncrl_core.runner.dataloader import LoaderState
+from asyncrl_core.runner import checkpoint
+from asyncrl_core.runner.ledger import LEDGER_FILE, write_json
 from asyncrl_core.runner.liveness import Liveness
-from asyncrl_core.runner.workers import RunnerError
+from asyncrl_core.runner.workers import BufferState, RunnerError
 
 if TYPE_CHECKING:
     from asyncrl_core.config import AsyncRLConfig
     from asyncrl_core.runner.groups import WorkerGroups
     from asyncrl_core.runner.tracking import RunTracker
 
-CHECKPOINT_PREFIX = "step_"
+logger = logging.getLogger(__name__)
+
 SUMMARY_FILE = "summary.json"
 """Written at the end of a run: steps, final weight version, and where every issued prompt went."""
 EVAL_MAX_PROMPTS = 64
@@ -43,6 +45,9 @@ class RunContext:
         self.timeout_s = config.rollout.request_timeout_s
         self._pending_eval: Any = None
         self._pending_eval_version = 0
+        self._identity: dict[str, Any] | None = None
+        self._saved_step: int | None = None
+        """The step of the last checkpoint this run wrote or resumed from (none is written twice)."""
         self.liveness = Liveness(workers, run_dir)
         """The watch over engines and agent loops the drivers wait through."""
 
@@ -156,9 +161,12 @@ class RunContext:
             self._collect_eval(final, wait=True)
             if final:
                 self.tracker.log_step(self.config.runner.num_steps, final)
-        if self.config.checkpoint.save_at_end:
-            self.save_checkpoint(self.config.runner.num_steps)
+        num_steps = self.config.runner.num_steps
+        if self.config.checkpoint.save_at_end and self._saved_step != num_steps:
+            self.save_checkpoint(num_steps)
         counts = self.workers.get(self.workers.buffer.counts.remote(), "the buffer's counts")
+        ledger = self.workers.get(self.workers.buffer.ledger_json.remote(), "the ledger")
+        write_json(self.run_dir / LEDGER_FILE, ledger)
         summary = {
             "num_steps": self.config.runner.num_steps,
             "version": self.version,
@@ -167,76 +175,79 @@ class RunContext:
         }
         (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
 
-    # --- checkpoints -----------------------------------------------------------------------------------
+    # --- checkpoints (asyncrl_core.runner.checkpoint) -------------------------------------------------------
+
+    def identity(self) -> dict[str, Any]:
+        """What a checkpoint of this run records and a resume must match (dataset, seeds, shuffle, task)."""
+        if self._identity is None:
+            loop = self.workers.agent_loops[0]
+            size, fingerprint = self.workers.get(
+                [loop.dataset_size.remote(), loop.dataset_fingerprint.remote()], "reading the dataset"
+            )
+            self._identity = checkpoint.run_identity(self.config, size, fingerprint)
+        return self._identity
 
     def save_checkpoint(self, step: int) -> Path:
-        """`<run_dir>/checkpoints/step_<n>/`: the actor's checkpoint and the dataloader's position. Groups
-        in flight or buffered are not saved: a resumed run generates afresh from the saved position."""
-        folder = self.run_dir / "checkpoints" / f"{CHECKPOINT_PREFIX}{step}"
+        """`<run_dir>/checkpoints/step_<step>/`, written atomically (`asyncrl_core.runner.checkpoint`): the
+        actor, the buffer's state with its buffered groups, the dataloader's position and the prompts in
+        flight, the ledger, step and version; `ledger.json` in the run folder is brought up to date."""
+        timeout_s = self.config.checkpoint.timeout_s
+        final, temporary = checkpoint.begin(self.run_dir, step)
         self.workers.get(
-            [actor.save_checkpoint.remote(str(folder / "actor")) for actor in self.workers.actors],
-            "checkpoint",
+            [
+                actor.save_checkpoint.remote(str(temporary / checkpoint.ACTOR_DIR))
+                for actor in self.workers.actors
+            ],
+            "saving the actor's checkpoint (checkpoint.timeout_s)",
+            timeout_s,
         )
-        loader: LoaderState = self.workers.get(self.workers.buffer.loader_state.remote(), "checkpoint")
-        state = {"step": step, "version": self.version, "loader": asdict(loader)}
-        (folder / "runner_state.json").write_text(json.dumps(state), encoding="utf-8")
-        kept = sorted(checkpoints(self.run_dir), key=lambda path: int(path.name[len(CHECKPOINT_PREFIX) :]))
-        for old in kept[: -self.config.checkpoint.keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        state: BufferState = self.workers.get(
+            self.workers.buffer.state.remote(), "taking the buffer's state", timeout_s
+        )
+        checkpoint.write_buffer_state(temporary, state)
+        runner_state = {
+            "format": checkpoint.CHECKPOINT_FORMAT,
+            "step": step,
+            "version": self.version,
+            "loader": asdict(state.loader),
+            "identity": self.identity(),
+        }
+        folder = checkpoint.commit(temporary, final, runner_state, self.config.checkpoint.keep_last)
+        write_json(self.run_dir / LEDGER_FILE, state.ledger)
+        self._saved_step = step
         return folder
 
     def resume(self, folder: Path) -> None:
-        """Continue from a checkpoint: actor weights and optimiser, version, step, dataloader position;
-        then the engines get the restored weights."""
-        state = _runner_state(folder)
+        """Continue from a checkpoint: refused when it belongs to another dataset, seed or task; then the
+        actor (weights, optimiser, random generators), the buffer with its buffered groups, the ledger, the
+        dataloader with the prompts that were in flight first in line, version and step; then the engines
+        get the restored weights."""
+        state = checkpoint.read_runner_state(folder)
+        problems = checkpoint.identity_problems(state.get("identity", {}), self.identity())
+        if problems:
+            raise RunnerError(
+                f"checkpoint.resume_from: {folder} belongs to another run (" + "; ".join(problems) + "); "
+                "resume with the same dataset, seeds and task, or start a new run folder"
+            )
+        buffer_state = checkpoint.read_buffer_state(folder, state["loader"])
+        timeout_s = self.config.checkpoint.timeout_s
         self.workers.get(
-            [actor.load_checkpoint.remote(str(folder / "actor")) for actor in self.workers.actors], "resume"
+            [
+                actor.load_checkpoint.remote(str(folder / checkpoint.ACTOR_DIR))
+                for actor in self.workers.actors
+            ],
+            "loading the actor's checkpoint (checkpoint.timeout_s)",
+            timeout_s,
         )
-        loader = state["loader"]
-        restored = LoaderState(
-            loader["epoch"], loader["position"], tuple(loader["returned"]), tuple(loader["next_returned"])
+        reissued: list[int] = self.workers.get(
+            self.workers.buffer.restore.remote(buffer_state), "restoring the buffer", timeout_s
         )
-        self.workers.get(self.workers.buffer.restore_loader.remote(restored), "resume")
-        self.start_step = int(state["step"])
+        self.start_step = self._saved_step = int(state["step"])
         self.version = int(state["version"])
-        self.workers.sync_weights(self.config.rollout.pause_mode)
-
-
-def _runner_state(folder: Path) -> dict[str, Any]:
-    path = folder / "runner_state.json"
-    try:
-        state = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as error:
-        raise RunnerError(f"checkpoint.resume_from: cannot read {path}: {error}") from error
-    if not isinstance(state, dict):
-        raise RunnerError(f"checkpoint.resume_from: {path} does not hold a runner state")
-    return cast("dict[str, Any]", state)
-
-
-def checkpoint_step(folder: Path) -> int:
-    """The step a checkpoint was taken after."""
-    return int(_runner_state(folder)["step"])
-
-
-def checkpoints(run_dir: Path) -> list[Path]:
-    """The complete checkpoints under `<run_dir>/checkpoints`."""
-    folder = run_dir / "checkpoints"
-    if not folder.is_dir():
-        return []
-    return [
-        path
-        for path in folder.iterdir()
-        if path.name.startswith(CHECKPOINT_PREFIX) and (path / "runner_state.json").is_file()
-    ]
-
-
-def resolve_resume(run_dir: Path, resume_from: str) -> Path:
-    """The checkpoint folder `checkpoint.resume_from` names (`latest`: the newest under the run folder)."""
-    if resume_from != "latest":
-        return Path(resume_from)
-    found = checkpoints(run_dir)
-    if not found:
-        raise RunnerError(
-            f"checkpoint.resume_from is `latest` but {run_dir / 'checkpoints'} holds no checkpoint"
+        logger.info(
+            "resumed from %s: step %d, %d prompts in flight issued again first",
+            folder,
+            self.start_step,
+            len(reissued),
         )
-    return max(found, key=lambda path: int(path.name[len(CHECKPOINT_PREFIX) :]))
+        self.workers.sync_weights(self.config.rollout.pause_mode)

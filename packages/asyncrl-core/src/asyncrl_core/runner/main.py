@@ -33,7 +33,8 @@ def run(config: AsyncRLConfig) -> Path:
     import ray
 
     from asyncrl_core.runner.async_ import run_async
-    from asyncrl_core.runner.context import RunContext, checkpoint_step, resolve_resume
+    from asyncrl_core.runner.checkpoint import checkpoint_step, resolve_resume
+    from asyncrl_core.runner.context import RunContext
     from asyncrl_core.runner.groups import WorkerGroups, start_ray
     from asyncrl_core.runner.sync import run_sync
     from asyncrl_core.runner.tracking import RunTracker

@@ -5,9 +5,10 @@ overlays several from their `metrics.jsonl`. TensorBoard (through `torch.utils.t
 tqdm are imported only when a tracker or a plot needs them, so importing this module stays light.
 
 `metrics.jsonl` holds one JSON object per logged step, `{"step": n, "<metric name>": value, ...}`; a value
-that is not finite (a NaN loss, say) is written as `null`. A step may appear on several lines (the same step
-logged twice, or logged again after a resume from an earlier checkpoint): readers merge the lines of a
-step in file order, the later value winning.
+that is not finite (a NaN loss, say) is written as `null`. A step may appear on several lines (training
+metrics, then an evaluation's): readers merge the lines of a step in file order, the later value winning.
+A resume from the checkpoint of step `k` first removes the lines of steps after `k` (the run that stopped
+logged them after its checkpoint; the resumed run logs them again), so each step is logged by one run.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import IO, TYPE_CHECKING, Never, Self
 
 from asyncrl_core import metrics as names
 from asyncrl_core.errors import MetricsError
+from asyncrl_core.runner.atomic import atomic_write_bytes
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -63,7 +65,7 @@ class RunTracker:
     A step is logged when it is a multiple of `logging.log_every_steps`, the last step, or carries
     evaluation metrics (so no evaluation is skipped). Resuming (`start_step > 0`) appends to the folder's
     files: TensorBoard events after `start_step` are purged, and `metrics.jsonl` lines of later steps are
-    superseded by the new ones.
+    removed first.
     """
 
     def __init__(self, run_dir: Path, logging: LoggingConfig, *, num_steps: int, start_step: int = 0) -> None:
@@ -86,7 +88,8 @@ class RunTracker:
         self._history: History = {}
         if metrics_path.exists():
             self._drop_partial_last_line(metrics_path)
-            self._history = {s: v for s, v in read_metrics(metrics_path).items() if s <= start_step}
+            self._drop_steps_after(metrics_path, start_step)
+            self._history = read_metrics(metrics_path)
         try:
             if logging.jsonl:
                 self._jsonl = open(metrics_path, "a", encoding="utf-8")  # noqa: SIM115 - held until close
@@ -202,6 +205,18 @@ class RunTracker:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+    def _drop_steps_after(self, path: Path, start_step: int) -> None:
+        """Remove the lines of steps after `start_step` (logged by a run that stopped after its checkpoint
+        was taken, and about to be logged again), rewriting the file atomically."""
+        lines = path.read_bytes().splitlines(keepends=True)
+        kept = [
+            line
+            for number, line in enumerate(lines, start=1)
+            if line.strip() and _parse_record(line.decode(), f"{path}:{number}")[0] <= start_step
+        ]
+        if len(kept) != len(lines):
+            atomic_write_bytes(path, b"".join(kept))
 
     def _drop_partial_last_line(self, path: Path) -> None:
         """Cut a last line left without its newline by a crash mid-write, so appending starts a new line."""

@@ -1,7 +1,8 @@
 """The workers of a run (ARCHITECTURE.md section 5), as plain classes a test can build in one process.
 
-- `BufferWorker` owns the dataloader (`PromptLoader`) and the `GroupBuffer`: it issues prompts under the two
-  admission limits, buffers finished groups and hands the oldest to the actor.
+- `BufferWorker` owns the dataloader (`PromptLoader`), the `GroupBuffer` and the prompt ledger: it issues
+  prompts under the two admission limits, buffers finished groups, hands the oldest to the actor and
+  records where every prompt went.
 - `AgentLoopWorker` runs a task's trajectories against the engines: a fixed number of groups (sync mode), or
   continuously while admission allows (async mode), and evaluations on the task's test split.
 - `RolloutWorker` owns one engine server process on its devices.
@@ -27,9 +28,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from asyncrl_core import metrics, plugins
-from asyncrl_core.buffer import Batch, GroupBuffer
+from asyncrl_core.buffer import Batch, BufferSnapshot, GroupBuffer
 from asyncrl_core.errors import AsyncRLError, GenerationError, PromptTooLongError
-from asyncrl_core.runner.dataloader import LoaderState, PromptLoader
+from asyncrl_core.runner.dataloader import LoaderState, PromptLoader, Ticket
+from asyncrl_core.runner.ledger import STALE, PromptLedger
 from asyncrl_core.types import Group, SamplingParams
 
 if TYPE_CHECKING:
@@ -113,27 +115,26 @@ def _thread_ids() -> list[int]:
 
 
 class BufferWorker:
-    """The dataloader and the `GroupBuffer`: admission, finished groups, hand-off to the actor.
+    """The dataloader, the `GroupBuffer` and the prompt ledger: admission, finished groups, hand-off to the
+    actor, and where every issued prompt went (`asyncrl_core.runner.ledger`).
 
     Thread-safe: agent-loop workers admit and complete from several threads while the driver takes batches.
+    Every change that touches the ledger happens under one lock, the loader's, also held while `state`
+    takes a checkpoint's copy, so a checkpoint never holds a prompt admitted half-way.
     """
 
     def __init__(self, config: AsyncRLConfig, dataset_size: int) -> None:
         self.buffer = GroupBuffer.from_config(config)
         seed = config.data.seed if config.data.seed is not None else config.runner.seed
         self.loader = PromptLoader(dataset_size, shuffle=config.data.shuffle, seed=seed)
+        self.ledger = PromptLedger(dataset_size)
         # Held while an admission waits for capacity (at most its timeout), so that two admitters never
-        # take the same prompt.
+        # take the same prompt; and by every change of the ledger.
         self._loader_lock = threading.Lock()
         self.dataset_size = dataset_size
-        self.num_issued = 0
-        self.num_abandoned = 0
-        self.num_dropped = 0
-        self.num_trained = 0
-        self.num_failed = 0
-        """Groups whose prompt was dropped for good (`abandon` with a reason)."""
         self.failure_reasons: dict[int, str] = {}
-        """Prompt index -> why it was dropped for good; such a prompt is never issued again."""
+        """Prompt index -> why it was dropped for good; such a prompt is not issued again (its later tickets
+        are recorded as dropped for the same reason)."""
         self.max_failed_groups_per_step = config.rollout_buffer.max_failed_groups_per_step
         self._admitted_by: dict[int, int] = {}
         """Group id -> the agent-loop worker that admitted it, while the group is in flight."""
@@ -153,14 +154,13 @@ class BufferWorker:
             prompt_index = self._next_prompt()
             group_id = self.buffer.wait_admit(prompt_index, timeout_s)
             while group_id is not None:
-                self.loader.advance()
+                self.ledger.issued(group_id, self.loader.advance_ticket())
                 admitted.append((group_id, prompt_index))
                 self._admitted_by[group_id] = worker_index
                 if len(admitted) == max_groups:
                     break
                 prompt_index = self._next_prompt()
                 group_id = self.buffer.try_admit(prompt_index)
-            self.num_issued += len(admitted)
         return admitted
 
     def _next_prompt(self) -> int:
@@ -171,7 +171,7 @@ class BufferWorker:
                 f"{next(iter(self.failure_reasons.values()))}"
             )
         while (prompt_index := self.loader.peek()) in self.failure_reasons:
-            self.loader.advance()
+            self.ledger.skipped(self.loader.advance_ticket(), self.failure_reasons[prompt_index])
         return prompt_index
 
     def complete(self, group: Group) -> bool:
@@ -182,20 +182,26 @@ class BufferWorker:
         return accepted
 
     def abandon(self, group_id: int, reason: str | None = None) -> None:
-        """A group's generation failed. `reason` None: the failure may pass (an engine or a worker died);
-        the slot is freed and the prompt issued again in a later epoch. A `reason`: it will not pass (a
-        prompt too long, a request the engine refused); the prompt is dropped for good with that reason.
-        Both count against `rollout_buffer.max_failed_groups_per_step`."""
-        prompt_index = self.buffer.abandon(group_id)
+        """A group's generation failed: free its slot. With `reason` None the failure is retryable (an
+        engine or a worker died) and the prompt is handed back, to be issued again in a later epoch; with a
+        reason (a prompt too long for the context, a request the engine refused) it is permanent and the
+        prompt is dropped for good, recorded in the ledger with `reason` and not issued again. Both count
+        against `rollout_buffer.max_failed_groups_per_step`.
+
+        A group that is no longer in flight (already abandoned or completed) raises `InvalidGroupError`
+        and changes nothing."""
+        if reason is not None and not reason.strip():
+            raise ValueError("abandon: a permanent failure needs a non-empty reason")
         with self._loader_lock:
+            self.buffer.abandon(group_id)
             self._admitted_by.pop(group_id, None)
             if reason is None:
-                self.loader.give_back(prompt_index)
-                self.num_abandoned += 1
+                prompt_index, epoch = self.ledger.handed_back(group_id)
+                self.loader.give_back(prompt_index, epoch)
                 self._step_retried += 1
             else:
+                prompt_index, _ = self.ledger.dropped(group_id, reason)
                 self.failure_reasons[prompt_index] = reason
-                self.num_failed += 1
                 self._step_dropped += 1
 
     def hand_back(self, worker_index: int) -> int:
@@ -224,15 +230,13 @@ class BufferWorker:
         `rollout_buffer.max_failed_groups_per_step`."""
         self._check_failures()
         result = self.buffer.take_batch(num_groups, actor_version, timeout_s=timeout_s)
-        if result.dropped_prompt_indices:
-            with self._loader_lock:
-                for prompt_index in result.dropped_prompt_indices:
-                    self.loader.give_back(prompt_index)
-                self.num_dropped += len(result.dropped_prompt_indices)
-        if not result.ready:
-            return None
-        self.num_trained += num_groups
-        return result
+        with self._loader_lock:
+            for group_id in result.dropped_group_ids:
+                prompt_index, epoch = self.ledger.dropped(group_id, STALE)
+                self.loader.give_back(prompt_index, epoch)
+            for group in result.groups:
+                self.ledger.trained(group.group_id)
+        return result if result.ready else None
 
     def end_step(self) -> dict[str, float]:
         """Close the step's buffer statistics: the staleness, drop and admission-wait metrics, and the
@@ -245,26 +249,69 @@ class BufferWorker:
         return step_metrics
 
     def counts(self) -> dict[str, int]:
-        """Where every issued prompt went: `issued = trained + dropped + abandoned + failed + inflight +
-        buffered` (`failed`: dropped for good after a failure that will not pass)."""
-        return {
-            "issued": self.num_issued,
-            "trained": self.num_trained,
-            "dropped": self.num_dropped,
-            "abandoned": self.num_abandoned,
-            "failed": self.num_failed,
-            "inflight": self.buffer.num_inflight,
-            "buffered": self.buffer.num_buffered,
-            "epoch": self.loader.epoch,
-        }
-
-    def loader_state(self) -> LoaderState:
+        """Where every issued prompt went over the whole run (restarts included):
+        `issued = trained + handed_back + dropped + inflight + buffered` (`dropped_stale` of the dropped were
+        too stale and issued again; the others failed for good)."""
         with self._loader_lock:
-            return self.loader.state()
+            totals = self.ledger.totals()
+            return {
+                "issued": totals["issued"],
+                "trained": totals["trained"],
+                "handed_back": totals["handed_back"],
+                "dropped": totals["dropped"],
+                "dropped_stale": totals["dropped_stale"],
+                "inflight": self.buffer.num_inflight,
+                "buffered": self.buffer.num_buffered,
+                "epoch": self.loader.epoch,
+            }
 
-    def restore_loader(self, state: LoaderState) -> None:
+    def ledger_json(self) -> dict[str, Any]:
+        """The ledger as `ledger.json` holds it, its open tickets checked against the buffer and loader."""
         with self._loader_lock:
-            self.loader.restore(state)
+            return self._ledger_json()
+
+    def _ledger_json(self) -> dict[str, Any]:
+        live = [group_id for group_id, _ in self.buffer.inflight_groups()]
+        live += [group.group_id for group in self.buffer.buffered_groups()]
+        return self.ledger.to_json(
+            live_group_ids=live, queued=self.loader.pending(), epochs_issued=self.loader.order_done
+        )
+
+    def state(self) -> BufferState:
+        """The whole state for a checkpoint, taken at one instant under the loader's lock: the buffer's
+        snapshot with its buffered groups, the loader's position and queues, and the ledger."""
+        with self._loader_lock:
+            return BufferState(self.buffer.snapshot(), self.loader.state(), self._ledger_json())
+
+    def restore(self, state: BufferState) -> list[int]:
+        """Continue from a checkpoint's `state`: the buffered groups are kept (the staleness cap applies at
+        the next hand-off, as ever), the groups that were in flight are handed back and issued again
+        before any other prompt. Returns their prompt indices."""
+        buffer = GroupBuffer.restore(state.snapshot)
+        ledger = PromptLedger.from_state(state.ledger)
+        inflight = buffer.inflight_groups()
+        tickets: list[Ticket] = []
+        for group_id, _ in inflight:
+            buffer.abandon(group_id)
+            tickets.append(ledger.handed_back(group_id))
+        with self._loader_lock:
+            self.buffer, self.ledger = buffer, ledger
+            self.loader.restore(state.loader)
+            self.loader.reissue_first(tickets)
+            self.failure_reasons = {
+                prompt: record.dropped for (prompt, _), record in ledger.tickets.items() if record.dropped
+            }
+        return [prompt_index for prompt_index, _ in tickets]
+
+
+@dataclass(frozen=True, slots=True)
+class BufferState:
+    """What a checkpoint holds of the buffer worker (`BufferWorker.state`)."""
+
+    snapshot: BufferSnapshot
+    loader: LoaderState
+    ledger: dict[str, Any]
+    """The ledger as `ledger.json` holds it (`BufferWorker.ledger_json`)."""
 
 
 class BufferPort(Protocol):
@@ -397,6 +444,12 @@ class AgentLoopWorker:
 
     def dataset_size(self, split: str = "train") -> int:
         return len(self.loop.dataset(split))
+
+    def dataset_fingerprint(self, split: str = "train") -> str:
+        """A hash of the split's samples (ids, messages, answers), so a checkpoint names its dataset."""
+        from asyncrl_core.runner.checkpoint import dataset_fingerprint
+
+        return dataset_fingerprint(self.loop.dataset(split))
 
     def _start(
         self,
