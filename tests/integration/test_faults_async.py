@@ -140,7 +140,7 @@ def test_a_dead_actor_stops_the_run_naming_its_rank(tmp_path: Path, tiny_llama_p
     run_dir = tmp_path / "run"
 
     def plan(injector: Injector) -> None:
-        injector.after_steps(1)
+        injector.after_steps(2)  # the checkpoint of step 1, with its ledger, is written
         (actor,) = worker_pids("ActorWorker")
         injector.signal(actor, signal.SIGKILL, "actor rank 0")
 

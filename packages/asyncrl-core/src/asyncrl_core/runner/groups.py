@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -130,6 +130,8 @@ class WorkerGroups:
 
         self.config = config
         self._handles: list[Any] = []
+        self.on_death: Callable[[str, str], None] | None = None
+        """Told `(part, message)` when `get` finds a worker dead (the run's fault record)."""
         nodes = cluster_devices(config.cluster.device_type)
         gpu = config.cluster.device_type == "gpu"
 
@@ -229,7 +231,24 @@ class WorkerGroups:
         except GetTimeoutError as error:
             raise RunnerError(f"{what} did not finish within {timeout:.0f} s") from error
         except RayActorError as error:
-            raise RunnerError(f"a worker died during {what}: {error}") from error
+            part = self.part_of(getattr(error, "actor_id", None))
+            if self.on_death is not None:
+                self.on_death(part, f"died during {what}: {error}")
+            raise RunnerError(f"{part} died during {what}: {error}") from error
+
+    def part_of(self, actor_id: str | None) -> str:
+        """What the Ray actor `actor_id` (hex) is in the run: `actor rank 0`, `agent-loop worker 1`, ..."""
+        roles = [
+            *(("actor rank", index, handle) for index, handle in enumerate(self.actors)),
+            *(("agent-loop worker", index, handle) for index, handle in enumerate(self.agent_loops)),
+            *(("the rollout worker of engine", index, handle) for index, handle in enumerate(self.rollouts)),
+        ]
+        for role, index, handle in roles:
+            if actor_id is not None and handle._actor_id.hex() == actor_id:
+                return f"{role} {index}"
+        if actor_id is not None and self.buffer._actor_id.hex() == actor_id:
+            return "the buffer worker"
+        return "a worker"
 
     def sync_weights(self, mode: str) -> dict[str, float]:
         """Push the actor's weights into every engine in `mode`; in `drain` mode the agent loops hold new

@@ -54,6 +54,7 @@ class Liveness:
         self._step_agent_loop_restarts = 0
         for index, rollout in enumerate(workers.rollouts):
             self._watched[rollout.watch.remote()] = (ENGINE, index)
+        workers.on_death = lambda part, message: self.record(part, "fatal", message)
 
     # --- what the drivers call ----------------------------------------------------------------------------
 
@@ -179,7 +180,11 @@ class Liveness:
         rollout = self.workers.rollouts[failure.index]
         endpoint: EngineEndpoint = self.workers.get(rollout.restart.remote(), f"restarting {part}")
         if endpoint != self.workers.endpoints[failure.index]:
-            raise self.fatal(part, f"came back at {endpoint}, not at {self.workers.endpoints[failure.index]}")
+            raise self.fatal(
+                part,
+                f"came back at {endpoint.url}, not at {self.workers.endpoints[failure.index].url} where the "
+                "agent loops send (another process holds that port)",
+            )
         # It serves the weights it started with: the actor's current ones go in before it is watched again.
         self.workers.get(
             [actor.sync_weights.remote([endpoint], "retract") for actor in self.workers.actors],

@@ -22,6 +22,7 @@ import logging
 import os
 import threading
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -640,12 +641,21 @@ class RolloutWorker:
         self.index = index
         self.unresponsive_s = config.rollout.engine_unresponsive_s
         self.api_key = config.rollout.sglang.api_key
-        self._launch = lambda: launch(
-            rollout, run_dir=run_dir / f"rollout-{index}", devices=tuple(devices), gpu=gpu
-        )
+
+        def start(base_port: int) -> Any:
+            sglang = rollout.sglang.model_copy(update={"base_port": base_port})
+            return launch(
+                rollout.model_copy(update={"sglang": sglang}),
+                run_dir=run_dir / f"rollout-{index}",
+                devices=tuple(devices),
+                gpu=gpu,
+            )
+
+        self._launch = start
         self._lock = threading.Lock()
         self._stopped = threading.Event()
-        self.engines = self._launch()
+        self._base_port = rollout.sglang.base_port
+        self.engines = self._launch(self._base_port)
 
     def endpoint(self) -> EngineEndpoint:
         """Where the engine answers: HTTP for control, and gRPC for generation when configured."""
@@ -697,8 +707,9 @@ class RolloutWorker:
                 raise RunnerError(
                     f"engine {self.index} at {self.engines.urls[0]} is external: it cannot be restarted"
                 )
+            port = urllib.parse.urlsplit(self.engines.urls[0]).port or self._base_port
             self.engines.stop()
-            self.engines = self._launch()
+            self.engines = self._launch(port)  # its own port first: the agent loops send there
         return self.endpoint()
 
     def stop(self) -> None:
