@@ -322,11 +322,38 @@ def metrics_page() -> str:
     for area, found in by_area.items():
         lines += [f"## {area}", "", "| name | constant | when | meaning |", "|---|---|---|---|"]
         for metric in found:
-            name = f"{metric.name}<k>" if metric.constant.endswith("_PREFIX") else metric.name
+            name = f"{metric.name}…" if metric.constant.endswith("_PREFIX") else metric.name
             logged = when.get(metric.name, "")
             lines.append(f"| `{_cell(name)}` | `{metric.constant}` | {logged} | {_cell(metric.meaning)} |")
         lines.append("")
+    builders = name_builders()
+    if builders:
+        lines += [
+            "## Names built from a prefix",
+            "",
+            "A name ending in `…` above is a prefix; these functions of `asyncrl_core.metrics` build the "
+            "full names.",
+            "",
+            "| function | builds |",
+            "|---|---|",
+        ]
+        for signature, doc in builders:
+            lines.append(f"| `{_cell(signature)}` | {_cell(doc)} |")
+        lines.append("")
     return "\n".join(lines)
+
+
+def name_builders() -> list[tuple[str, str]]:
+    """`(signature, docstring)` of each public function of `asyncrl_core.metrics`."""
+    from asyncrl_core import metrics
+
+    found: list[tuple[str, str]] = []
+    for name, function in inspect.getmembers(metrics, inspect.isfunction):
+        if name.startswith("_") or function.__module__ != metrics.__name__:
+            continue
+        parameters = ", ".join(inspect.signature(function).parameters)
+        found.append((f"{name}({parameters})", " ".join((inspect.getdoc(function) or "").split())))
+    return found
 
 
 # --- command lines

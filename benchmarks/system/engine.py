@@ -10,7 +10,14 @@ to exactly `--new-tokens` tokens, for each batch size B:
   (d) the built-in engine through HTTP (`/generate`, one request per prompt, all concurrent) at the batch
       sizes of `--http-batch-sizes`;
   (e) on CUDA, the bound: the bare decode forward of the same model with a static KV cache, replayed as one
-      CUDA graph per step (greedy argmax inside the graph, no scheduling), decode tokens only.
+      CUDA graph per step (greedy argmax inside the graph, no scheduling), decode tokens only;
+  (f) the agentic workload (`--agentic N`, after the rows): N concurrent trajectories of `--turns` turns; each
+      turn's prompt is the previous turn's prompt, its output and an observation of 80-120 random tokens; each
+      turn samples at temperature 1 with logprobs and stop strings, up to a max_new_tokens drawn from 48-256.
+      The next turn is submitted the moment the previous one finishes (no tool latency: the engine's own
+      speed). It prints generated tokens/s and its ratio to the fixed-shape row of the largest batch size
+      (the same engine settings, measured in the same run), the prefill and prefix-cache token counts, and
+      the share of the engine's time spent in prefill.
 
 Tokens per second count generated tokens over the wall time from submission to the last token (prefill
 included) for (a)-(d), and decode tokens over decode time for (e). Nothing is downloaded: the model is
@@ -20,6 +27,8 @@ shape (hidden 576, 30 layers, 9 heads, 3 KV heads, FFN 1536, vocab 49152, tied).
     python benchmarks/system/engine.py --device cpu --batch-sizes 1 8 32 --prompt-len 64 --new-tokens 32
     python benchmarks/system/engine.py --device cuda --random-weights --dtype bfloat16 \
         --batch-sizes 8 64 256 --prompt-len 128 --new-tokens 256 --json engine-gpu.json
+    python benchmarks/system/engine.py --device cuda --random-weights --dtype bfloat16 --batch-sizes 256 \
+        --prompt-len 128 --new-tokens 256 --skip-hf --agentic 256
 """
 
 from __future__ import annotations
@@ -28,9 +37,11 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +87,22 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--skip-continuous-batching", action="store_true", help="skip (b)")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="the engine decodes eagerly on CUDA")
+    parser.add_argument("--skip-hf", action="store_true", help="skip (a) and (b): engine rows only")
+    parser.add_argument(
+        "--agentic", type=int, default=0, metavar="N", help="(f) with N concurrent trajectories (0: skip)"
+    )
+    parser.add_argument("--turns", type=int, default=3, help="turns per agentic trajectory")
+    parser.add_argument(
+        "--no-prefix-cache", action="store_true", help="the engine runs without its prefix cache"
+    )
+    parser.add_argument(
+        "--tokenizer-path",
+        help="tokenizer.json for the agentic stop strings (default: the SmolLM2 folder's, else a synthetic "
+        "one-character-per-token text)",
+    )
+    parser.add_argument(
+        "--prefill-interval", type=int, help="the engine's prefill_interval (default: the engine's)"
+    )
     parser.add_argument("--json", dest="json_path", help="write the results here")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
@@ -248,6 +275,131 @@ def bench_bound(model: Any, batch: int, prompt_len: int, new_tokens: int) -> flo
     return batch * new_tokens / (time.perf_counter() - started)
 
 
+STOP_STRINGS = ("</tool_call>", "\n\nObservation:")
+"""The agentic turns' stop strings (rarely matched by random weights: they are checked at every token)."""
+
+
+@dataclass
+class AgenticResult:
+    """What one agentic run produced (the test of the workload reads `turns`)."""
+
+    tokens_per_s: float
+    generated_tokens: int
+    elapsed_s: float
+    prefill_tokens: int
+    cached_tokens: int
+    prefill_busy_share: float
+    turns: list[list[Any]] = field(default_factory=lambda: list[list[Any]]())
+    """Per trajectory, its finished turn requests in order."""
+
+
+def _cached_total(counters: Any) -> int:
+    """Prefix-cache hits so far (0 for an engine without a prefix cache)."""
+    return int(getattr(counters, "cached_tokens_total", 0))
+
+
+def synthetic_decoder(vocab_size: int) -> Any:
+    """Token ids -> text, one printable character per id (a stand-in when no tokenizer is at hand)."""
+    alphabet = "abcdefghijklmnopqrstuvwxyz <>/_\n:ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    table = [alphabet[i % len(alphabet)] for i in range(vocab_size)]
+
+    def decode(ids: list[int]) -> str:
+        return "".join(table[i] for i in ids)
+
+    return decode
+
+
+def tokenizer_decoder(path: Path) -> Any:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(path))
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    return decode
+
+
+def run_agentic(
+    engine: Any,
+    num_trajectories: int,
+    turns: int,
+    prompt_len: int,
+    vocab_size: int,
+    seed: int = 0,
+    new_tokens: tuple[int, int] = (48, 256),
+    observation_tokens: tuple[int, int] = (80, 120),
+    timeout_s: float = 3600.0,
+) -> AgenticResult:
+    """Run the agentic workload on a started `Engine` and wait for every trajectory's last turn."""
+    from asyncrl_sglang.builtin.engine import Request
+    from asyncrl_sglang.builtin.sampling import SamplingOptions
+
+    rng = random.Random(seed)
+    draws = [
+        [
+            (
+                rng.randint(*new_tokens),
+                [rng.randrange(3, vocab_size) for _ in range(rng.randint(*observation_tokens))],
+            )
+            for _ in range(turns)
+        ]
+        for _ in range(num_trajectories)
+    ]
+    prompts = [[rng.randrange(3, vocab_size) for _ in range(prompt_len)] for _ in range(num_trajectories)]
+    history: list[list[Any]] = [[] for _ in range(num_trajectories)]
+    remaining = [num_trajectories]
+    done = threading.Event()
+    lock = threading.Lock()
+
+    def make(index: int, turn: int, prompt: list[int]) -> Any:
+        max_new, _ = draws[index][turn]
+        options = SamplingOptions(max_new_tokens=max_new, temperature=1.0, stop=STOP_STRINGS)
+
+        def on_update(request: Any, finished: bool) -> None:
+            if not finished:
+                return
+            history[index].append(request)
+            if turn + 1 < turns and request.finish_reason.get("type") != "abort":
+                observation = draws[index][turn + 1][1]
+                # Runs on the scheduler thread: `call_async` queues the next turn inline.
+                follow = make(index, turn + 1, request.prompt_ids + request.output_ids + observation)
+                engine.call_async(lambda: engine.add_request(follow))
+                return
+            with lock:
+                remaining[0] -= 1
+                if remaining[0] == 0:
+                    done.set()
+
+        return Request(
+            rid=f"agentic-{index}-{turn}",
+            prompt_ids=prompt,
+            options=options,
+            return_logprob=True,
+            on_update=on_update,
+        )
+
+    first = [make(index, 0, prompts[index]) for index in range(num_trajectories)]
+    counters = engine.counters
+    before = (counters.prefill_tokens_total, _cached_total(counters), counters.prefill_busy_us)
+    started = time.perf_counter()
+    engine.call(lambda: [engine.add_request(r) for r in first])
+    if not done.wait(timeout_s):
+        raise RuntimeError(f"the agentic workload did not finish within {timeout_s} s")
+    elapsed = time.perf_counter() - started
+    generated = sum(len(r.output_ids) for turns_of in history for r in turns_of)
+    prefill_busy_s = (counters.prefill_busy_us - before[2]) / 1e6
+    return AgenticResult(
+        tokens_per_s=generated / elapsed,
+        generated_tokens=generated,
+        elapsed_s=elapsed,
+        prefill_tokens=counters.prefill_tokens_total - before[0],
+        cached_tokens=_cached_total(counters) - before[1],
+        prefill_busy_share=prefill_busy_s / elapsed,
+        turns=history,
+    )
+
+
 def main() -> int:
     args = parse_args()
     device = torch.device(args.device)
@@ -283,8 +435,9 @@ def main() -> int:
     for batch in args.batch_sizes:
         prompts = all_prompts[:batch].to(device)
         row: dict[str, Any] = {"batch": batch}
-        row["hf_generate"] = bench_hf_generate(hf, prompts, args.new_tokens)
-        if not args.skip_continuous_batching and hasattr(hf, "generate_batch"):
+        if not args.skip_hf:
+            row["hf_generate"] = bench_hf_generate(hf, prompts, args.new_tokens)
+        if not args.skip_hf and not args.skip_continuous_batching and hasattr(hf, "generate_batch"):
             try:
                 row["hf_continuous_batching"] = bench_hf_continuous(hf, prompts, args.new_tokens)
             except Exception as error:  # reported, not fatal: the feature is young and version-dependent
@@ -294,6 +447,7 @@ def main() -> int:
             max_running_requests=batch,
             context_length=args.prompt_len + args.new_tokens + 8,
             use_cuda_graphs=not args.no_cuda_graphs,
+            **engine_options(args),
         )
         engine.start()
         try:
@@ -307,10 +461,18 @@ def main() -> int:
             row["bound_cuda_graph_decode"] = bench_bound(
                 engine_model, batch, args.prompt_len, args.new_tokens
             )
-        row["engine_over_hf_generate"] = row["engine"] / row["hf_generate"]
+        if "hf_generate" in row:
+            row["engine_over_hf_generate"] = row["engine"] / row["hf_generate"]
         rows.append(row)
         print(_format_row(row), flush=True)
+    agentic: dict[str, Any] | None = None
+    if args.agentic:
+        agentic = bench_agentic(args, engine_model, device)
+        fixed = max(rows, key=lambda r: r["batch"])
+        agentic["fixed_batch"] = fixed["batch"]
+        agentic["over_fixed"] = agentic["tokens_per_s"] / fixed["engine"]
     result = {
+        "agentic": agentic,
         "args": vars(args),
         "device": str(device),
         "dtype": str(dtype),
@@ -326,12 +488,67 @@ def main() -> int:
         if any(v is not None for v in values):
             cells = "  ".join(f"{v:10.1f}" if v is not None else f"{'-':>10}" for v in values)
             print(f"{key:<24}{cells}")
-    print("engine / generate       " + "  ".join(f"{r['engine_over_hf_generate']:10.2f}" for r in rows))
+    if all("engine_over_hf_generate" in r for r in rows):
+        print("engine / generate       " + "  ".join(f"{r['engine_over_hf_generate']:10.2f}" for r in rows))
+    if agentic is not None:
+        print(
+            f"\nagentic: {args.agentic} trajectories x {args.turns} turns: "
+            f"{agentic['tokens_per_s']:.1f} tokens/s "
+            f"({agentic['generated_tokens']} tokens in {agentic['elapsed_s']:.1f} s) = "
+            f"{agentic['over_fixed']:.2f} x the fixed-shape B={agentic['fixed_batch']} row; prefill "
+            f"{agentic['prefill_tokens']} tokens, {agentic['cached_tokens']} from the prefix cache, prefill "
+            f"{100 * agentic['prefill_busy_share']:.0f}% of the time"
+        )
     for r in rows:
         if "hf_continuous_batching_error" in r:
             error = r["hf_continuous_batching_error"]
             print(f"B={r['batch']}: transformers continuous batching failed: {error}")
     return 0
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options that the command line sets (none by default, so that an older engine runs)."""
+    options: dict[str, Any] = {}
+    if args.no_prefix_cache:
+        options["prefix_cache"] = False
+    if args.prefill_interval is not None:
+        options["prefill_interval"] = args.prefill_interval
+    return options
+
+
+def bench_agentic(args: argparse.Namespace, engine_model: Any, device: torch.device) -> dict[str, Any]:
+    """(f): a warm-up run of a few trajectories, then the measured one, on a fresh engine."""
+    from asyncrl_sglang.builtin.engine import Engine
+
+    vocab = engine_model.config.vocab_size
+    if args.tokenizer_path:
+        decode_text = tokenizer_decoder(Path(args.tokenizer_path))
+    elif not args.random_weights:
+        from asyncrl_core.models import smollm2_135m
+
+        decode_text = tokenizer_decoder(Path(args.model_path or smollm2_135m()) / "tokenizer.json")
+    else:
+        decode_text = synthetic_decoder(vocab)
+    engine = Engine(
+        engine_model,
+        max_running_requests=args.agentic,
+        context_length=args.prompt_len + args.turns * (256 + 120) + 8,
+        use_cuda_graphs=not args.no_cuda_graphs,
+        decode_text=decode_text,
+        seed=args.seed,
+        **engine_options(args),
+    )
+    engine.start()
+    try:
+        run_agentic(
+            engine, min(8, args.agentic), 2, args.prompt_len, vocab, seed=args.seed + 1, new_tokens=(4, 8)
+        )
+        result = run_agentic(engine, args.agentic, args.turns, args.prompt_len, vocab, seed=args.seed)
+    finally:
+        engine.stop()
+    summary = {k: v for k, v in vars(result).items() if k != "turns"}
+    print(_format_row({"batch": f"agentic {args.agentic}", **summary}), flush=True)
+    return summary
 
 
 def _format_row(row: dict[str, Any]) -> str:

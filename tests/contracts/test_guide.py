@@ -149,6 +149,9 @@ def test_every_metric_has_a_meaning_and_is_in_the_reference(site: Path) -> None:
         assert value in text, f"{value} is not in the metrics reference"
         assert name in text, f"metrics.{name} is not in the metrics reference"
         assert plain(documented[name].meaning) in text
+    for signature, doc in gen_reference.name_builders():
+        assert doc, f"metrics.{signature} has no docstring"
+        assert plain(signature) in text
 
 
 def test_every_command_line_option_is_in_the_reference(site: Path) -> None:

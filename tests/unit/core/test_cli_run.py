@@ -14,6 +14,7 @@ import yaml
 
 from asyncrl_core.cli import EXIT_INVALID, main, prepare_run_dir
 from asyncrl_core.config import load_config
+from asyncrl_core.models import model_path_problem
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 MINI = EXAMPLES / "searchr1-mini.yaml"
@@ -164,6 +165,27 @@ def test_examples_pass_the_dry_run(path: Path, capsys: pytest.CaptureFixture[str
     assert main(["--dry-run", str(path)]) == 0, capsys.readouterr().err
 
 
+def test_a_model_path_that_names_no_model_fails_the_dry_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    missing = tmp_path / "no-such-model"
+    assert main(["--dry-run", str(MINI), f"actor.model_path={missing}"]) == EXIT_INVALID
+    err = capsys.readouterr().err
+    assert f"actor.model_path: {str(missing)!r} is not a HuggingFace model folder (it does not exist)" in err
+    assert main(["--dry-run", str(MINI), "actor.model_path=tiny-llama:huge"]) == EXIT_INVALID
+    assert "actor.model_path: unknown model tiny-llama:huge" in capsys.readouterr().err
+    # An alias resolves by name: nothing is built for the check.
+    assert main(["--dry-run", str(MINI), "actor.model_path=tiny-llama:small"]) == 0
+    capsys.readouterr()
+    # A configuration prepared here for another machine (GPUs this one lacks) gets a warning instead.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    gpu_example = str(EXAMPLES / "searchr1-gpu.yaml")
+    assert model_path_problem(load_config(gpu_example).actor.model_path) is not None
+    assert main(["--dry-run", gpu_example]) == 0
+    assert "warning: actor.model_path:" in capsys.readouterr().err
+
+
 def test_invalid_configuration_exits_2_and_starts_nothing(tmp_path: Path) -> None:
     done = run_cli(str(MINI), "actor.micro_batch_size=3", "rollout.context_length=10", cwd=tmp_path)
     assert done.returncode == EXIT_INVALID
@@ -257,8 +279,9 @@ def test_launch_refuses_gpus_that_are_not_here(
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     gpu_example = str(EXAMPLES / "searchr1-gpu.yaml")
+    here = "actor.model_path=tiny-llama:small"  # the example's model folder is not on this machine
     assert main(["--dry-run", gpu_example, "agentloop.task_name=good"]) == 0
-    assert main([gpu_example, "agentloop.task_name=good"]) == EXIT_INVALID
+    assert main([gpu_example, "agentloop.task_name=good", here]) == EXIT_INVALID
     error = capsys.readouterr().err
     assert (
         "cluster.component_placement: the placement asks for GPUs, but this machine has no visible GPU"
@@ -280,11 +303,16 @@ def test_run_folder_holds_config_and_warnings(tmp_path: Path) -> None:
     assert "# derived" in written
     assert load_config(run_dir / "config.yaml").model_dump() == config.model_dump()
     assert "max_actor_accept_staleness" in (run_dir / "warnings.log").read_text()
+    # A start that trained nothing (it failed or was stopped during start-up): the same command runs again.
+    prepare_run_dir(config)
+    assert (run_dir / "config.1.yaml").read_text() == written
+    # A folder where a step was trained is kept, unless the run resumes.
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
     with pytest.raises(FileExistsError, match=r"checkpoint\.resume_from"):
         prepare_run_dir(config)
     resumed = load_config(MINI, [*overrides, "checkpoint.resume_from=latest"])
     prepare_run_dir(resumed)
-    assert (run_dir / "config.1.yaml").read_text() == written
+    assert (run_dir / "config.2.yaml").read_text() == written
     assert "resume_from: latest" in (run_dir / "config.yaml").read_text()
 
 

@@ -126,7 +126,7 @@ def test_a_permanent_failure_drops_the_prompt_with_its_reason(tmp_path: Path) ->
     issued = [prompt for _, prompt in worker.admit(3, timeout_s=0.0)]
     assert (prompt_a, prompt_c) == (0, 2)
     assert issued == [1, 2, 2]
-    assert [prompt_a, 1, 0, "prompt too long"] in worker.ledger_json()["tickets"]
+    assert [prompt_a, 1, [], "prompt too long"] in worker.ledger_json()["tickets"]
     assert worker.end_step()[metrics.FAILED_GROUPS_DROPPED] == 0.0  # counted per step
 
 

@@ -50,3 +50,18 @@ def test_pin_refuses_cores_not_available() -> None:
     )
     assert found.returncode != 0
     assert f"none of the cores [{missing}] is available" in found.stderr
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to pin to one")
+def test_pin_imports_no_torch_and_torch_takes_one_thread_per_core_later() -> None:
+    # An engine or agent-loop worker never uses torch: pinning must not import it (seconds of its start).
+    core = max(os.sched_getaffinity(0))
+    code = (
+        "import sys; from asyncrl_core.runner.workers import pin_to_cores; "
+        f"pin_to_cores([{core}]); print('torch' in sys.modules); import torch; print(torch.get_num_threads())"
+    )
+    found = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert found.returncode == 0, found.stderr
+    assert found.stdout.split() == ["False", "1"]

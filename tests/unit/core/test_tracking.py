@@ -151,19 +151,25 @@ def test_progress_bar_on_a_terminal(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert "step 1/2" not in shown  # the bar replaces the plain lines
 
 
-def test_resume_supersedes_later_steps_and_repairs_a_torn_line(tmp_path: Path) -> None:
+def test_resume_removes_later_steps_and_repairs_a_torn_line(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     write_run(run_dir, 4)
     with open(run_dir / "metrics.jsonl", "a") as file:
         file.write('{"step": 5, "rollout/rew')  # a crash in the middle of a write
     with RunTracker(run_dir, LoggingConfig(), num_steps=6, start_step=2) as tracker:
+        # The lines of steps 3 and 4 (logged after the checkpoint of step 2) are gone before any new one.
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        assert [json.loads(line)["step"] for line in lines] == [1, 2]
         for step in (3, 4, 5, 6):
             tracker.log_step(step, {names.REWARD_MEAN: 1.0})
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(line)["step"] for line in lines]
+    assert steps == [1, 2, 3, 4, 5, 6]  # each step once
     history = read_metrics(run_dir / "metrics.jsonl")
-    assert sorted(history) == [1, 2, 3, 4, 5, 6]
     assert history[2][names.REWARD_MEAN] == pytest.approx(0.2)
-    assert history[4][names.REWARD_MEAN] == 1.0  # the resumed run's value wins
+    assert history[4][names.REWARD_MEAN] == 1.0
     assert "dropped an incomplete last line" in (run_dir / "warnings.log").read_text()
+    assert not list(run_dir.glob(".*"))  # the rewrite left no temporary file
 
 
 def test_plot_runs_overlays_runs(tmp_path: Path) -> None:

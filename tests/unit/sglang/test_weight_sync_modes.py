@@ -75,6 +75,7 @@ async def test_pausing_modes_update_without_flush_and_always_continue(mode: Sync
     for engine in (0, 1):
         assert [summary(path, body) for path, body in per_engine(calls, engine)] == [
             ("/pause_generation", mode),
+            ("/metrics",),
             ("/begin_weight_update",),
             ("/update_weights_from_tensor", "a,b", "False", "None"),
             ("/update_weights_from_tensor", "c", "False", "5"),
@@ -85,6 +86,45 @@ async def test_pausing_modes_update_without_flush_and_always_continue(mode: Sync
     assert result.num_bytes == 4 * (2 + 3 + 4)
     assert result.version == 5
     assert set(result.metrics()) == {"time/sync_weights", "rollout/sync_paused_requests"}
+
+
+def _prometheus(running: int, queued: int) -> httpx.Response:
+    label = '{model_name="m",engine_type="unified"}'
+    text = (
+        "# TYPE sglang:num_running_reqs gauge\n"
+        f"sglang:num_running_reqs{label} {running}\n"
+        "# TYPE sglang:num_queue_reqs gauge\n"
+        f"sglang:num_queue_reqs{label} {queued}\n"
+    )
+    return httpx.Response(200, text=text, headers={"content-type": "text/plain; version=0.0.4"})
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+async def test_paused_requests_are_the_engines_own_count(mode: SyncMode) -> None:
+    # The runner syncs through a pool of its own, with nothing in flight through it: the requests the sync
+    # paused are those the engines hold once paused, running (frozen) or queued (retracted), of every client.
+    held = {0: (3, 2), 1: (1, 0)}
+
+    def reply(index: int, path: str, body: Any) -> httpx.Response | None:
+        return _prometheus(*held[index]) if path == "/metrics" else None
+
+    calls: list[Call] = []
+    async with make_pool(2, calls, reply) as pool:
+        assert pool.num_inflight == 0
+        result = await sync_weights(pool, iter(BUCKETS), 2, mode=mode, transport=TensorTransport())
+    assert result.num_paused_requests == 6
+    assert result.metrics()["rollout/sync_paused_requests"] == 6.0
+
+
+async def test_paused_requests_fall_back_to_the_pool_without_engine_metrics() -> None:
+    def reply(index: int, path: str, body: Any) -> httpx.Response | None:
+        return httpx.Response(404, json={"detail": "Not Found"}) if path == "/metrics" else None
+
+    calls: list[Call] = []
+    async with make_pool(1, calls, reply) as pool:
+        result = await sync_weights(pool, iter(BUCKETS), 2, mode="retract", transport=TensorTransport())
+    assert result.num_paused_requests == 0
+    assert [path for _, path, _ in calls][-1] == "/continue_generation"
 
 
 async def test_drain_closes_admission_and_flushes_with_the_last_bucket() -> None:
@@ -227,6 +267,7 @@ async def test_servers_without_sessions_get_no_end_and_empty_exports_relabel() -
     assert result.num_buckets == 0
     assert [(path, body) for _, path, body in calls] == [
         ("/pause_generation", {"mode": "retract"}),
+        ("/metrics", None),
         ("/begin_weight_update", {}),
         ("/update_weight_version", {"new_version": "8", "abort_all_requests": False}),
         ("/continue_generation", {}),

@@ -4,7 +4,8 @@ Nothing heavy is imported before the configuration is validated: `--help`, `--sc
 (apart from the tasks themselves) and an invalid configuration never load torch, Ray, Megatron or SGLang.
 
 Exit status: 0 done, 1 the run stopped with an error (or `--audit` found a prompt not accounted for), 2
-invalid configuration or arguments (nothing was started), 130 interrupted.
+invalid configuration or arguments (nothing was started), 130 interrupted by SIGINT (Ctrl-C), 143 by
+SIGTERM; either way everything the run started is stopped first (`asyncrl_core.runner.shutdown`).
 
 Before anything starts, the selected task is imported and `agentloop.task_args` is checked against the
 arguments model it declares (`asyncrl_core.config.TaskArguments`), in a dry run too.
@@ -28,6 +29,7 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_INVALID = 2
 EXIT_INTERRUPTED = 130
+"""128 + SIGINT; SIGTERM gives 128 + 15 = 143."""
 
 _PROGRAM = "asyncrl-run"
 
@@ -56,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
             "  asyncrl-run examples/searchr1-mini.yaml 'runner.run_dir=${oc.env:HOME}/runs/${runner.name}'\n"
             "\n"
             "exit status: 0 done, 1 the run failed, 2 invalid configuration (nothing started), "
-            "130 interrupted"
+            "130 interrupted (SIGINT), 143 terminated (SIGTERM)"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -221,10 +223,16 @@ def _run(config_path: str | None, overrides: list[str], *, dry_run: bool) -> int
                 "starts",
             )
         )
+    # A model path that names no model here is an error, in a dry run too, unless the configuration is
+    # prepared here for another machine (devices this one lacks, or a Ray cluster): then a warning.
+    path_problems = _model_path_problems(config)
+    elsewhere = dry_run and bool(config.cluster.launch_problems(config) or _joins_a_cluster(config))
+    if path_problems and not elsewhere:
+        return _report_invalid(path_problems)
     model_problems = _model_install_problems(config)
     if not dry_run and model_problems:
         return _report_invalid(model_problems)
-    for warning in [*warnings, *model_problems]:
+    for warning in [*warnings, *path_problems, *model_problems]:
         print(f"{_PROGRAM}: warning: {warning}", file=sys.stderr)
     if dry_run:
         print("# resolved configuration; `# derived` marks values computed from other keys")
@@ -234,6 +242,30 @@ def _run(config_path: str | None, overrides: list[str], *, dry_run: bool) -> int
     if problems:
         return _report_invalid(problems)
     return _launch(config)
+
+
+def _joins_a_cluster(config: AsyncRLConfig) -> bool:
+    return config.runner.ray_address is not None or bool(os.environ.get("RAY_ADDRESS"))
+
+
+def _model_path_problems(config: AsyncRLConfig) -> list[ConfigProblem]:
+    """A model path that names no model here (no such folder, no `config.json`, an unknown alias), found
+    in milliseconds instead of after the engines' and actor's start-up. Aliases (`smollm2-135m`,
+    `tiny-llama:<preset>`) are checked by name, nothing is built."""
+    from asyncrl_core.errors import ConfigProblem
+    from asyncrl_core.models import model_path_problem
+
+    problems: list[ConfigProblem] = []
+    for key, model_path in (
+        ("actor.model_path", config.actor.model_path),
+        ("rollout.model_path", config.rollout.model_path),
+    ):
+        if model_path is None or (key == "rollout.model_path" and model_path == config.actor.model_path):
+            continue
+        problem = model_path_problem(model_path)
+        if problem is not None:
+            problems.append(ConfigProblem(key, problem))
+    return problems
 
 
 def _model_install_problems(config: AsyncRLConfig) -> list[ConfigProblem]:
@@ -265,12 +297,16 @@ def _launch(config: AsyncRLConfig) -> int:
     print(f"{_PROGRAM}: run folder {run_dir}", file=sys.stderr)
     from asyncrl_core.errors import AsyncRLError
     from asyncrl_core.runner import run
+    from asyncrl_core.runner.shutdown import RunInterrupted
 
     try:
         run(config)
     except AsyncRLError as error:  # a failure the run explains itself (e.g. the drop guard); no traceback
         print(f"{_PROGRAM}: the run stopped: {error}", file=sys.stderr)
         return EXIT_FAILED
+    except RunInterrupted as interrupted:
+        print(f"{_PROGRAM}: {interrupted.describe()}", file=sys.stderr)
+        return interrupted.exit_status
     print(
         f"{_PROGRAM}: done; metrics in {run_dir / 'metrics.jsonl'}, curves in {run_dir / 'curves.png'}",
         file=sys.stderr,
@@ -287,8 +323,9 @@ def _run_dir_problem(message: str) -> ConfigProblem:
 def prepare_run_dir(config: AsyncRLConfig) -> Path:
     """Create the run folder and write `config.yaml` (resolved, derived values marked) and `warnings.log`.
 
-    A folder that already holds a run is used again only to resume (`checkpoint.resume_from` set); its
-    earlier `config.yaml` is then kept as `config.<n>.yaml`. Otherwise raises `FileExistsError`, so an
+    A folder that already holds a run is used again only to resume (`checkpoint.resume_from` set), or when
+    the earlier start trained nothing (no step logged, no checkpoint: a start that failed or was stopped);
+    its earlier `config.yaml` is then kept as `config.<n>.yaml`. Otherwise raises `FileExistsError`, so an
     earlier run is never overwritten.
     """
     from pathlib import Path
@@ -299,7 +336,7 @@ def prepare_run_dir(config: AsyncRLConfig) -> Path:
     run_dir = Path(config.runner.run_dir)
     config_file = run_dir / "config.yaml"
     if config_file.exists():
-        if config.checkpoint.resume_from is None:
+        if config.checkpoint.resume_from is None and _holds_training(run_dir):
             raise FileExistsError(
                 f"{run_dir} already holds a run; choose another `runner.run_dir` or `runner.name`, or set "
                 "`checkpoint.resume_from: latest` to continue it"
@@ -317,6 +354,16 @@ def prepare_run_dir(config: AsyncRLConfig) -> Path:
         for warning in config.warnings:
             log.write(f"config: {warning}\n")
     return run_dir
+
+
+def _holds_training(run_dir: Path) -> bool:
+    """Whether an earlier start in `run_dir` trained something worth keeping: a logged step, a checkpoint
+    or a summary."""
+    metrics_file = run_dir / "metrics.jsonl"
+    if metrics_file.is_file() and metrics_file.stat().st_size > 0:
+        return True
+    checkpoints = run_dir / "checkpoints"
+    return (run_dir / "summary.json").exists() or (checkpoints.is_dir() and any(checkpoints.iterdir()))
 
 
 if __name__ == "__main__":

@@ -247,31 +247,44 @@ def named_model(model_path: str) -> Path | None:
     return None
 
 
-def resolve_model_path(model_path: str, *, key: str) -> Path:
-    """The local HuggingFace folder that the configuration key `key` names.
-
-    `smollm2-135m` and `tiny-llama:<preset>` are built once into the cache; anything else must be a folder
-    with a `config.json`. Raises `AsyncRLError` naming `key` otherwise.
-    """
-    try:
-        named = named_model(model_path)
-    except AsyncRLError as error:
-        raise AsyncRLError(f"{key}: {error}") from error
-    if named is not None:
-        return named
+def model_path_problem(model_path: str) -> str | None:
+    """Why `model_path` names no model on this machine, checked without building or loading anything (what
+    a dry run can say before start-up); None when it names one: `smollm2-135m`, a known
+    `tiny-llama:<preset>`, or a folder with a `config.json`."""
+    if model_path == SMOLLM2_ALIAS:
+        return None
+    if model_path.startswith(TINY_LLAMA_PREFIX):
+        if model_path.removeprefix(TINY_LLAMA_PREFIX) in TINY_LLAMA_PRESETS:
+            return None
+        known = ", ".join(f"{TINY_LLAMA_PREFIX}{name}" for name in TINY_LLAMA_PRESETS)
+        return f"unknown model {model_path} (known: {known})"
     path = Path(model_path).expanduser()
     if path.suffix.lower() == ".gguf":
-        raise AsyncRLError(
-            f"{key} {model_path!r} is a GGUF file; give a HuggingFace model folder (config.json and "
+        return (
+            f"{model_path!r} is a GGUF file; give a HuggingFace model folder (config.json and "
             f"safetensors), or `{SMOLLM2_ALIAS}` for the SmolLM2-135M GGUF converted once into one"
         )
     if not (path / "config.json").is_file():
         presets = ", ".join(f"`{TINY_LLAMA_PREFIX}{name}`" for name in TINY_LLAMA_PRESETS)
-        raise AsyncRLError(
-            f"{key} {model_path!r} is not a HuggingFace model folder (no config.json there); "
-            f"give a folder, `{SMOLLM2_ALIAS}` or one of {presets}"
+        why = "no config.json there" if path.exists() else "it does not exist"
+        return (
+            f"{model_path!r} is not a HuggingFace model folder ({why}); give a model folder, "
+            f"`{SMOLLM2_ALIAS}` or one of {presets}"
         )
-    return path
+    return None
+
+
+def resolve_model_path(model_path: str, *, key: str) -> Path:
+    """The local HuggingFace folder that the configuration key `key` names.
+
+    `smollm2-135m` and `tiny-llama:<preset>` are built once into the cache; anything else must be a folder
+    with a `config.json`. Raises `AsyncRLError` naming `key` otherwise (`model_path_problem`'s reason).
+    """
+    problem = model_path_problem(model_path)
+    if problem is not None:
+        raise AsyncRLError(f"{key}: {problem}")
+    named = named_model(model_path)
+    return named if named is not None else Path(model_path).expanduser()
 
 
 def read_hf_config(folder: str | os.PathLike[str]) -> dict[str, object]:

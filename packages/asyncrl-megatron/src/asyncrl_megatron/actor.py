@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl_core import models
+from asyncrl_core.actor.rng import rng_state, set_rng_state
 from asyncrl_core.algorithms import (
     LossSettings,
     PackedBatch,
@@ -374,7 +375,8 @@ class MegatronActor:
     def save_checkpoint(self, path: str) -> None:
         """Write the model shards, optimizer state and version under `path`, plus a HuggingFace copy.
 
-        Each rank writes `rank-<tp>-<dp>.pt` (its parameter shards and optimizer state, read back only by
+        Each rank writes `rank-<tp>-<dp>.pt` (its parameter shards, optimizer state and random generators,
+        Megatron's tensor-parallel tracker included, read back only by
         `load_checkpoint`); with the distributed optimizer, its parameter state goes to
         `optimizer-params.pt`. Rank 0 writes `hf/` (a HuggingFace folder loadable by the engines) and
         `actor_state.json`. Files appear under their final names only when complete.
@@ -385,6 +387,9 @@ class MegatronActor:
         state = {
             "model": {name: p.detach().cpu() for name, p in self.module.named_parameters()},
             "optimizer": self._optimizer().state_dict(),
+            # The rank's random generators: Python, numpy, torch, and Megatron's tensor-parallel tracker.
+            "rng": rng_state(),
+            "rng_tracker": _rng_tracker().get_states(),
         }
         _atomic_torch_save(state, rank_file)
         if self._megatron_optimizer is not None and self.settings.use_distributed_optimizer:
@@ -475,6 +480,9 @@ class MegatronActor:
                 str(folder / f"optimizer-params-tp{self.tp_rank}.pt")
             )
         self._version = version
+        if "rng" in state:  # checkpoints written before the generators were saved have none
+            set_rng_state(state["rng"])
+            _rng_tracker().set_states(state["rng_tracker"])
         dist.barrier()
 
     # --- beyond the protocol --------------------------------------------------------------------------------
@@ -694,6 +702,16 @@ def _vocab_parallel_entropy(logits: torch.Tensor, group: Any) -> torch.Tensor:
         (exp * torch.nan_to_num(shifted, neginf=0.0)).sum(dim=-1)
     )
     return total.log() - weighted / total
+
+
+def _rng_tracker() -> Any:
+    """Megatron's tensor-parallel generator tracker (set up by `parallel.initialize`)."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    tracker = get_cuda_rng_tracker()
+    if tracker is None:
+        raise MegatronActorError("Megatron's random-generator tracker is not set up")
+    return tracker
 
 
 def _atomic_torch_save(state: dict[str, Any], path: Path) -> None:

@@ -329,7 +329,10 @@ def _wait_healthy(
                 return
             if time.monotonic() >= deadline:
                 names = ", ".join(pending_names)
-                raise EngineUnavailableError(f"engines not healthy within {timeout_s:.0f} s: {names}")
+                raise EngineUnavailableError(
+                    f"engines not healthy within {timeout_s:.0f} s (in a run: `runner.startup_timeout_s`): "
+                    f"{names}"
+                )
             time.sleep(0.25)
 
 

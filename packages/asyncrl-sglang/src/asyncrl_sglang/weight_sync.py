@@ -57,8 +57,10 @@ class SyncResult:
     time_s: float
     """Wall time from the pause (or the closing of admission) to the continue (or the reopening)."""
     num_paused_requests: int
-    """Requests in flight through the pool when the sync began: retracted or frozen (`retract`,
-    `in_place`), or waited for (`drain`)."""
+    """Requests the sync paused: in `retract` and `in_place`, those the engines hold once paused, running or
+    queued, read from their `/metrics` (every client's requests; the requests in flight through this pool
+    when an engine serves no metrics); in `drain`, those in flight through this pool when it began, which
+    the drain waited for."""
     num_buckets: int
     num_bytes: int
     """Bytes of tensor data sent to each engine."""
@@ -242,6 +244,9 @@ async def sync_weights(
             await pool.wait_idle(drain_timeout_s)
         else:
             await pool.pause(mode)
+            held = await _requests_held(pool)
+            if held is not None:
+                num_paused = held
         # Only an idle engine may flush; the flush drops prefixes computed by the old weights.
         num_buckets, num_bytes = await _push_all(
             pool, buckets, version, transport, flush_last=mode == "drain"
@@ -261,6 +266,18 @@ async def sync_weights(
         num_buckets=num_buckets,
         num_bytes=num_bytes,
     )
+
+
+async def _requests_held(pool: EnginePool) -> int | None:
+    """The requests the paused engines hold, running or queued (retracted ones included), by their own
+    `/metrics`: they count requests of every client, not only those of `pool` (the runner syncs through a
+    pool of its own, beside the agent loops' pools). None when an engine serves no metrics (started
+    without `--enable-metrics`)."""
+    try:
+        readings = await pool.each(lambda client: client.metrics(), "metrics")
+    except EngineControlError:
+        return None
+    return round(sum(reading.num_running_requests + reading.num_queued_requests for reading in readings))
 
 
 async def _reopen(pool: EnginePool, mode: SyncMode) -> None:

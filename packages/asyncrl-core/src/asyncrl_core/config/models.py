@@ -176,6 +176,12 @@ class RunnerConfig(Section):
     ray_address: Annotated[str, Field(min_length=1)] | None = None
     """Address of a Ray cluster started with `ray start` (`host:port`, or `auto`); unset starts a local Ray
     instance for the run and stops it at the end."""
+    startup_timeout_s: Annotated[Float, Field(gt=0.0)] = 1800.0
+    """Seconds the start of the workers may take: the engines (SGLang's own start-up and the load of a 7B
+    model take several minutes each), the actor ranks with their optimiser, the agent loops and the
+    buffer."""
+    eval_timeout_s: Annotated[Float, Field(gt=0.0)] = 1800.0
+    """Seconds one evaluation (`eval_every_steps`) may take once the driver waits for it."""
 
     def derive(self, root: AsyncRLConfig, found: Validation) -> None:
         if self.run_dir is None:
@@ -547,7 +553,11 @@ class RolloutConfig(Section):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     """Sampling settings of every model turn."""
     request_timeout_s: Annotated[Float, Field(gt=0.0)] = 600.0
-    """Seconds one generation request may take, pauses for weight syncs included."""
+    """Seconds one generation request may take, pauses for weight syncs included; also the longest the
+    driver waits for the next batch of finished groups."""
+    drain_timeout_s: Annotated[Float, Field(gt=0.0)] = 600.0
+    """Seconds the requests in flight may take to finish when the agent loops are drained: before each
+    weight sync in `pause_mode: drain`, and when the run stops generating at its end."""
     max_engine_restarts: NonNegativeInt = 3
     """Times over the run a dead engine process (or one that stopped answering `/health`) is restarted,
     all engines together; one more failure stops the run. 0: the first failure stops it."""
@@ -672,6 +682,9 @@ class ActorCommon(Section):
     ppo_epochs: PositiveInt = 1
     """Passes over a step's mini-batches (verl's `ppo_epochs`). A step makes `ppo_epochs x
     data.rollout_batch_size / ppo_mini_batch_size` optimiser updates and bumps the weight version once."""
+    train_timeout_s: Annotated[Float, Field(gt=0.0)] = 1800.0
+    """Seconds one training step may take on every rank; the push of the new weights into the engines that
+    follows it may take as long again."""
 
     def derive(self, root: AsyncRLConfig, found: Validation) -> None:
         if self.temperature is None:
@@ -1006,7 +1019,7 @@ class CheckpointConfig(Section):
     resume_from: str | None = None
     """Resume from this checkpoint folder, or `latest` for the newest intact one under
     `<run_dir>/checkpoints` (a damaged one is passed over with a warning naming the file)."""
-    timeout_s: Annotated[float, Field(gt=0.0)] = 1800.0
+    timeout_s: Annotated[Float, Field(gt=0.0)] = 1800.0
     """Seconds that saving or loading one checkpoint (actor, buffer state) may take before the run stops
     with an error naming it."""
 

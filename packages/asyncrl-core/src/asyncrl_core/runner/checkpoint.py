@@ -206,6 +206,19 @@ def identity_problems(saved: Mapping[str, Any], current: Mapping[str, Any]) -> l
     ]
 
 
+def check_resumable(folder: Path, identity: Mapping[str, Any]) -> dict[str, Any]:
+    """The checkpoint's runner state, after checking that it belongs to a run of this `identity`
+    (`run_identity`); raises `RunnerError` naming every difference otherwise."""
+    state = read_runner_state(folder)
+    problems = identity_problems(state.get("identity", {}), identity)
+    if problems:
+        raise RunnerError(
+            f"checkpoint.resume_from: {folder} belongs to another run (" + "; ".join(problems) + "); "
+            "resume with the same dataset, seeds and task, or start a new run folder"
+        )
+    return state
+
+
 # --- buffer state as files ----------------------------------------------------------------------------------
 
 

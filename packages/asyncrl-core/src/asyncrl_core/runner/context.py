@@ -15,6 +15,7 @@ from asyncrl_core import metrics
 from asyncrl_core.runner import checkpoint
 from asyncrl_core.runner.ledger import LEDGER_FILE, write_json
 from asyncrl_core.runner.liveness import Liveness
+from asyncrl_core.runner.timeouts import TimeoutKey, timed_out, timeout_of
 from asyncrl_core.runner.workers import BufferState, RunnerError
 
 if TYPE_CHECKING:
@@ -63,19 +64,23 @@ class RunContext:
         """One step of every actor rank on `batch` (a Ray reference or a `Batch`); rank 0's metrics. A rank
         that dies stops the run at once with its rank and error (the others may wait for it forever)."""
         results = self.wait_all(
-            [actor.train.remote(batch) for actor in self.workers.actors], "training", "actor rank"
+            [actor.train.remote(batch) for actor in self.workers.actors],
+            "training",
+            "actor rank",
+            "actor.train_timeout_s",
         )
         self.version += 1
         return results[0]
 
-    def wait_all(self, refs: Sequence[Any], what: str, part: str) -> list[Any]:
+    def wait_all(self, refs: Sequence[Any], what: str, part: str, key: TimeoutKey) -> list[Any]:
         """The results of calls `refs` (in order), one per worker of a kind (`part`: `actor rank`,
         `agent-loop worker`), while the engines are watched (a failed one is restarted meanwhile);
-        `RunnerError` naming the worker that died, or after `rollout.request_timeout_s`."""
+        `RunnerError` naming the worker that died, or after the timeout `key` names."""
         import ray
         from ray.exceptions import RayActorError
 
-        deadline = time.monotonic() + self.timeout_s
+        timeout_s = timeout_of(self.config, key)
+        deadline = time.monotonic() + timeout_s
         pending = list(refs)
         while pending:
             watched = self.liveness.refs()
@@ -83,9 +88,7 @@ class RunContext:
                 [*pending, *watched], num_returns=1, timeout=max(0.0, deadline - time.monotonic())
             )
             if not ready:
-                raise RunnerError(
-                    f"{what} did not finish within {self.timeout_s:.0f} s (rollout.request_timeout_s)"
-                )
+                raise timed_out(what, timeout_s, key)
             if ready[0] in watched:
                 self.liveness.recover(ready[0])
                 continue
@@ -95,7 +98,7 @@ class RunContext:
             except RayActorError as error:
                 index = list(refs).index(ready[0])
                 raise self.liveness.fatal(f"{part} {index}", f"died during {what}: {error}") from error
-        return self.workers.get(list(refs), what)
+        return self.workers.get(list(refs), what, key)
 
     def wait_batch(self, take: Callable[[], Any]) -> Any:
         """Poll `take()` (a hand-off that waits up to a second) until it yields a batch, while the engines
@@ -149,7 +152,10 @@ class RunContext:
 
         if self._pending_eval is None:
             return
-        ready, _ = ray.wait([self._pending_eval], timeout=self.timeout_s if wait else 0)
+        timeout_s = self.config.runner.eval_timeout_s
+        ready, _ = ray.wait([self._pending_eval], timeout=timeout_s if wait else 0)
+        if wait and not ready:
+            raise timed_out("evaluation", timeout_s, "runner.eval_timeout_s")
         if ready:
             step_metrics.update(self.workers.get(self._pending_eval, "evaluation"))
             self._pending_eval = None
@@ -191,18 +197,17 @@ class RunContext:
         """`<run_dir>/checkpoints/step_<step>/`, written atomically (`asyncrl_core.runner.checkpoint`): the
         actor, the buffer's state with its buffered groups, the dataloader's position and the prompts in
         flight, the ledger, step and version; `ledger.json` in the run folder is brought up to date."""
-        timeout_s = self.config.checkpoint.timeout_s
         final, temporary = checkpoint.begin(self.run_dir, step)
         self.workers.get(
             [
                 actor.save_checkpoint.remote(str(temporary / checkpoint.ACTOR_DIR))
                 for actor in self.workers.actors
             ],
-            "saving the actor's checkpoint (checkpoint.timeout_s)",
-            timeout_s,
+            "saving the actor's checkpoint",
+            "checkpoint.timeout_s",
         )
         state: BufferState = self.workers.get(
-            self.workers.buffer.state.remote(), "taking the buffer's state", timeout_s
+            self.workers.buffer.state.remote(), "taking the buffer's state", "checkpoint.timeout_s"
         )
         checkpoint.write_buffer_state(temporary, state)
         runner_state = {
@@ -215,6 +220,7 @@ class RunContext:
         folder = checkpoint.commit(temporary, final, runner_state, self.config.checkpoint.keep_last)
         write_json(self.run_dir / LEDGER_FILE, state.ledger)
         self._saved_step = step
+        logger.info("checkpoint %s written", folder)
         return folder
 
     def resume(self, folder: Path) -> None:
@@ -222,25 +228,18 @@ class RunContext:
         actor (weights, optimiser, random generators), the buffer with its buffered groups, the ledger, the
         dataloader with the prompts that were in flight first in line, version and step; then the engines
         get the restored weights."""
-        state = checkpoint.read_runner_state(folder)
-        problems = checkpoint.identity_problems(state.get("identity", {}), self.identity())
-        if problems:
-            raise RunnerError(
-                f"checkpoint.resume_from: {folder} belongs to another run (" + "; ".join(problems) + "); "
-                "resume with the same dataset, seeds and task, or start a new run folder"
-            )
+        state = checkpoint.check_resumable(folder, self.identity())
         buffer_state = checkpoint.read_buffer_state(folder, state["loader"])
-        timeout_s = self.config.checkpoint.timeout_s
         self.workers.get(
             [
                 actor.load_checkpoint.remote(str(folder / checkpoint.ACTOR_DIR))
                 for actor in self.workers.actors
             ],
-            "loading the actor's checkpoint (checkpoint.timeout_s)",
-            timeout_s,
+            "loading the actor's checkpoint",
+            "checkpoint.timeout_s",
         )
         reissued: list[int] = self.workers.get(
-            self.workers.buffer.restore.remote(buffer_state), "restoring the buffer", timeout_s
+            self.workers.buffer.restore.remote(buffer_state), "restoring the buffer", "checkpoint.timeout_s"
         )
         self.start_step = self._saved_step = int(state["step"])
         self.version = int(state["version"])

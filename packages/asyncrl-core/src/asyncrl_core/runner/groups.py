@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from asyncrl_core.runner.timeouts import CONTROL_TIMEOUT_S, TimeoutKey, timed_out, timeout_of
 from asyncrl_core.runner.workers import (
     ActorWorker,
     AgentLoopWorker,
@@ -32,6 +34,12 @@ if TYPE_CHECKING:
 
 ROLLOUT_CALLS = 4
 """Concurrent calls a rollout worker serves: its `watch` blocks for the whole run beside the others."""
+
+STOP_TIMEOUT_S = 30.0
+"""Longest the agent loops and engines get to close at the end of a run before their workers are killed
+(an engine's own stop is SIGTERM, then SIGKILL of its process group after 10 s)."""
+logger = logging.getLogger(__name__)
+
 MAX_BUFFER_CALLS = 64
 """Concurrent calls the buffer worker serves (blocking admissions of every agent-loop worker, completions
 and the driver's hand-off at once)."""
@@ -123,15 +131,41 @@ class WorkerGroups:
         rollout_model_path: str,
         run_dir: Path,
         task_services: dict[str, str],
+        stopped: list[str] | None = None,
+    ) -> None:
+        self.config = config
+        self._handles: list[Any] = []
+        self.on_death: Callable[[str, str], None] | None = None
+        """Told `(part, message)` when `get` finds a worker dead (the run's fault record)."""
+        self._started = False
+        self.stopped = stopped if stopped is not None else []
+        """Where `stop` says what it stopped (the run's message on an interruption)."""
+        self.rollouts: list[Any] = []
+        self.actors: list[Any] = []
+        self.agent_loops: list[Any] = []
+        self.start_times: dict[str, float] = {}
+        """Seconds each stage of the start took: `engines and actor`, `agent loops`, `buffer`."""
+        try:
+            self._start(config, actor_model_path, rollout_model_path, run_dir, task_services)
+        except BaseException:
+            # A failure or a signal while the workers are built: nothing else holds the actors made so far.
+            self.stop()
+            raise
+        self._started = True
+
+    def _start(
+        self,
+        config: AsyncRLConfig,
+        actor_model_path: str,
+        rollout_model_path: str,
+        run_dir: Path,
+        task_services: dict[str, str],
     ) -> None:
         import ray
 
         from asyncrl_core.actor.distributed import free_port
 
-        self.config = config
-        self._handles: list[Any] = []
-        self.on_death: Callable[[str, str], None] | None = None
-        """Told `(part, message)` when `get` finds a worker dead (the run's fault record)."""
+        stage_started = time.perf_counter()
         nodes = cluster_devices(config.cluster.device_type)
         gpu = config.cluster.device_type == "gpu"
 
@@ -139,7 +173,6 @@ class WorkerGroups:
         tp = config.rollout.tensor_parallel_size
         num_instances = config.rollout.num_instances or 1
         rollout_class = ray.remote(RolloutWorker)
-        self.rollouts = []
         for index in range(num_instances):
             share = rollout_devices[index * tp : (index + 1) * tp] if gpu else rollout_devices
             self.rollouts.append(
@@ -159,7 +192,6 @@ class WorkerGroups:
         per_rank = max(1, len(actor_devices) // world_size) if gpu else len(actor_devices)
         port = free_port()
         actor_class = ray.remote(ActorWorker)
-        self.actors = []
         for rank in range(world_size):
             share = actor_devices[rank * per_rank : (rank + 1) * per_rank] if gpu else actor_devices
             self.actors.append(
@@ -176,8 +208,12 @@ class WorkerGroups:
         # start is reported at once, not after every engine has started.
         endpoints = [rollout.endpoint.remote() for rollout in self.rollouts]
         versions = [actor.get_version.remote() for actor in self.actors]
-        started = self.get([*endpoints, *versions], "the start of the engines and the actor")
+        started = self.get(
+            [*endpoints, *versions], "the start of the engines and the actor", "runner.startup_timeout_s"
+        )
         self.endpoints: list[EngineEndpoint] = started[: len(endpoints)]
+        self.start_times["engines and actor"] = time.perf_counter() - stage_started
+        stage_started = time.perf_counter()
 
         loop_class = ray.remote(AgentLoopWorker)
 
@@ -194,8 +230,14 @@ class WorkerGroups:
             )
 
         self._agent_loop = agent_loop
-        self.agent_loops = [agent_loop(i) for i in range(config.agentloop.num_workers)]
-        dataset_size: int = self.get(self.agent_loops[0].dataset_size.remote(), "agent loop start")
+        self.agent_loops.extend(agent_loop(i) for i in range(config.agentloop.num_workers))
+        dataset_size: int = self.get(
+            self.agent_loops[0].dataset_size.remote(),
+            "the start of the agent loops",
+            "runner.startup_timeout_s",
+        )
+        self.start_times["agent loops"] = time.perf_counter() - stage_started
+        stage_started = time.perf_counter()
         buffer_class = ray.remote(BufferWorker)
         self.buffer = self._keep(
             buffer_class.options(
@@ -203,6 +245,8 @@ class WorkerGroups:
             ).remote(config, dataset_size)
         )
         self.buffer_port = RayBufferPort(self.buffer)
+        self.get(self.buffer.counts.remote(), "the start of the buffer", "runner.startup_timeout_s")
+        self.start_times["buffer"] = time.perf_counter() - stage_started
 
     def restart_agent_loop(self, index: int) -> Any:
         """A new agent-loop worker in place of worker `index` (whose process died); returns its handle once
@@ -213,23 +257,28 @@ class WorkerGroups:
         ray.kill(old)
         self._handles.remove(old)
         self.agent_loops[index] = self._agent_loop(index)
-        self.get(self.agent_loops[index].dataset_size.remote(), f"restarting agent-loop worker {index}")
+        self.get(
+            self.agent_loops[index].dataset_size.remote(),
+            f"restarting agent-loop worker {index}",
+            "runner.startup_timeout_s",
+        )
         return self.agent_loops[index]
 
     def _keep(self, handle: Any) -> Any:
         self._handles.append(handle)
         return handle
 
-    def get(self, refs: Any, what: str, timeout_s: float | None = None) -> Any:
-        """`ray.get` with a timeout (`rollout.request_timeout_s` by default) and an error naming `what`."""
+    def get(self, refs: Any, what: str, key: TimeoutKey | None = None) -> Any:
+        """`ray.get` bounded by the timeout `key` names (`CONTROL_TIMEOUT_S` without one: a call that
+        answers at once), with an error naming `what` and the key."""
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError
 
-        timeout = timeout_s if timeout_s is not None else self.config.rollout.request_timeout_s
+        timeout = timeout_of(self.config, key) if key is not None else CONTROL_TIMEOUT_S
         try:
             return ray.get(refs, timeout=timeout)
         except GetTimeoutError as error:
-            raise RunnerError(f"{what} did not finish within {timeout:.0f} s") from error
+            raise timed_out(what, timeout, key) from error
         except RayActorError as error:
             part = self.part_of(getattr(error, "actor_id", None))
             if self.on_death is not None:
@@ -246,7 +295,8 @@ class WorkerGroups:
         for role, index, handle in roles:
             if actor_id is not None and handle._actor_id.hex() == actor_id:
                 return f"{role} {index}"
-        if actor_id is not None and self.buffer._actor_id.hex() == actor_id:
+        buffer = getattr(self, "buffer", None)  # absent while the workers start
+        if actor_id is not None and buffer is not None and buffer._actor_id.hex() == actor_id:
             return "the buffer worker"
         return "a worker"
 
@@ -254,11 +304,17 @@ class WorkerGroups:
         """Push the actor's weights into every engine in `mode`; in `drain` mode the agent loops hold new
         requests and wait for theirs first, and reopen afterwards whatever happens."""
         if mode == "drain":
-            timeout_s = self.config.rollout.request_timeout_s
-            self.get([loop.drain.remote(timeout_s) for loop in self.agent_loops], "draining the agent loops")
+            timeout_s = self.config.rollout.drain_timeout_s
+            self.get(
+                [loop.drain.remote(timeout_s) for loop in self.agent_loops],
+                "draining the agent loops",
+                "rollout.drain_timeout_s",
+            )
         try:
             results = self.get(
-                [actor.sync_weights.remote(self.endpoints, mode) for actor in self.actors], "weight sync"
+                [actor.sync_weights.remote(self.endpoints, mode) for actor in self.actors],
+                "weight sync",
+                "actor.train_timeout_s",
             )
         finally:
             if mode == "drain":
@@ -266,16 +322,41 @@ class WorkerGroups:
         return results[0]
 
     def stop(self) -> None:
-        """Close the agent loops, stop the engines, then end every actor."""
+        """Close the agent loops and stop the engines (each engine's whole process group), waiting up to
+        `STOP_TIMEOUT_S`, then end every actor. Workers still starting are ended at once: their start, not
+        the stop, would run first. Idempotent; says what it stopped in `stopped`."""
         import ray
 
-        for loop in self.agent_loops:
-            loop.stop.remote()
-        closing = [loop.aclose.remote() for loop in self.agent_loops]
-        stopping = [rollout.stop.remote() for rollout in self.rollouts]
-        ray.wait(closing + stopping, num_returns=len(closing) + len(stopping), timeout=60)
-        for handle in self._handles:
+        handles, self._handles = self._handles, []
+        if not handles:
+            return
+        if self._started:
+            for loop in self.agent_loops:
+                loop.stop.remote()
+            closing = [loop.aclose.remote() for loop in self.agent_loops]
+            stopping = [rollout.stop.remote() for rollout in self.rollouts]
+            pending = closing + stopping
+            ready, _ = ray.wait(pending, num_returns=len(pending), timeout=STOP_TIMEOUT_S)
+            if len(ready) < len(pending):
+                logger.warning(
+                    "%d agent loops or engines did not stop within %.0f s; ending their workers",
+                    len(pending) - len(ready),
+                    STOP_TIMEOUT_S,
+                )
+        for handle in handles:
             ray.kill(handle)
+        parts = [
+            _count(len(self.rollouts), "engine"),
+            _count(len(self.actors), "actor rank"),
+            _count(len(self.agent_loops), "agent loop"),
+        ]
+        self.stopped.append(
+            ", ".join(part for part in parts if part) + ("" if self._started else " (starting)")
+        )
+
+
+def _count(number: int, what: str) -> str:
+    return f"{number} {what}{'s' if number != 1 else ''}" if number else ""
 
 
 def start_ray(config: AsyncRLConfig) -> None:

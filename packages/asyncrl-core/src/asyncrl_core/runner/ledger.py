@@ -49,10 +49,15 @@ class PromptRecord:
 
 @dataclass(slots=True)
 class TicketRecord:
-    """The outcome of one ticket: trainings (one when all is well) and the permanent drop reason."""
+    """The outcome of one ticket: its trainings (one when all is well) and its permanent drop reason."""
 
-    trained: int = 0
+    trained_at: list[int] = field(default_factory=list[int])
+    """The actor version each training of the ticket started from (the number of steps before it)."""
     dropped: str | None = None
+
+    @property
+    def trained(self) -> int:
+        return len(self.trained_at)
 
 
 class PromptLedger:
@@ -72,10 +77,11 @@ class PromptLedger:
         self.tickets.setdefault(ticket, TicketRecord())
         self.open_groups[group_id] = ticket
 
-    def trained(self, group_id: int) -> Ticket:
+    def trained(self, group_id: int, actor_version: int) -> Ticket:
+        """The group was handed to the actor training from `actor_version` (in step `actor_version + 1`)."""
         ticket = self._close(group_id)
         self._prompt(ticket[0]).trained += 1
-        self.tickets[ticket].trained += 1
+        self.tickets[ticket].trained_at.append(actor_version)
         return ticket
 
     def handed_back(self, group_id: int) -> Ticket:
@@ -150,7 +156,7 @@ class PromptLedger:
                 }
                 for index, r in sorted(self.prompts.items())
             },
-            "tickets": [[p, e, t.trained, t.dropped] for (p, e), t in sorted(self.tickets.items())],
+            "tickets": [[p, e, t.trained_at, t.dropped] for (p, e), t in sorted(self.tickets.items())],
             "open_groups": [[g, p, e] for g, (p, e) in sorted(self.open_groups.items()) if g in live],
             "queued": [[p, e] for p, e in queued],
         }
@@ -169,8 +175,9 @@ class PromptLedger:
                     int(record["handed_back"]),
                     {str(k): int(v) for k, v in cast("dict[str, Any]", record["dropped"]).items()},
                 )
-            for prompt, epoch, trained, dropped in data["tickets"]:
-                ledger.tickets[(int(prompt), int(epoch))] = TicketRecord(int(trained), dropped)
+            for prompt, epoch, trained_at, dropped in data["tickets"]:
+                record = TicketRecord([int(version) for version in trained_at], dropped)
+                ledger.tickets[(int(prompt), int(epoch))] = record
             for group_id, prompt, epoch in data["open_groups"]:
                 ledger.open_groups[int(group_id)] = (int(prompt), int(epoch))
         except (KeyError, TypeError, ValueError) as error:
@@ -215,7 +222,8 @@ def audit(data: Mapping[str, Any]) -> list[EpochAudit]:
         report = epochs.setdefault(epoch, EpochAudit(epoch, complete=epoch < epochs_issued))
         ticket = f"prompt {prompt}"
         if record.trained > 1:
-            report.problems.append(f"{ticket} was trained {record.trained} times")
+            steps = ", ".join(str(version + 1) for version in record.trained_at)
+            report.problems.append(f"{ticket} was trained {record.trained} times (in steps {steps})")
         elif record.trained == 1 and record.dropped is not None:
             report.problems.append(f"{ticket} was trained and dropped ({record.dropped})")
         elif record.trained == 1:
@@ -231,8 +239,17 @@ def audit(data: Mapping[str, Any]) -> list[EpochAudit]:
             missing = [p for p in range(ledger.dataset_size) if (p, report.epoch) not in ledger.tickets]
             if missing:
                 shown = ", ".join(str(p) for p in missing[:10]) + (" ..." if len(missing) > 10 else "")
-                report.problems.append(f"{len(missing)} prompts were never issued: {shown}")
+                report.problems.append(f"{len(missing)} of its prompts never issued: {shown}")
     return [epochs[epoch] for epoch in sorted(epochs)]
+
+
+def trained_by_step(data: Mapping[str, Any]) -> dict[int, list[int]]:
+    """The prompts trained in each step (1-based) of a `ledger.json`, sorted."""
+    steps: dict[int, list[int]] = {}
+    for prompt, _, trained_at, _ in data["tickets"]:
+        for version in trained_at:
+            steps.setdefault(int(version) + 1, []).append(int(prompt))
+    return {step: sorted(prompts) for step, prompts in sorted(steps.items())}
 
 
 def audit_run(run_dir: Path) -> tuple[bool, list[str]]:

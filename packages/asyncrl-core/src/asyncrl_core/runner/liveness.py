@@ -72,7 +72,7 @@ class Liveness:
         serving = [ref for ref, (kind, _) in self._watched.items() if kind == AGENT_LOOP]
         for ref in serving:
             del self._watched[ref]
-        self.workers.get(serving, "stopping the agent loops")
+        self.workers.get(serving, "stopping the agent loops", "rollout.drain_timeout_s")
 
     def refs(self) -> list[Any]:
         """The pending calls to wait on beside the data: any of them ending means a part failed."""
@@ -178,7 +178,9 @@ class Liveness:
         self.num_engine_restarts += 1
         self._step_engine_restarts += 1
         rollout = self.workers.rollouts[failure.index]
-        endpoint: EngineEndpoint = self.workers.get(rollout.restart.remote(), f"restarting {part}")
+        endpoint: EngineEndpoint = self.workers.get(
+            rollout.restart.remote(), f"restarting {part}", "runner.startup_timeout_s"
+        )
         if endpoint != self.workers.endpoints[failure.index]:
             raise self.fatal(
                 part,
@@ -189,6 +191,7 @@ class Liveness:
         self.workers.get(
             [actor.sync_weights.remote([endpoint], "retract") for actor in self.workers.actors],
             f"pushing the weights into the restarted {part}",
+            "actor.train_timeout_s",
         )
         self._watched[rollout.watch.remote()] = (ENGINE, failure.index)
         self.record(

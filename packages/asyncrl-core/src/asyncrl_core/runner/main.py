@@ -2,7 +2,8 @@
 
 Order: Ray (local, or `runner.ray_address`); the task's services (a retrieval server); the optional warm
 start; the workers (engines and actor start together); the driver of `runner.async_mode`; then everything
-started is stopped, engines included, also on an error or Ctrl-C.
+started is stopped, engines and Ray's own processes included, also on an error, SIGINT or SIGTERM, from
+any phase (`asyncrl_core.runner.shutdown`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,6 +20,7 @@ from asyncrl_core import models
 if TYPE_CHECKING:
     from asyncrl_core.config import AsyncRLConfig
     from asyncrl_core.protocols import Task
+    from asyncrl_core.runner.shutdown import RunStopper
 
 logger = logging.getLogger(__name__)
 _STDERR = logging.StreamHandler(sys.stderr)
@@ -25,11 +28,39 @@ _STDERR = logging.StreamHandler(sys.stderr)
 
 def run(config: AsyncRLConfig) -> Path:
     """Train as `config` says; returns the run folder (`runner.run_dir`, already created by the CLI or
-    here). Raises `AsyncRLError` subclasses for failures the run explains itself."""
+    here). Raises `AsyncRLError` subclasses for failures the run explains itself, and `RunInterrupted` (a
+    `KeyboardInterrupt`) on SIGINT or SIGTERM, after stopping everything (`asyncrl_core.runner.shutdown`)."""
     # Ray's `uv run` hook would package the working directory for every worker and start each one with
     # `uv run` there: the workers must import this interpreter's installed packages instead. The hook reads
     # this variable when Ray is first imported.
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    from asyncrl_core.runner.shutdown import RunStopper
+
+    assert config.runner.run_dir is not None  # derived
+    assert config.agentloop.task_name is not None  # required
+    run_dir = Path(config.runner.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _log_to_stderr(config.logging.level)
+    # Ray is imported after the signals are taken (an import of seconds): a Ray started before (a test's)
+    # is already imported.
+    ray_module = sys.modules.get("ray")
+    ray_running = ray_module is not None and bool(ray_module.is_initialized())
+    owns_ray = not ray_running and config.runner.ray_address is None
+    stopper = RunStopper(local=owns_ray)
+    stopper.start()
+    try:
+        _run(config, run_dir, stopper, owns_ray=owns_ray)
+    except KeyboardInterrupt as interrupt:
+        interruption = stopper.interruption()
+        if interruption is None or interruption is interrupt:
+            raise
+        raise interruption from None
+    finally:
+        stopper.finish()
+    return run_dir
+
+
+def _run(config: AsyncRLConfig, run_dir: Path, stopper: RunStopper, *, owns_ray: bool) -> None:
     import ray
 
     from asyncrl_core.runner.async_ import run_async
@@ -40,29 +71,41 @@ def run(config: AsyncRLConfig) -> Path:
     from asyncrl_core.runner.tracking import RunTracker
     from asyncrl_core.runner.workers import build_task
 
-    assert config.runner.run_dir is not None  # derived
-    assert config.agentloop.task_name is not None  # required
-    run_dir = Path(config.runner.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    _log_to_stderr(config.logging.level)
-    owns_ray = not ray.is_initialized() and config.runner.ray_address is None
-    start_ray(config)
-    logger.info("Ray: %s", config.runner.ray_address or "a local instance")
+    stopper.phase = "the check of the checkpoint to resume"
+    resume = config.checkpoint.resume_from
+    # Every file of the checkpoint is checked against its manifest before anything starts: a damaged one is
+    # named at once (or passed over for `latest`), not after the workers' start-up.
+    checkpoint = resolve_resume(run_dir, resume) if resume is not None else None
+    stopper.phase = "the start of Ray"
+    started = time.perf_counter()
     try:
+        start_ray(config)
+        stopper.take_signals()  # `ray.init` installed its own SIGTERM handler, which skips every cleanup
+        ray_s = time.perf_counter() - started
+        logger.info("Ray: %s (%.1f s)", config.runner.ray_address or "a local instance", ray_s)
+        stopper.phase = "start-up"
         task = build_task(config, {})
         with task.serve() as task_services:
             actor_path, rollout_path = _model_paths(config, task, run_dir)
             logger.info("starting the engines, the actor and the agent loops (model %s)", rollout_path)
+            workers_started = time.perf_counter()
             workers = WorkerGroups(
                 config,
                 actor_model_path=actor_path,
                 rollout_model_path=rollout_path,
                 run_dir=run_dir,
                 task_services=dict(task_services),
+                stopped=stopper.stopped,
+            )
+            logger.info(
+                "started in %.1f s: Ray %.1f s, task and model %.1f s, workers %.1f s (%s)",
+                time.perf_counter() - started,
+                ray_s,
+                workers_started - started - ray_s,
+                time.perf_counter() - workers_started,
+                ", ".join(f"{what} {seconds:.1f} s" for what, seconds in workers.start_times.items()),
             )
             try:
-                resume = config.checkpoint.resume_from
-                checkpoint = resolve_resume(run_dir, resume) if resume is not None else None
                 with RunTracker(
                     run_dir,
                     config.logging,
@@ -73,15 +116,19 @@ def run(config: AsyncRLConfig) -> Path:
                     if checkpoint is not None:
                         context.resume(checkpoint)
                     mode = "async" if config.runner.async_mode else "sync"
+                    stopper.phase = "training"
                     logger.info("training: %d steps, %s mode", config.runner.num_steps, mode)
                     (run_async if config.runner.async_mode else run_sync)(context)
+                    stopper.phase = "the end of the run"
                     context.finish()
             finally:
+                stopper.stopping = True
                 workers.stop()
     finally:
-        if owns_ray:
+        stopper.stopping = True
+        if owns_ray and ray.is_initialized():
             ray.shutdown()
-    return run_dir
+            stopper.stopped.append("Ray")
 
 
 def _log_to_stderr(level: str) -> None:

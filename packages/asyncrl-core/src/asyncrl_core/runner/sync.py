@@ -18,8 +18,9 @@ def run_sync(ctx: RunContext) -> None:
         started = time.perf_counter()
         ctx.wait_all(
             [loop.run_groups.remote(workers.buffer_port, num, ctx.timeout_s) for loop, num in ctx.shares()],
-            "rollout",
+            "the rollout of a batch",
             "agent-loop worker",
+            "rollout.request_timeout_s",
         )
         rollout_s = time.perf_counter() - started
         batch = ctx.wait_batch(lambda: workers.buffer.take_batch.remote(batch_size, ctx.version, 1.0))

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import sys
 import threading
 import time
 import urllib.parse
@@ -97,10 +98,13 @@ def pin_to_cores(cores: Sequence[int]) -> None:
     for thread_id in _thread_ids():
         with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
             os.sched_setaffinity(thread_id, chosen)
+    # torch sizes its thread pool from OMP_NUM_THREADS when it is imported; a process that has imported it
+    # already is told directly. Importing torch here only for that would cost the engine and agent-loop
+    # workers, which never use it, seconds of their start.
     os.environ["OMP_NUM_THREADS"] = str(len(chosen))
-    import torch
-
-    torch.set_num_threads(len(chosen))
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(len(chosen))
 
 
 def _thread_ids() -> list[int]:
@@ -236,7 +240,7 @@ class BufferWorker:
                 prompt_index, epoch = self.ledger.dropped(group_id, STALE)
                 self.loader.give_back(prompt_index, epoch)
             for group in result.groups:
-                self.ledger.trained(group.group_id)
+                self.ledger.trained(group.group_id, actor_version)
         return result if result.ready else None
 
     def end_step(self) -> dict[str, float]:
@@ -649,6 +653,7 @@ class RolloutWorker:
                 run_dir=run_dir / f"rollout-{index}",
                 devices=tuple(devices),
                 gpu=gpu,
+                health_timeout_s=config.runner.startup_timeout_s,
             )
 
         self._launch = start
@@ -844,5 +849,5 @@ def weight_transport(config: AsyncRLConfig) -> Any:
         backend="nccl" if nccl else "gloo",
         num_ranks=num_ranks,
         device="cuda" if nccl else "cpu",
-        timeout_s=config.rollout.request_timeout_s,
+        timeout_s=config.actor.train_timeout_s,
     )

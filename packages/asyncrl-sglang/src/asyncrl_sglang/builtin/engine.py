@@ -6,16 +6,27 @@ through each request's `on_update` callback, which the thread calls after every 
 
 A step: run the pending control calls; unless paused, admit waiting requests into free slots (one prefill
 each, FIFO, up to `max_running_requests`), then decode one token for every running request in one batched
-forward. Running requests occupy slots `0..B-1`; when one finishes, the last slot's KV moves into its place,
-so the decode reads one contiguous view of the cache.
+forward. Running requests occupy slots `0..B-1`; when one finishes, the last slot's KV moves into its place
+(one copy for every layer), so the decode reads one contiguous view of the cache.
+
+The prefix cache (`prefix_cache.py`): a request's KV goes into the cache's block pool when it finishes or
+is retracted, and a request whose tokens start with a cached prefix copies that KV into its slot and prefills
+only the rest. Loading weights empties the cache, except under an `in_place` pause (whose running requests
+keep their old KV too); `/flush_cache` empties it.
 
 Invariant of a running request: the cache of its slot holds K/V for `prompt + output[:-1]`; the last output
 token is fed at the next decode step (at position `len(prompt) + len(output) - 1`).
+
+No request can take the others down: a step that raises is retried request by request (`_recover`), and only
+a request that fails on its own is finished with the error; an `on_update` callback that raises ends its own
+request. Other threads read the engine through `snapshot` (an `EngineSnapshot` the scheduler swaps in),
+never through the containers it mutates.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import time
@@ -28,7 +39,9 @@ import torch
 from torch import Tensor
 
 from asyncrl_sglang.builtin.model import EngineModel, KVCache
+from asyncrl_sglang.builtin.prefix_cache import PrefixCache
 from asyncrl_sglang.builtin.sampling import SamplingOptions, sample_tokens
+from asyncrl_sglang.builtin.snapshot import EngineSnapshot, WaitingQueue
 from asyncrl_sglang.wire import PauseMode as PauseMode
 
 logger = logging.getLogger(__name__)
@@ -38,6 +51,18 @@ PREFILL_TOKEN_BUDGET = 8192
 """At most this many prompt tokens are prefilled in one batch (a single longer prompt still goes alone)."""
 KV_CAPACITY_STEP = 256
 """The KV cache grows in multiples of this many positions (up to the context length)."""
+STOP_TEXT_MAX_PENDING_TOKENS = 16
+"""Output tokens whose text may stay undecided (ending in an incomplete UTF-8 character) before the stop
+string matcher takes their text as it decodes now (a character has at most 4 bytes)."""
+KV_BLOCK_SIZE = 16
+"""Tokens per block of the prefix cache (a cached prefix is a whole number of blocks)."""
+CPU_PREFIX_CACHE_BYTES = 1 << 30
+"""On CPU the prefix cache's pool holds at most this many bytes by default (host memory is shared with the
+rest of the job; on CUDA the default is the size of the slots at full length)."""
+CUDA_PREFILL_INTERVAL = 8
+"""On CUDA, waiting requests join the running batch at most every this many decode steps (unless the batch
+is empty or a quarter of its slots are waiting): an eager prefill costs ~25 ms of kernel launches for a
+30-layer model whatever its token count, so one prefill of many turns beats one per decode step."""
 
 
 class EngineBusyError(RuntimeError):
@@ -74,7 +99,18 @@ class Request:
     """False while it never left the waiting queue (then an abort response carries no `prompt_tokens`)."""
     created_s: float = field(default_factory=time.monotonic)
     generator: torch.Generator | None = None
-    stop_text_scan: int = 0
+    stop_prefix_offset: int = 0
+    """Stop strings: the output position the incremental decode starts from (before `stop_read_offset`, so
+    that the tokenizer sees the context a word's leading space depends on)."""
+    stop_read_offset: int = 0
+    """Stop strings: output tokens whose text has been matched against."""
+    stop_tail: str = ""
+    """Stop strings: the end of the matched text that a stop string completed by a later token can start in
+    (the longest stop string's length minus one)."""
+    cached_tokens: int = 0
+    """Tokens whose KV came from the prefix cache instead of a prefill (summed over re-prefills)."""
+    kv_weights_epoch: int = -1
+    """The engine's `weights_epoch` when this request's KV was (re)computed at its last prefill."""
 
     @property
     def finished(self) -> bool:
@@ -110,7 +146,9 @@ class EngineCounters:
     num_retracted_requests_total: int = 0
     num_retracted_output_tokens_total: int = 0
     prefill_tokens_total: int = 0
-    """Tokens run through prefill, re-prefills after a retraction included (no prefix cache: all uncached)."""
+    """Tokens run through prefill, re-prefills after a retraction included (prefix-cache hits excluded)."""
+    cached_tokens_total: int = 0
+    """Tokens whose KV a prefill took from the prefix cache."""
     prefill_busy_us: int = 0
     """Microseconds spent in prefill steps."""
     gen_throughput: float = 0.0
@@ -131,6 +169,10 @@ class Engine:
         eos_token_ids: Sequence[int] = (),
         decode_text: Callable[[list[int]], str] | None = None,
         use_cuda_graphs: bool = False,
+        prefix_cache: bool = True,
+        kv_block_size: int = KV_BLOCK_SIZE,
+        prefix_cache_tokens: int | None = None,
+        prefill_interval: int | None = None,
     ) -> None:
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
@@ -144,10 +186,35 @@ class Engine:
         self.generator = torch.Generator(device=model.device).manual_seed(seed)
         self.counters = EngineCounters()
         self.running: list[Request] = []
-        self.waiting: deque[Request] = deque()
+        self.waiting: WaitingQueue[Request] = WaitingQueue()
+        self._by_rid: dict[str, Request] = {}
+        """Live (queued or running) requests by rid."""
+        self._step_requests: list[Request] = []
+        """The requests of the step in progress (admitted and running), for `_recover`."""
+        self.snapshot = EngineSnapshot()
+        """The scheduler's last published state; read it from any thread."""
         self.paused: PauseMode | None = None
         self.weights_released = False
         self._cache: KVCache | None = None
+        self.prefill_interval = prefill_interval or (
+            CUDA_PREFILL_INTERVAL if model.device.type == "cuda" else 1
+        )
+        """Decode steps between two admissions of waiting requests while others run (1: every step)."""
+        self._steps_since_prefill = 0
+        self.weights_epoch = 0
+        """Counts weight loads: KV computed before the last load is stale under the current weights."""
+        if prefix_cache_tokens is None:
+            prefix_cache_tokens = max_running_requests * self.context_length
+            if model.device.type != "cuda":
+                c = model.config
+                token_bytes = 2 * c.num_layers * c.num_kv_heads * c.head_dim * model.embed.element_size()
+                prefix_cache_tokens = min(prefix_cache_tokens, CPU_PREFIX_CACHE_BYTES // token_bytes)
+        self.prefix_cache = (
+            PrefixCache(model.config, model.device, model.dtype, kv_block_size, prefix_cache_tokens)
+            if prefix_cache
+            else None
+        )
+        """KV of finished requests by token prefix (None: every prefill starts from scratch)."""
         self._graphs = _DecodeGraphs(self) if use_cuda_graphs and model.device.type == "cuda" else None
         self._commands: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
         self._wake = threading.Condition()
@@ -200,7 +267,8 @@ class Engine:
     @property
     def kv_cache_bytes(self) -> int:
         """Bytes held by the KV cache (0 before the first request or after a release)."""
-        return 0 if self._cache is None else self._cache.nbytes()
+        pool = 0 if self.prefix_cache is None else self.prefix_cache.nbytes()
+        return pool + (0 if self._cache is None else self._cache.nbytes())
 
     @property
     def cuda_graph_batch_sizes(self) -> list[int]:
@@ -216,10 +284,22 @@ class Engine:
         return not self.running and not self.waiting
 
     def find(self, rid: str) -> Request | None:
-        for request in (*self.running, *self.waiting):
-            if request.rid == rid:
-                return request
-        return None
+        return self._by_rid.get(rid)
+
+    def _publish(self) -> None:
+        """Swap in a new `snapshot` (scheduler thread only; O(running), the queue keeps its own totals)."""
+        counters = self.counters
+        self.snapshot = EngineSnapshot(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_waiting_tokens=self.waiting.num_tokens,
+            num_retracted_waiting=self.waiting.num_retracted,
+            num_used_tokens=sum(r.num_tokens for r in self.running),
+            **{name: getattr(counters, name) for name in _SNAPSHOT_COUNTERS},
+            kv_cache_bytes=self.kv_cache_bytes,
+            cuda_graph_batch_sizes=tuple(self.cuda_graph_batch_sizes),
+            cuda_graph_bytes=self.cuda_graph_bytes,
+        )
 
     # ---------------------------------------------------------------------------------------------- commands
     # Everything below named without a leading underscore is meant to run through `call`.
@@ -231,6 +311,7 @@ class Engine:
                 request.options.sampling_seed
             )
         self.counters.num_requests_total += 1
+        self._by_rid[request.rid] = request
         self.waiting.append(request)
 
     def abort(self, rid: str, message: str = "Aborted") -> bool:
@@ -243,6 +324,7 @@ class Engine:
 
     def _abort_all(self, message: str = "Aborted") -> int:
         victims = [*self.running, *self.waiting]
+        self.waiting.clear()  # at once: removing each from a long queue would be quadratic
         for request in victims:
             self._abort(request, message)
         return len(victims)
@@ -254,6 +336,11 @@ class Engine:
     def pause(self, mode: PauseMode) -> None:
         """Stop forming batches. `retract` also frees the KV of every running request and requeues it."""
         if mode == "retract":
+            for slot, request in enumerate(self.running):
+                # Only KV computed wholly under the current weights: a request kept through an in_place update
+                # holds older KV, and retraction promises a recomputation under the current weights.
+                if request.kv_weights_epoch == self.weights_epoch:
+                    self._store_prefix(request, slot)
             for request in reversed(self.running):
                 request.num_retractions += 1
                 self.counters.num_retracted_requests_total += 1
@@ -292,19 +379,21 @@ class Engine:
     def load_weights(self, tensors: Sequence[tuple[str, Tensor]], version: str | None) -> None:
         """Load (a subset of) parameters by HuggingFace name, then relabel if `version` is given.
 
-        Raises `ModelLoadError` (nothing changed) when a name or shape does not fit.
+        Raises `ModelLoadError` (nothing changed) when a name or shape does not fit. The prefix cache's KV
+        was computed under the old weights: it is dropped, except under an `in_place` pause, which keeps old
+        KV by contract (for the requests it holds, and so for the cache).
         """
         self.model.load_named_tensors(tensors)
+        self.weights_epoch += 1
+        if self.prefix_cache is not None and self.paused != "in_place":
+            self.prefix_cache.clear()
         if self._graphs is not None:
             self._graphs.weights_changed()
         if version is not None:
             self.set_weight_version(version)
 
     def flush_cache(self) -> None:
-        """Drop the KV buffers (they are reallocated at the next prefill); refused unless fully idle.
-
-        The engine keeps no prefix cache, so no KV is ever reused across requests or weight versions.
-        """
+        """Empty the prefix cache, drop the KV buffers (reallocated on demand); refused unless fully idle."""
         if not self.is_idle():
             raise EngineBusyError(
                 f"Cannot flush the cache: {self.num_running} running and {self.num_waiting} waiting requests "
@@ -338,6 +427,8 @@ class Engine:
 
     def _release_cache(self) -> None:
         self._cache = None
+        if self.prefix_cache is not None:
+            self.prefix_cache.release()
         if self._graphs is not None:
             self._graphs.clear()
         if self.model.device.type == "cuda":
@@ -357,33 +448,106 @@ class Engine:
                     return
                 commands = list(self._commands)
                 self._commands.clear()
+            outcomes: list[tuple[concurrent.futures.Future[Any], Any, BaseException | None]] = []
             for fn, future in commands:
                 if future.set_running_or_notify_cancel():
                     try:
-                        future.set_result(fn())
+                        outcomes.append((future, fn(), None))
                     except BaseException as error:
+                        outcomes.append((future, None, error))
+            if outcomes:
+                # Published before the callers resume: whoever waited for a command sees its effect.
+                self._publish()
+                for future, result, error in outcomes:
+                    if error is None:
+                        future.set_result(result)
+                    else:
                         future.set_exception(error)
-            if not self._has_work():
+            if self._has_work():
+                try:
+                    self._step()
+                except Exception as error:
+                    self._recover(error)
+                self._step_requests = []
+            self._publish()
+
+    def _recover(self, error: Exception) -> None:
+        """After a step raised: find which of its requests cannot proceed and finish only those.
+
+        Every unfinished request of the step leaves the batch (its KV is recomputed later, as after a retract)
+        and runs alone: a prefill of its prompt and output so far, then one decode step. One that raises alone
+        is finished with the error; the others go back to the front of the queue in their order, with the
+        tokens they had (and any the probe produced). A failure that no request reproduces alone costs the
+        step's requests a re-prefill, never their output."""
+        involved = [r for r in self._step_requests if not r.finished]
+        logger.exception("engine step failed for %d requests; retrying them one by one", len(involved))
+        # Every running request belongs to the step (a finished one the failure left in place included).
+        self.running.clear()
+        for request in involved:
+            if not request.was_running:
+                # Prompt logprobs are computed once, at the first prefill: drop any half-written ones.
+                request.input_logprobs.clear()
+                request.input_top_logprobs.clear()
+        survivors: list[Request] = []
+        for request in involved:
+            if request.finished:
                 continue
+            self.running.clear()
             try:
-                self._step()
-            except Exception as error:
-                # A failed step must not leave requests hanging: finish them with the error and go on.
-                logger.exception("engine step failed")
-                self._abort_all(f"Internal engine error: {error}")
+                self._prefill([request])
+                if self.running:
+                    self._decode()
+            except Exception as probe_error:
+                self.running.clear()
+                if not request.finished:
+                    logger.exception("request %s fails alone: finished with the error", request.rid)
+                    self._abort(request, f"Internal engine error: {probe_error}")
+                continue
+            if not request.finished:
+                self._store_prefix(request, 0)  # its re-prefill then copies what the probe computed
+                self.running.clear()
+                survivors.append(request)
+        for request in reversed(survivors):
+            self.waiting.appendleft(request)
+        if survivors and len(survivors) == len(involved):
+            logger.warning("no request of the failed step fails alone (%s): all requeued", error)
+
+    def _notify(self, request: Request, finished: bool) -> None:
+        """Call the request's `on_update`; one that raises ends its own request (it can no longer be told)."""
+        if request.on_update is None:
+            return
+        try:
+            request.on_update(request, finished)
+        except Exception as error:
+            logger.exception("the update callback of request %s failed", request.rid)
+            if not finished and not request.finished:
+                self._abort(request, f"Internal engine error: the update callback failed: {error}")
 
     def _has_work(self) -> bool:
         return self.paused is None and not self.weights_released and bool(self.running or self.waiting)
 
+    def _admission_due(self) -> bool:
+        """Whether this step admits waiting requests (see `prefill_interval`)."""
+        if not self.waiting:
+            return False
+        return (
+            not self.running
+            or self._steps_since_prefill + 1 >= self.prefill_interval
+            or 4 * len(self.waiting) >= self.max_running_requests
+        )
+
     def _step(self) -> None:
         admitted: list[Request] = []
         budget = PREFILL_TOKEN_BUDGET
-        while self.waiting and len(self.running) + len(admitted) < self.max_running_requests:
+        due = self._admission_due()
+        self._steps_since_prefill = 0 if due else self._steps_since_prefill + 1
+        while due and self.waiting and len(self.running) + len(admitted) < self.max_running_requests:
             size = self.waiting[0].num_tokens
             if admitted and size > budget:
                 break
             admitted.append(self.waiting.popleft())
             budget -= size
+        self._step_requests = [*admitted, *self.running]
         if admitted:
             began = time.perf_counter()
             self._prefill(admitted)
@@ -402,11 +566,7 @@ class Engine:
         grown = KVCache(model.config, self.max_running_requests, capacity, model.device, model.dtype)
         if cache is not None:
             used = max((r.num_tokens for r in self.running), default=0)
-            for old_k, new_k, old_v, new_v in zip(
-                cache.keys, grown.keys, cache.values, grown.values, strict=True
-            ):
-                new_k[:, :, :used].copy_(old_k[:, :, :used])
-                new_v[:, :, :used].copy_(old_v[:, :, :used])
+            grown.copy_from(cache, len(self.running), min(used, cache.capacity))
         self._cache = grown
         if self._graphs is not None:
             self._graphs.clear()
@@ -414,20 +574,32 @@ class Engine:
 
     def _prefill(self, requests: list[Request]) -> None:
         """Run prompt + output-so-far of each request into a fresh slot (one right-padded batch) and sample
-        its next token. A re-prefill after a retract recomputes all KV under the current weights."""
+        its next token. A prefix found in the prefix cache is copied into the slot instead of prefilled.
+        A re-prefill after a retract takes from the cache only what is valid under the current weights."""
         sequences = [r.prompt_ids + r.output_ids for r in requests]
-        self.counters.prefill_tokens_total += sum(len(s) for s in sequences)
         cache = self._ensure_cache(max(len(s) for s in sequences) + 1)
         first_slot = len(self.running)
         slots = list(range(first_slot, first_slot + len(requests)))
-        hidden = self.model.prefill_batch(sequences, cache, slots)
-        last_rows = torch.tensor([len(s) - 1 for s in sequences], device=hidden.device)
+        starts = [0] * len(requests)
+        if self.prefix_cache is not None:
+            for row, request in enumerate(requests):
+                starts[row] = self.prefix_cache.load(
+                    sequences[row], self._cacheable_prefix(request, len(sequences[row])), cache, slots[row]
+                )
+                request.cached_tokens += starts[row]
+        for request in requests:
+            request.kv_weights_epoch = self.weights_epoch
+        self.counters.cached_tokens_total += sum(starts)
+        self.counters.prefill_tokens_total += sum(len(s) for s in sequences) - sum(starts)
+        suffixes = [s[start:] for s, start in zip(sequences, starts, strict=True)]
+        hidden = self.model.prefill_batch(suffixes, cache, slots, starts)
+        last_rows = torch.tensor([len(s) - 1 for s in suffixes], device=hidden.device)
         last_hidden = hidden[torch.arange(len(requests), device=hidden.device), last_rows]
         for row, request in enumerate(requests):
             if not request.was_running:
                 self.counters.prompt_tokens_total += len(request.prompt_ids)
                 if request.return_logprob and request.logprob_start_len >= 0:
-                    self._input_logprobs(request, hidden[row, : len(sequences[row])])
+                    self._input_logprobs(request, hidden[row, : len(suffixes[row])], starts[row])
             request.was_running = True
         self.running.extend(requests)
         # max_new_tokens 0 is prefill only (scoring callers read the input logprobs): nothing is sampled.
@@ -442,8 +614,29 @@ class Engine:
             requests = [requests[row] for row in sampling_rows]
         self._accept(requests, self.model.logits(last_hidden))
 
-    def _input_logprobs(self, request: Request, hidden: Tensor) -> None:
-        """Logprobs of prompt tokens from `logprob_start_len` on (the first prompt token has none)."""
+    @staticmethod
+    def _cacheable_prefix(request: Request, length: int) -> int:
+        """How much of a request's `length` tokens may come from the prefix cache: all but the last (whose
+        hidden state samples the next token), and none of the prompt positions whose logprobs it asked for."""
+        limit = length - 1
+        if not request.was_running and request.return_logprob and request.logprob_start_len >= 0:
+            limit = min(limit, max(0, min(request.logprob_start_len, len(request.prompt_ids)) - 1))
+        return limit
+
+    def _store_prefix(self, request: Request, slot: int) -> None:
+        """Put the KV that `slot` holds for `request` (all its tokens but the last) into the prefix cache.
+        Caching is an optimisation: a failure is logged, and the finish or retract that called goes on."""
+        if self.prefix_cache is not None and self._cache is not None:
+            held = min(request.num_tokens - 1, self._cache.capacity)
+            try:
+                self.prefix_cache.store((request.prompt_ids + request.output_ids)[:held], self._cache, slot)
+            except Exception:
+                logger.exception("the prefix of request %s could not be cached", request.rid)
+
+    def _input_logprobs(self, request: Request, hidden: Tensor, offset: int = 0) -> None:
+        """Logprobs of prompt tokens from `logprob_start_len` on (the first prompt token has none).
+
+        `hidden` holds the hidden states of positions `offset..` (the part that was prefilled)."""
         start = min(request.logprob_start_len, len(request.prompt_ids))
         if start == 0:
             request.input_logprobs.append(None)
@@ -452,7 +645,7 @@ class Engine:
         num_prompt = len(request.prompt_ids)
         if start >= num_prompt:
             return
-        logits = self.model.logits(hidden[start - 1 : num_prompt - 1])
+        logits = self.model.logits(hidden[start - 1 - offset : num_prompt - 1 - offset])
         logprobs = torch.log_softmax(logits / request.options.logprob_temperature, dim=-1)
         targets = torch.tensor(request.prompt_ids[start:num_prompt], device=logprobs.device)
         chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
@@ -486,6 +679,8 @@ class Engine:
 
     def _accept(self, requests: list[Request], logits: Tensor) -> None:
         """Sample one token per request from logits [B, vocab], record it, and finish who is done."""
+        # Published before any client hears of this step: one told of a token sees its request running.
+        self._publish()
         sampled = sample_tokens(requests, logits, self.generator, self.eos_token_ids)
         for request, (token, logprob, top) in zip(requests, sampled, strict=True):
             request.output_ids.append(token)
@@ -497,19 +692,19 @@ class Engine:
             reason = self._finish_reason(request, token)
             if reason is not None:
                 self._finish(request, reason)
-            elif request.on_update is not None and request.stream:
-                request.on_update(request, False)
+            elif request.stream:
+                self._notify(request, False)
 
     def _finish_reason(self, request: Request, token: int) -> dict[str, Any] | None:
         options = request.options
         num_output = len(request.output_ids)
+        # The stop-string matcher reads every token's text, also before min_new_tokens, to keep its tail.
+        matched = self._match_stop_string(request) if options.stop and self.decode_text is not None else None
         if num_output >= options.min_new_tokens:
             if token in options.stop_token_ids or (not options.ignore_eos and token in self.eos_token_ids):
                 return {"type": "stop", "matched": token}
-            if options.stop and self.decode_text is not None:
-                matched = self._match_stop_string(request)
-                if matched is not None:
-                    return {"type": "stop", "matched": matched}
+            if matched is not None:
+                return {"type": "stop", "matched": matched}
         if options.max_new_tokens is not None and num_output >= options.max_new_tokens:
             return {"type": "length", "length": num_output}
         if request.num_tokens >= self.context_length:
@@ -517,27 +712,43 @@ class Engine:
         return None
 
     def _match_stop_string(self, request: Request) -> str | None:
+        """The stop string the latest token completes (the earliest in the text when several do), or None.
+
+        Decodes incrementally: only the tokens since the last match (from `stop_prefix_offset`, one token
+        of context before them) and matches over the new text plus the `stop_tail` a stop string may start in,
+        so a step costs the same at any output length. Text that ends in an incomplete character is matched
+        without it and read again at the next token (for at most `STOP_TEXT_MAX_PENDING_TOKENS`)."""
         assert self.decode_text is not None
-        text = self.decode_text(request.output_ids)
-        longest = max(len(s) for s in request.options.stop)
-        # Only text that the latest token can have completed: from just before the previous scan's end.
-        scan_from = max(0, request.stop_text_scan - longest + 1)
-        request.stop_text_scan = len(text)
+        ids = request.output_ids
+        prefix, read = request.stop_prefix_offset, request.stop_read_offset
+        text = self.decode_text(ids[prefix:])
+        known = self.decode_text(ids[prefix:read]) if read > prefix else ""
+        # An incomplete character at the end: match the text before it, and decide it at a later token.
+        pending = text.endswith("\ufffd") and len(ids) - read < STOP_TEXT_MAX_PENDING_TOKENS
+        window = request.stop_tail + (text.rstrip("\ufffd") if pending else text)[len(known) :]
+        if not pending:
+            longest = max(len(s) for s in request.options.stop)
+            request.stop_prefix_offset, request.stop_read_offset = read, len(ids)
+            request.stop_tail = window[max(0, len(window) - longest + 1) :]
         best: tuple[int, str] | None = None
         for stop in request.options.stop:
-            index = text.find(stop, scan_from)
+            index = window.find(stop)
             if index >= 0 and (best is None or index < best[0]):
                 best = (index, stop)
         return None if best is None else best[1]
 
     def _finish(self, request: Request, reason: dict[str, Any]) -> None:
         request.finish_reason = reason
+        if self._by_rid.get(request.rid) is request:
+            del self._by_rid[request.rid]
         if request in self.running:
-            self._free_slot(self.running.index(request))
+            slot = self.running.index(request)
+            self._store_prefix(request, slot)
+            self._free_slot(slot)
         elif request in self.waiting:
             self.waiting.remove(request)
-        if request.on_update is not None:
-            request.on_update(request, True)
+        self._publish()  # a client told that its request finished never reads a snapshot where it runs
+        self._notify(request, True)
 
     def _abort(self, request: Request, message: str) -> None:
         self.counters.num_aborted_requests_total += 1
@@ -553,6 +764,14 @@ class Engine:
             self._cache.move_slot(last, slot, min(moved.num_tokens, self._cache.capacity))
         self.running[slot] = self.running[last]
         self.running.pop()
+
+
+_SNAPSHOT_COUNTERS = tuple(
+    f.name
+    for f in dataclasses.fields(EngineCounters)
+    if f.name in {g.name for g in dataclasses.fields(EngineSnapshot)}
+)
+"""The counters every snapshot copies (those `EngineSnapshot` has a field for)."""
 
 
 class _DecodeGraphs:

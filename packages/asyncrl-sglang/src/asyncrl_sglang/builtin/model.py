@@ -148,10 +148,12 @@ def _inverse_frequencies(config: ModelConfig) -> Tensor:
 
 
 class KVCache:
-    """Per-slot static KV buffers: `keys[l]`, `values[l]` of shape [num_slots, kv_heads, capacity, head_dim].
+    """Per-slot KV buffers of the running requests, one tensor for every layer:
+    `kv` [num_layers, 2 (K, V), num_slots, kv_heads, capacity, head_dim]; `keys[l]` and `values[l]` are views.
 
     Slot `s` holds one request's KV at positions `0..length-1`. The engine keeps the running requests in slots
-    `0..B-1` (it moves the last slot into a freed one), so a decode step reads one contiguous view.
+    `0..B-1` (it moves the last slot into a freed one), so a decode step reads one contiguous view; with every
+    layer in one tensor, that move is a single copy.
     """
 
     def __init__(
@@ -159,18 +161,21 @@ class KVCache:
     ) -> None:
         self.num_slots = num_slots
         self.capacity = capacity
-        shape = (num_slots, config.num_kv_heads, capacity, config.head_dim)
-        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
-        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
+        shape = (config.num_layers, 2, num_slots, config.num_kv_heads, capacity, config.head_dim)
+        self.kv = torch.zeros(shape, device=device, dtype=dtype)
+        self.keys = list(self.kv[:, 0].unbind(0))
+        self.values = list(self.kv[:, 1].unbind(0))
 
     def move_slot(self, source: int, target: int, length: int) -> None:
-        """Copy the first `length` positions of slot `source` into slot `target`."""
-        for layer_keys, layer_values in zip(self.keys, self.values, strict=True):
-            layer_keys[target, :, :length].copy_(layer_keys[source, :, :length])
-            layer_values[target, :, :length].copy_(layer_values[source, :, :length])
+        """Copy the first `length` positions of slot `source` into slot `target` (every layer at once)."""
+        self.kv[:, :, target, :, :length].copy_(self.kv[:, :, source, :, :length])
+
+    def copy_from(self, other: KVCache, num_slots: int, length: int) -> None:
+        """Copy the first `length` positions of the first `num_slots` slots of `other` (a smaller cache)."""
+        self.kv[:, :, :num_slots, :, :length].copy_(other.kv[:, :, :num_slots, :, :length])
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        return self.kv.numel() * self.kv.element_size()
 
 
 class EngineModel:
@@ -388,19 +393,52 @@ class EngineModel:
 
     @torch.inference_mode()
     def prefill_batch(
-        self, sequences: Sequence[Sequence[int]], cache: KVCache, slots: Sequence[int]
+        self,
+        sequences: Sequence[Sequence[int]],
+        cache: KVCache,
+        slots: Sequence[int],
+        starts: Sequence[int] | None = None,
     ) -> Tensor:
         """Prefill several sequences at once, right-padded to the longest: returns hidden [B, T_max, hidden].
 
-        Row b is valid up to len(sequences[b]); causal attention keeps its valid positions blind to the
-        padding after them, and the K/V written for padding lands beyond the row's length, where the next
-        decode step overwrites it.
+        Row b holds the tokens at positions `starts[b]..` (0 by default) of the sequence in `slots[b]`,
+        whose KV before `starts[b]` is already in the cache (a prefix-cache hit); its queries attend over that
+        cached KV and their own. Row b is valid up to len(sequences[b]); its valid positions never see the
+        padding after them, and the K/V written for padding lands beyond the row's length (or, with a cached
+        prefix, at the cache's last position, which no request uses), where later steps overwrite it.
         """
         longest = max(len(s) for s in sequences)
         padded = torch.zeros((len(sequences), longest), dtype=torch.long)
         for row, tokens in enumerate(sequences):
             padded[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        return self._forward_batch(padded.to(self.device), cache, list(slots))
+        if starts is None or not any(starts):
+            return self._forward_batch(padded.to(self.device), cache, list(slots))
+        return self._forward_extend(
+            padded.to(self.device), [len(s) for s in sequences], cache, list(slots), list(starts)
+        )
+
+    def _prefill_attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        """Attention of a prefill: causal (top-left aligned) without `mask`, else under the boolean `mask`.
+
+        On CUDA the kernel is chosen here rather than by SDPA's heuristics: flash (or memory-efficient) for
+        the causal case, memory-efficient with an explicit mask. Torch's default for these shapes is cuDNN,
+        which plans every new (batch, length) shape at its first call (~60 ms on an H200), and prefill shapes
+        under continuous batching are nearly always new.
+        """
+        if q.device.type != "cuda":
+            if mask is None:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        if mask is None:
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        group = q.shape[1] // k.shape[1]
+        if group > 1:
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     def _forward_batch(self, input_ids: Tensor, cache: KVCache | None, slots: list[int] | None) -> Tensor:
         """input_ids [B, T] from position 0 -> hidden states [B, T, hidden]; K/V go to `slots` of `cache`."""
@@ -420,7 +458,48 @@ class EngineModel:
             if cache is not None and slot_index is not None:
                 cache.keys[layer][slot_index, :, :length] = k
                 cache.values[layer][slot_index, :, :length] = v
-            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            attn = self._prefill_attention(q, k, v, None)
+            x = x + F.linear(attn.transpose(1, 2).reshape(batch, length, -1), self.o_proj[layer])
+            x = self._mlp(layer, x)
+        return x
+
+    def _forward_extend(
+        self, input_ids: Tensor, lengths: list[int], cache: KVCache, slots: list[int], starts: list[int]
+    ) -> Tensor:
+        """input_ids [B, T] at positions `starts[b]..` of `slots[b]`, whose earlier KV is in `cache`."""
+        c = self.config
+        batch, length = input_ids.shape
+        device = self.device
+        offsets = torch.arange(length, device=device)
+        start_t = torch.tensor(starts, device=device).unsqueeze(1)
+        positions = start_t + offsets  # [B, T]
+        valid = offsets < torch.tensor(lengths, device=device).unsqueeze(1)
+        # Padding writes its K/V at the last cache position, which the capacity rule keeps free.
+        write_positions = torch.where(valid, positions, cache.capacity - 1)
+        attend = max(start + n for start, n in zip(starts, lengths, strict=True))
+        self._ensure_rope(attend)
+        cos = self._rope_cos[positions].unsqueeze(1)  # [B, 1, T, D]
+        sin = self._rope_sin[positions].unsqueeze(1)
+        slot_index = torch.tensor(slots, device=device)
+        slot_column = slot_index.unsqueeze(1)
+        # [B, 1, T, L]: query at position p sees keys 0..p of its own slot.
+        mask = torch.arange(attend, device=device).view(1, 1, 1, attend) <= positions.view(
+            batch, 1, length, 1
+        )
+        x = self.embed[input_ids]
+        for layer in range(c.num_layers):
+            h = self._rms_norm(x, self.attn_norm[layer])
+            q, k, v = self._project_qkv(layer, h)
+            q = self._rotate(q.view(batch, length, c.num_heads, c.head_dim).transpose(1, 2), cos, sin)
+            k = self._rotate(k.view(batch, length, c.num_kv_heads, c.head_dim).transpose(1, 2), cos, sin)
+            v = v.view(batch, length, c.num_kv_heads, c.head_dim).transpose(1, 2)
+            layer_keys, layer_values = cache.keys[layer], cache.values[layer]
+            # Advanced indices around a slice put their dims first: the target is [B, T, kv_heads, D].
+            layer_keys[slot_column, :, write_positions] = k.transpose(1, 2)
+            layer_values[slot_column, :, write_positions] = v.transpose(1, 2)
+            keys = layer_keys[slot_index, :, :attend]
+            values = layer_values[slot_index, :, :attend]
+            attn = self._prefill_attention(q, keys, values, mask)
             x = x + F.linear(attn.transpose(1, 2).reshape(batch, length, -1), self.o_proj[layer])
             x = self._mlp(layer, x)
         return x
