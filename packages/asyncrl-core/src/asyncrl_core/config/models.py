@@ -560,6 +560,12 @@ class RolloutConfig(Section):
     drain_timeout_s: Annotated[Float, Field(gt=0.0)] = 600.0
     """Seconds the requests in flight may take to finish when the agent loops are drained: before each
     weight sync in `pause_mode: drain`, and when the run stops generating at its end."""
+    max_engine_restarts: NonNegativeInt = 3
+    """Times over the run a dead engine process (or one that stopped answering `/health`) is restarted,
+    all engines together; one more failure stops the run. 0: the first failure stops it."""
+    engine_unresponsive_s: Annotated[Float, Field(gt=0.0)] = 15.0
+    """Seconds an engine process may leave `/health` unanswered before it counts as failed (it is then
+    killed and restarted)."""
 
     def instances_from_placement(self, root: AsyncRLConfig) -> int | None:
         """Instances the placement and parallel sizes give, or `None` when they give none."""
@@ -872,6 +878,9 @@ class RolloutBufferConfig(Section):
     max_dropped_groups_per_step: NonNegativeInt | None = None
     """Groups one step may drop as too stale before the run stops with an error. Derived:
     `10 * data.rollout_batch_size`."""
+    max_failed_groups_per_step: NonNegativeInt | None = None
+    """Groups whose generation may fail in one step (issued again, or dropped for good) before the run stops
+    with an error: failures beyond it are systematic. Derived: `10 * data.rollout_batch_size`."""
 
     def derive(self, root: AsyncRLConfig, found: Validation) -> None:
         batch = root.data.rollout_batch_size
@@ -891,6 +900,8 @@ class RolloutBufferConfig(Section):
             found.derive("rollout_buffer.max_buffered_groups", buffered)
         if self.max_dropped_groups_per_step is None:
             found.derive("rollout_buffer.max_dropped_groups_per_step", 10 * batch)
+        if self.max_failed_groups_per_step is None:
+            found.derive("rollout_buffer.max_failed_groups_per_step", 10 * batch)
 
     def check(self, root: AsyncRLConfig, found: Validation) -> None:
         batch = root.data.rollout_batch_size
@@ -934,6 +945,9 @@ class AgentLoopConfig(Section):
     """Agent-loop workers (processes); groups are spread over them."""
     max_concurrent_groups: PositiveInt | None = None
     """Groups one worker runs at once. Derived: `ceil(rollout_buffer.max_inflight_groups / num_workers)`."""
+    max_worker_restarts: NonNegativeInt = 3
+    """Times over the run a dead agent-loop worker is restarted (its groups are issued again), all workers
+    together; one more death stops the run."""
 
     def derive(self, root: AsyncRLConfig, found: Validation) -> None:
         inflight = found.value("rollout_buffer.max_inflight_groups", root.rollout_buffer.max_inflight_groups)
