@@ -350,9 +350,8 @@ class WorkerGroups:
             _count(len(self.actors), "actor rank"),
             _count(len(self.agent_loops), "agent loop"),
         ]
-        self.stopped.append(
-            ", ".join(part for part in parts if part) + ("" if self._started else " (starting)")
-        )
+        described = ", ".join(part for part in parts if part)
+        self.stopped.append(described if self._started else f"{described} (still starting)")
 
 
 def _count(number: int, what: str) -> str:
