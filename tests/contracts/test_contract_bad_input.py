@@ -90,6 +90,10 @@ async def test_malformed_json_is_400(http: httpx.AsyncClient, path: str) -> None
         {"input_ids": []},
         {"input_ids": [1, 10**9]},
         {"input_ids": [1, -5]},
+        {"input_ids": [1, 2], "return_logprob": True, "top_logprobs_num": 10**6},
+        {"input_ids": [1, 2], "sampling_params": {"n": 10**6}},
+        {"input_ids": [1, 2], "sampling_params": {"sampling_seed": 2**64}},
+        {"input_ids": [[1, 2]] * 300, "sampling_params": {"n": 256}},
     ],
 )
 async def test_bad_generate_requests_are_400_with_a_message(
@@ -136,14 +140,17 @@ async def test_prompt_longer_than_the_context_is_refused(connect: Callable[[], S
     [
         ({"tokenized": pb.TokenizedInput(input_ids=[])}, "input_ids"),
         ({"tokenized": pb.TokenizedInput(input_ids=[1, 10**9])}, "vocabulary"),
-        ({"sampling_params": pb.SamplingParams(top_p=0.0, temperature=1.0)}, "top_p"),
-        ({"sampling_params": pb.SamplingParams(top_p=1.0, top_k=0)}, "top_k"),
+        # (top_p 0 and top_k 0 are proto3's unset: read as 1.0 and -1, as SGLang's servicer reads them.)
+        ({"sampling_params": pb.SamplingParams(top_p=1.5, temperature=1.0)}, "top_p"),
+        ({"sampling_params": pb.SamplingParams(top_p=1.0, top_k=-2)}, "top_k"),
         (
             {"sampling_params": pb.SamplingParams(top_p=1.0, top_k=-1, frequency_penalty=0.5)},
             "frequency_penalty",
         ),
         ({"sampling_params": pb.SamplingParams(top_p=1.0, top_k=-1, regex="a+")}, "regex"),
         ({"lora_id": "adapter"}, "lora_id"),
+        ({"return_logprob": True, "top_logprobs_num": 10**6}, "top_logprobs_num"),
+        ({"sampling_params": pb.SamplingParams(top_p=1.0, top_k=-1, max_new_tokens=1, n=10**6)}, "--max-n"),
     ],
 )
 async def test_bad_grpc_requests_are_invalid_argument_with_a_message(

@@ -74,8 +74,9 @@ SERVER_INFO_OPTIONAL = {"status", "kv_event_sources"}  # in the handshake of som
 # those that apply to it, under these names. `api_key` is a field too, which the built-in engine never echoes.
 SERVER_ARGS = {
     "model_path", "served_model_name", "tokenizer_path", "host", "port", "grpc_port", "max_running_requests",
-    "context_length", "weight_version", "device", "dtype", "enable_metrics", "random_seed", "load_format",
-    "disable_cuda_graph", "tp_size", "dp_size", "pp_size", "enable_dp_attention",
+    "max_queued_requests", "context_length", "weight_version", "device", "dtype", "enable_metrics",
+    "random_seed", "load_format", "disable_cuda_graph", "tp_size", "dp_size", "pp_size",
+    "enable_dp_attention",
 }  # fmt: skip
 STARTUP_TIME_KEYS = {"load_weight", "kv_cache_allocation", "scheduler_e2e", "cuda_graph"}
 GRAPH_PHASES = {"prefill", "decode", "target_verify", "draft_prefill", "draft_decode", "draft_extend"}
@@ -418,7 +419,7 @@ def test_auth_exempts_probes_and_matches_the_scheme_case_insensitively(tiny_llam
     ("model_path", "needle"),
     [
         ("model.Q4_1.gguf", "is a GGUF file; give a HuggingFace model folder"),
-        ("no/such/folder", "no config.json"),
+        ("no/such/folder", "does not exist"),
     ],
 )
 def test_the_server_command_refuses_what_it_cannot_load_in_one_line(

@@ -307,7 +307,9 @@ def test_stale_groups_are_dropped_even_when_fewer_than_requested_remain() -> Non
     fresh = admit_and_complete(buffer, 1, [1], 1)
     assert buffer.try_admit(2) is not None
     batch = buffer.take_batch(2, actor_version=1)
-    assert batch == Batch(groups=[], dropped_prompt_indices=[0], actor_version=1, num_ready=1)
+    assert batch == Batch(
+        groups=[], dropped_prompt_indices=[0], dropped_group_ids=[0], actor_version=1, num_ready=1
+    )
     assert not batch.ready
     assert buffer.buffered_groups() == [fresh]
     assert buffer.try_admit(3) is not None, "the drop freed capacity"

@@ -555,7 +555,8 @@ async def test_memory_release_and_resume(make_client: Factory) -> None:
 async def test_metrics_gauges_follow_the_running_limit(make_client: Factory) -> None:
     client, server = await make_client(enable_metrics=True, max_running_requests=2)
     tasks = [asyncio.create_task(_generate(client, text=str(i), sampling_params=LONG)) for i in range(5)]
-    await _until(lambda: server.engine.num_running == 2 and server.engine.num_waiting == 3)
+    engine = server.engine
+    await _until(lambda: (engine.snapshot.num_running, engine.snapshot.num_waiting) == (2, 3))
     text = await (await client.get("/metrics")).text()
     assert 'sglang:num_running_reqs{model_name="tiny",engine_type="unified"} 2.0' in text
     assert 'sglang:num_queue_reqs{model_name="tiny",engine_type="unified"} 3.0' in text

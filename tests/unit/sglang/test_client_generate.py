@@ -162,6 +162,32 @@ async def test_a_dropped_generate_is_aborted_and_resent_under_the_same_rid() -> 
     assert {body["rid"] for path, body in seen if path == "/generate"} == {"x"}
 
 
+async def test_a_full_queue_is_retried_then_reported_unavailable() -> None:
+    """503 "The request queue is full.": nothing was queued, so the same request is sent again later."""
+    attempts: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        attempts.append(json.loads(request.content)["rid"])
+        if len(attempts) < 3:
+            return httpx.Response(
+                503, json={"object": "error", "message": "The request queue is full.", "code": 503}
+            )
+        return httpx.Response(200, json=response([7]))
+
+    async with SGLangClient("http://e", transport=httpx.MockTransport(handler), retry=FAST_RETRY) as client:
+        assert (await client.generate([1], SamplingParams(), rid="q")).output_ids == [7]
+        assert attempts == ["q"] * 3
+
+    def full(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(
+            503, json={"object": "error", "message": "The request queue is full.", "code": 503}
+        )
+
+    async with SGLangClient("http://e", transport=httpx.MockTransport(full), retry=FAST_RETRY) as client:
+        with pytest.raises(EngineUnavailableError, match="queue is full"):
+            await client.generate([1], SamplingParams())
+
+
 async def test_a_duplicate_rid_that_the_client_did_not_cause_is_an_error() -> None:
     def handler(request: httpx.Request) -> httpx.Response:
         return httpx.Response(400, json={"error": {"message": "Duplicate request ID detected: x"}})

@@ -46,7 +46,9 @@ def test_unset_optional_fields_stay_absent_and_zeros_stay_zeros() -> None:
 
     fields = sampling_fields(pb.SamplingParams())
     assert fields["max_new_tokens"] is None  # no limit but the context, as SGLang's servicer reads it
-    assert fields["top_p"] == 0.0  # read literally: the engine refuses it by name
+    # The zeros no client means are unset, as SGLang 0.5.23's servicer reads them; the others are literal.
+    assert (fields["top_p"], fields["top_k"], fields["repetition_penalty"], fields["n"]) == (1.0, -1, 1.0, 1)
+    assert (fields["temperature"], fields["min_p"], fields["min_new_tokens"]) == (0.0, 0.0, 0)
     assert "stream_interval" not in fields
     assert "regex" not in fields
     assert sampling_fields(pb.SamplingParams(regex="a+"))["regex"] == "a+"
@@ -100,3 +102,12 @@ async def test_derived_spans_follow_the_clients_own_syncs() -> None:
         assert client._derived_spans([], 0) == (VersionSpan(4, 0, 0),)  # pyright: ignore[reportPrivateUsage]
     finally:
         await client.aclose()
+
+
+@pytest.mark.parametrize("field", ["top_p", "top_k"])
+def test_a_zero_the_server_would_read_as_unset_is_refused_by_the_client(field: str) -> None:
+    from asyncrl_core.errors import GenerationError
+    from asyncrl_core.types import SamplingParams
+
+    with pytest.raises(GenerationError, match=field):
+        sampling_message(SamplingParams(**{field: 0}))  # pyright: ignore[reportArgumentType]

@@ -4,11 +4,13 @@ engine's service (`asyncrl_sglang.builtin.grpc_service`).
 The messages are SGLang's `SglangScheduler` service as published in `smg-grpc-proto` (never regenerated
 here). What this module adds is the part both sides must agree on beyond the `.proto`:
 
-- `sampling_message` / `sampling_fields`: proto3 has no presence for most sampling fields, so a zero means
-  "0", not "unset" (SGLang's servicer reads them literally). The client therefore always writes every value
-  whose SGLang default is not zero (temperature, top_p, top_k, repetition_penalty, n, skip_special_tokens);
-  the service reads the message into the same `sampling_params` object `/generate` takes, so one validation
-  serves both transports.
+- `sampling_message` / `sampling_fields`: proto3 has no presence for most sampling fields. As SGLang 0.5.23's
+  servicer (`smg-grpc-servicer` 0.14.1, `_convert_sampling_params`) reads them, the zeros that can never be
+  meant are unset: `top_p` 0 is 1.0, `top_k` 0 is -1 (every token), `repetition_penalty` 0 is 1.0, and `n` 0
+  is 1 (its request manager samples once for n <= 1); every other zero is literal (`temperature` 0 is greedy,
+  `min_p` 0 is off, `min_new_tokens` 0). The client still writes every value whose SGLang default is not zero
+  (temperature, top_p, top_k, repetition_penalty, n, skip_special_tokens); the service reads the message into
+  the same `sampling_params` object `/generate` takes, so one validation serves both transports.
 - The trailing metadata of `Generate`. The service has no weight-version field; the built-in engine sends,
   after the last `GenerateComplete`, `asyncrl-weight-versions` (per completion index, the request's
   half-open spans over output positions, `[[{"version": "3", "start": 0, "end": 12}, ...], ...]`, the
@@ -25,6 +27,7 @@ from typing import TypeVar
 from pydantic import StrictInt, TypeAdapter, ValidationError
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
+from asyncrl_core.errors import GenerationError
 from asyncrl_core.types import FinishReason, SamplingParams
 from asyncrl_sglang.wire import WeightVersionSpan, describe
 
@@ -51,7 +54,15 @@ def authorization(api_key: str | None) -> tuple[tuple[str, str], ...]:
 
 
 def sampling_message(sampling: SamplingParams) -> pb.SamplingParams:
-    """The proto `SamplingParams` of `sampling`, every non-zero SGLang default written out."""
+    """The proto `SamplingParams` of `sampling`, every non-zero SGLang default written out. `GenerationError`
+    for a `top_p` or `top_k` of 0, which the server would read as unset (`sampling_fields`), not refuse."""
+    for name, value in (("top_p", sampling.top_p), ("top_k", sampling.top_k)):
+        if value == 0:
+            raise GenerationError(
+                f"{name} 0 cannot be sent over gRPC: SGLang's servicer reads a proto3 zero as unset "
+                f"({'1.0' if name == 'top_p' else '-1, every token'}); "
+                "top_p must be in (0, 1], top_k >= 1 or -1"
+            )
     message = pb.SamplingParams(
         temperature=sampling.temperature,
         top_p=sampling.top_p,
@@ -71,12 +82,13 @@ def sampling_message(sampling: SamplingParams) -> pb.SamplingParams:
 
 def sampling_fields(message: pb.SamplingParams) -> dict[str, object]:
     """The `/generate` `sampling_params` object a proto `SamplingParams` means, as SGLang's servicer reads it:
-    values literally (a zero is a zero), except `repetition_penalty` and `n`, whose zero means unset, and
-    the optional fields, absent when not set (`max_new_tokens` absent: no limit but the context)."""
+    values literally, except the zeros no client can mean (`top_p`, `top_k`, `repetition_penalty`, `n`: unset,
+    so their neutral value), and the optional fields, absent when not set (`max_new_tokens` absent: no limit
+    but the context)."""
     fields: dict[str, object] = {
         "temperature": message.temperature,
-        "top_p": message.top_p,
-        "top_k": message.top_k,
+        "top_p": message.top_p or 1.0,
+        "top_k": message.top_k or -1,
         "min_p": message.min_p,
         "frequency_penalty": message.frequency_penalty,
         "presence_penalty": message.presence_penalty,

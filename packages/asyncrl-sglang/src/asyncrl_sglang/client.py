@@ -378,6 +378,12 @@ class SGLangClient:
                     if resent and response.status_code == 400 and DUPLICATE_RID in message:
                         # The copy sent before the connection dropped is still being aborted.
                         continue
+                    if response.status_code == 503:
+                        # The engine's queue is full now (nothing was queued): the same request, later.
+                        last_error = EngineUnavailableError(
+                            f"{self.base_url}/generate answered 503: {message}"
+                        )
+                        continue
                     raise GenerationError(
                         f"{self.base_url}/generate refused request {rid} ({response.status_code}): {message}"
                     )

@@ -16,7 +16,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+from asyncrl_sglang.builtin import DEFAULT_MAX_N, DEFAULT_MAX_QUEUED_REQUESTS
+
 logger = logging.getLogger("asyncrl_sglang.builtin")
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -43,6 +52,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route but /health")
     parser.add_argument("--max-running-requests", type=int, default=32)
+    parser.add_argument(
+        "--max-queued-requests",
+        type=_positive,
+        default=DEFAULT_MAX_QUEUED_REQUESTS,
+        help="most requests waiting at once: a call that does not fit is answered 503, a larger one 400",
+    )
+    parser.add_argument(
+        "--max-n",
+        type=_positive,
+        default=DEFAULT_MAX_N,
+        help="the largest sampling_params.n a request may ask for (400 above)",
+    )
     parser.add_argument("--context-length", type=int, help="default: min(max_position_embeddings, 4096)")
     parser.add_argument("--weight-version", default="default")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
@@ -156,6 +177,8 @@ async def _serve(args: argparse.Namespace, model_path: Path, command: str) -> No
         grpc_port=args.grpc_port,
         api_key=args.api_key,
         max_running_requests=args.max_running_requests,
+        max_queued_requests=args.max_queued_requests,
+        max_n=args.max_n,
         context_length=context_length,
         weight_version=args.weight_version,
         device=str(device),
@@ -178,7 +201,7 @@ async def _serve(args: argparse.Namespace, model_path: Path, command: str) -> No
     if args.grpc_port is not None:
         from asyncrl_sglang.builtin.grpc_service import SchedulerService, start_grpc_server
 
-        service = SchedulerService(engine, server.gate, server.info)
+        service = SchedulerService(engine, server.gate, server.info, server.generation.limits)
         grpc_server, grpc_port = await start_grpc_server(service, args.host, args.grpc_port, args.api_key)
         print(f"asyncrl builtin engine serving gRPC on {args.host}:{grpc_port}", flush=True)
     if args.port_file:

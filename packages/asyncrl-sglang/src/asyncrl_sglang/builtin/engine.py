@@ -16,11 +16,17 @@ keep their old KV too); `/flush_cache` empties it.
 
 Invariant of a running request: the cache of its slot holds K/V for `prompt + output[:-1]`; the last output
 token is fed at the next decode step (at position `len(prompt) + len(output) - 1`).
+
+No request can take the others down: a step that raises is retried request by request (`_recover`), and only
+a request that fails on its own is finished with the error; an `on_update` callback that raises ends its own
+request. Other threads read the engine through `snapshot` (an `EngineSnapshot` the scheduler swaps in),
+never through the containers it mutates.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import time
@@ -35,6 +41,7 @@ from torch import Tensor
 from asyncrl_sglang.builtin.model import EngineModel, KVCache
 from asyncrl_sglang.builtin.prefix_cache import PrefixCache
 from asyncrl_sglang.builtin.sampling import SamplingOptions, sample_tokens
+from asyncrl_sglang.builtin.snapshot import EngineSnapshot, WaitingQueue
 from asyncrl_sglang.wire import PauseMode as PauseMode
 
 logger = logging.getLogger(__name__)
@@ -44,6 +51,9 @@ PREFILL_TOKEN_BUDGET = 8192
 """At most this many prompt tokens are prefilled in one batch (a single longer prompt still goes alone)."""
 KV_CAPACITY_STEP = 256
 """The KV cache grows in multiples of this many positions (up to the context length)."""
+STOP_TEXT_MAX_PENDING_TOKENS = 16
+"""Output tokens whose text may stay undecided (ending in an incomplete UTF-8 character) before the stop
+string matcher takes their text as it decodes now (a character has at most 4 bytes)."""
 KV_BLOCK_SIZE = 16
 """Tokens per block of the prefix cache (a cached prefix is a whole number of blocks)."""
 CPU_PREFIX_CACHE_BYTES = 1 << 30
@@ -89,7 +99,14 @@ class Request:
     """False while it never left the waiting queue (then an abort response carries no `prompt_tokens`)."""
     created_s: float = field(default_factory=time.monotonic)
     generator: torch.Generator | None = None
-    stop_text_scan: int = 0
+    stop_prefix_offset: int = 0
+    """Stop strings: the output position the incremental decode starts from (before `stop_read_offset`, so
+    that the tokenizer sees the context a word's leading space depends on)."""
+    stop_read_offset: int = 0
+    """Stop strings: output tokens whose text has been matched against."""
+    stop_tail: str = ""
+    """Stop strings: the end of the matched text that a stop string completed by a later token can start in
+    (the longest stop string's length minus one)."""
     cached_tokens: int = 0
     """Tokens whose KV came from the prefix cache instead of a prefill (summed over re-prefills)."""
     kv_weights_epoch: int = -1
@@ -169,7 +186,13 @@ class Engine:
         self.generator = torch.Generator(device=model.device).manual_seed(seed)
         self.counters = EngineCounters()
         self.running: list[Request] = []
-        self.waiting: deque[Request] = deque()
+        self.waiting: WaitingQueue[Request] = WaitingQueue()
+        self._by_rid: dict[str, Request] = {}
+        """Live (queued or running) requests by rid."""
+        self._step_requests: list[Request] = []
+        """The requests of the step in progress (admitted and running), for `_recover`."""
+        self.snapshot = EngineSnapshot()
+        """The scheduler's last published state; read it from any thread."""
         self.paused: PauseMode | None = None
         self.weights_released = False
         self._cache: KVCache | None = None
@@ -261,10 +284,22 @@ class Engine:
         return not self.running and not self.waiting
 
     def find(self, rid: str) -> Request | None:
-        for request in (*self.running, *self.waiting):
-            if request.rid == rid:
-                return request
-        return None
+        return self._by_rid.get(rid)
+
+    def _publish(self) -> None:
+        """Swap in a new `snapshot` (scheduler thread only; O(running), the queue keeps its own totals)."""
+        counters = self.counters
+        self.snapshot = EngineSnapshot(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_waiting_tokens=self.waiting.num_tokens,
+            num_retracted_waiting=self.waiting.num_retracted,
+            num_used_tokens=sum(r.num_tokens for r in self.running),
+            **{name: getattr(counters, name) for name in _SNAPSHOT_COUNTERS},
+            kv_cache_bytes=self.kv_cache_bytes,
+            cuda_graph_batch_sizes=tuple(self.cuda_graph_batch_sizes),
+            cuda_graph_bytes=self.cuda_graph_bytes,
+        )
 
     # ---------------------------------------------------------------------------------------------- commands
     # Everything below named without a leading underscore is meant to run through `call`.
@@ -276,6 +311,7 @@ class Engine:
                 request.options.sampling_seed
             )
         self.counters.num_requests_total += 1
+        self._by_rid[request.rid] = request
         self.waiting.append(request)
 
     def abort(self, rid: str, message: str = "Aborted") -> bool:
@@ -288,6 +324,7 @@ class Engine:
 
     def _abort_all(self, message: str = "Aborted") -> int:
         victims = [*self.running, *self.waiting]
+        self.waiting.clear()  # at once: removing each from a long queue would be quadratic
         for request in victims:
             self._abort(request, message)
         return len(victims)
@@ -411,20 +448,80 @@ class Engine:
                     return
                 commands = list(self._commands)
                 self._commands.clear()
+            outcomes: list[tuple[concurrent.futures.Future[Any], Any, BaseException | None]] = []
             for fn, future in commands:
                 if future.set_running_or_notify_cancel():
                     try:
-                        future.set_result(fn())
+                        outcomes.append((future, fn(), None))
                     except BaseException as error:
+                        outcomes.append((future, None, error))
+            if outcomes:
+                # Published before the callers resume: whoever waited for a command sees its effect.
+                self._publish()
+                for future, result, error in outcomes:
+                    if error is None:
+                        future.set_result(result)
+                    else:
                         future.set_exception(error)
-            if not self._has_work():
+            if self._has_work():
+                try:
+                    self._step()
+                except Exception as error:
+                    self._recover(error)
+                self._step_requests = []
+            self._publish()
+
+    def _recover(self, error: Exception) -> None:
+        """After a step raised: find which of its requests cannot proceed and finish only those.
+
+        Every unfinished request of the step leaves the batch (its KV is recomputed later, as after a retract)
+        and runs alone: a prefill of its prompt and output so far, then one decode step. One that raises alone
+        is finished with the error; the others go back to the front of the queue in their order, with the
+        tokens they had (and any the probe produced). A failure that no request reproduces alone costs the
+        step's requests a re-prefill, never their output."""
+        involved = [r for r in self._step_requests if not r.finished]
+        logger.exception("engine step failed for %d requests; retrying them one by one", len(involved))
+        # Every running request belongs to the step (a finished one the failure left in place included).
+        self.running.clear()
+        for request in involved:
+            if not request.was_running:
+                # Prompt logprobs are computed once, at the first prefill: drop any half-written ones.
+                request.input_logprobs.clear()
+                request.input_top_logprobs.clear()
+        survivors: list[Request] = []
+        for request in involved:
+            if request.finished:
                 continue
+            self.running.clear()
             try:
-                self._step()
-            except Exception as error:
-                # A failed step must not leave requests hanging: finish them with the error and go on.
-                logger.exception("engine step failed")
-                self._abort_all(f"Internal engine error: {error}")
+                self._prefill([request])
+                if self.running:
+                    self._decode()
+            except Exception as probe_error:
+                self.running.clear()
+                if not request.finished:
+                    logger.exception("request %s fails alone: finished with the error", request.rid)
+                    self._abort(request, f"Internal engine error: {probe_error}")
+                continue
+            if not request.finished:
+                self._store_prefix(request, 0)  # its re-prefill then copies what the probe computed
+                self.running.clear()
+                survivors.append(request)
+        for request in reversed(survivors):
+            self.waiting.appendleft(request)
+        if survivors and len(survivors) == len(involved):
+            logger.warning("no request of the failed step fails alone (%s): all requeued", error)
+
+    def _notify(self, request: Request, finished: bool) -> None:
+        """Call the request's `on_update`; one that raises ends its own request (it can no longer be told)."""
+        if request.on_update is None:
+            return
+        try:
+            request.on_update(request, finished)
+        except Exception as error:
+            logger.exception("the update callback of request %s failed", request.rid)
+            if not finished and not request.finished:
+                self._abort(request, f"Internal engine error: the update callback failed: {error}")
 
     def _has_work(self) -> bool:
         return self.paused is None and not self.weights_released and bool(self.running or self.waiting)
@@ -450,6 +547,7 @@ class Engine:
                 break
             admitted.append(self.waiting.popleft())
             budget -= size
+        self._step_requests = [*admitted, *self.running]
         if admitted:
             began = time.perf_counter()
             self._prefill(admitted)
@@ -526,10 +624,14 @@ class Engine:
         return limit
 
     def _store_prefix(self, request: Request, slot: int) -> None:
-        """Put the KV that `slot` holds for `request` (all its tokens but the last) into the prefix cache."""
+        """Put the KV that `slot` holds for `request` (all its tokens but the last) into the prefix cache.
+        Caching is an optimisation: a failure is logged, and the finish or retract that called goes on."""
         if self.prefix_cache is not None and self._cache is not None:
             held = min(request.num_tokens - 1, self._cache.capacity)
-            self.prefix_cache.store((request.prompt_ids + request.output_ids)[:held], self._cache, slot)
+            try:
+                self.prefix_cache.store((request.prompt_ids + request.output_ids)[:held], self._cache, slot)
+            except Exception:
+                logger.exception("the prefix of request %s could not be cached", request.rid)
 
     def _input_logprobs(self, request: Request, hidden: Tensor, offset: int = 0) -> None:
         """Logprobs of prompt tokens from `logprob_start_len` on (the first prompt token has none).
@@ -577,6 +679,8 @@ class Engine:
 
     def _accept(self, requests: list[Request], logits: Tensor) -> None:
         """Sample one token per request from logits [B, vocab], record it, and finish who is done."""
+        # Published before any client hears of this step: one told of a token sees its request running.
+        self._publish()
         sampled = sample_tokens(requests, logits, self.generator, self.eos_token_ids)
         for request, (token, logprob, top) in zip(requests, sampled, strict=True):
             request.output_ids.append(token)
@@ -588,19 +692,19 @@ class Engine:
             reason = self._finish_reason(request, token)
             if reason is not None:
                 self._finish(request, reason)
-            elif request.on_update is not None and request.stream:
-                request.on_update(request, False)
+            elif request.stream:
+                self._notify(request, False)
 
     def _finish_reason(self, request: Request, token: int) -> dict[str, Any] | None:
         options = request.options
         num_output = len(request.output_ids)
+        # The stop-string matcher reads every token's text, also before min_new_tokens, to keep its tail.
+        matched = self._match_stop_string(request) if options.stop and self.decode_text is not None else None
         if num_output >= options.min_new_tokens:
             if token in options.stop_token_ids or (not options.ignore_eos and token in self.eos_token_ids):
                 return {"type": "stop", "matched": token}
-            if options.stop and self.decode_text is not None:
-                matched = self._match_stop_string(request)
-                if matched is not None:
-                    return {"type": "stop", "matched": matched}
+            if matched is not None:
+                return {"type": "stop", "matched": matched}
         if options.max_new_tokens is not None and num_output >= options.max_new_tokens:
             return {"type": "length", "length": num_output}
         if request.num_tokens >= self.context_length:
@@ -608,29 +712,43 @@ class Engine:
         return None
 
     def _match_stop_string(self, request: Request) -> str | None:
+        """The stop string the latest token completes (the earliest in the text when several do), or None.
+
+        Decodes incrementally: only the tokens since the last match (from `stop_prefix_offset`, one token
+        of context before them) and matches over the new text plus the `stop_tail` a stop string may start in,
+        so a step costs the same at any output length. Text that ends in an incomplete character is matched
+        without it and read again at the next token (for at most `STOP_TEXT_MAX_PENDING_TOKENS`)."""
         assert self.decode_text is not None
-        text = self.decode_text(request.output_ids)
-        longest = max(len(s) for s in request.options.stop)
-        # Only text that the latest token can have completed: from just before the previous scan's end.
-        scan_from = max(0, request.stop_text_scan - longest + 1)
-        request.stop_text_scan = len(text)
+        ids = request.output_ids
+        prefix, read = request.stop_prefix_offset, request.stop_read_offset
+        text = self.decode_text(ids[prefix:])
+        known = self.decode_text(ids[prefix:read]) if read > prefix else ""
+        # An incomplete character at the end: match the text before it, and decide it at a later token.
+        pending = text.endswith("\ufffd") and len(ids) - read < STOP_TEXT_MAX_PENDING_TOKENS
+        window = request.stop_tail + (text.rstrip("\ufffd") if pending else text)[len(known) :]
+        if not pending:
+            longest = max(len(s) for s in request.options.stop)
+            request.stop_prefix_offset, request.stop_read_offset = read, len(ids)
+            request.stop_tail = window[max(0, len(window) - longest + 1) :]
         best: tuple[int, str] | None = None
         for stop in request.options.stop:
-            index = text.find(stop, scan_from)
+            index = window.find(stop)
             if index >= 0 and (best is None or index < best[0]):
                 best = (index, stop)
         return None if best is None else best[1]
 
     def _finish(self, request: Request, reason: dict[str, Any]) -> None:
         request.finish_reason = reason
+        if self._by_rid.get(request.rid) is request:
+            del self._by_rid[request.rid]
         if request in self.running:
             slot = self.running.index(request)
             self._store_prefix(request, slot)
             self._free_slot(slot)
         elif request in self.waiting:
             self.waiting.remove(request)
-        if request.on_update is not None:
-            request.on_update(request, True)
+        self._publish()  # a client told that its request finished never reads a snapshot where it runs
+        self._notify(request, True)
 
     def _abort(self, request: Request, message: str) -> None:
         self.counters.num_aborted_requests_total += 1
@@ -646,6 +764,14 @@ class Engine:
             self._cache.move_slot(last, slot, min(moved.num_tokens, self._cache.capacity))
         self.running[slot] = self.running[last]
         self.running.pop()
+
+
+_SNAPSHOT_COUNTERS = tuple(
+    f.name
+    for f in dataclasses.fields(EngineCounters)
+    if f.name in {g.name for g in dataclasses.fields(EngineSnapshot)}
+)
+"""The counters every snapshot copies (those `EngineSnapshot` has a field for)."""
 
 
 class _DecodeGraphs:

@@ -5,8 +5,9 @@ Tokens come back through each request's `on_update` callback on the scheduler th
 with `call_soon_threadsafe`. A client that goes away (streaming or not) has its unfinished requests aborted.
 
 The steps every generation takes whatever its transport (`grpc_service` takes them too): `check_prompt`,
-`prompt_requests` (a prompt's engine requests, `n` samples included), `check_unique`, `add_requests`,
-`forwarder`, `abort_at_gate` and `abort_unfinished`.
+`Limits.check_call` (n and the call's size against the server's bounds, before any request exists),
+`prompt_requests` (a prompt's engine requests, `n` samples included), `check_unique`, `add_requests` (which
+refuses a call the waiting queue cannot take), `forwarder`, `abort_at_gate` and `abort_unfinished`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from typing import Any, Protocol, TypeVar
 from aiohttp import web
 from pydantic import BaseModel
 
-from asyncrl_sglang.builtin._http import Json, read_model, semantic_error
+from asyncrl_sglang.builtin import DEFAULT_MAX_N, DEFAULT_MAX_QUEUED_REQUESTS
+from asyncrl_sglang.builtin._http import Json, error_response, read_model, semantic_error
 from asyncrl_sglang.builtin.engine import Engine, Request
 from asyncrl_sglang.builtin.gate import AdmissionGate, Ticket
 from asyncrl_sglang.builtin.sampling import RequestError, SamplingOptions, check_fits
@@ -37,12 +39,46 @@ from asyncrl_sglang.wire import (
 )
 
 DISCONNECT_POLL_S = 0.5
-"""How often a call waiting for tokens checks whether its client has gone."""
+"""How often a call that waits for tokens checks whether its client has gone when no update arrives (it also
+checks at every update)."""
+QUEUE_FULL = "The request queue is full."
+"""SGLang's message (with status 503) for a request the waiting queue cannot take."""
 
 logger = logging.getLogger(__name__)
 
 Update = tuple[int, int, bool]
 """What a request's `on_update` posts to its call's queue: (index in the call, output length, finished)."""
+
+
+class QueueFullError(RequestError):
+    """The waiting queue cannot take the call's requests now (SGLang's 503 "The request queue is full."); a
+    later call may fit."""
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """The server's bounds on a generation call, checked before anything is queued (both transports)."""
+
+    max_n: int = DEFAULT_MAX_N
+    """The largest `sampling_params.n`."""
+    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
+    """The most requests waiting at once; a call (its prompts times their `n`) larger than this is refused
+    outright, one that does not fit beside those already waiting answers `QueueFullError`."""
+
+    def check_call(self, samples: Sequence[int]) -> None:
+        """`RequestError` when an `n` (one per prompt of the call) is above `max_n`, or when the call holds
+        more requests than the queue could ever hold; checked before any request object is made."""
+        for n in samples:
+            if n > self.max_n:
+                raise RequestError(
+                    f"sampling_params.n must be at most {self.max_n} (the server's --max-n), got {n}"
+                )
+        total = sum(samples)
+        if total > self.max_queued_requests:
+            raise RequestError(
+                f"The call holds {total} requests (prompts times n), more than the server queues at once "
+                f"({self.max_queued_requests}, its --max-queued-requests): split it"
+            )
 
 
 class Tokenizer(Protocol):
@@ -75,10 +111,13 @@ class _Output:
 class GenerateRoutes:
     """`/generate` and `/abort_request`; `gate` is shared with the pause and weight-update routes."""
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer | None, gate: AdmissionGate) -> None:
+    def __init__(
+        self, engine: Engine, tokenizer: Tokenizer | None, gate: AdmissionGate, limits: Limits | None = None
+    ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.gate = gate
+        self.limits = limits or Limits()
         self._live: dict[str, Call] = {}
 
     async def _engine(self, fn: Callable[[], Any]) -> Any:
@@ -107,7 +146,11 @@ class GenerateRoutes:
                         loop, submission.queue, index, every_token=body.stream
                     )
                 try:
-                    await self._engine(lambda: add_requests(self.engine, requests))
+                    await self._engine(lambda: add_requests(self.engine, requests, self.limits))
+                except QueueFullError as error:
+                    if body.stream:
+                        return await self._stream_error(request, str(error), 503)
+                    return error_response(str(error), 503, "Service Unavailable")
                 except RequestError as error:
                     if body.stream:
                         return await self._stream_error(request, str(error))
@@ -144,6 +187,7 @@ class GenerateRoutes:
         start_len = _per_item(body.logprob_start_len, -1, count, "logprob_start_len")
         top_num = _per_item(body.top_logprobs_num, 0, count, "top_logprobs_num")
         rids = self._rids(body.rid, count, is_batch)
+        self.limits.check_call([o.n for o in options])
         output = _Output(
             return_text_in_logprobs=body.return_text_in_logprobs,
             return_prompt_token_ids=body.return_prompt_token_ids,
@@ -202,13 +246,17 @@ class GenerateRoutes:
 
     async def _next_update(self, http: web.Request, submission: Call) -> Update:
         """The next update of the submission's requests; `ConnectionResetError` once the client is gone
-        (checked every `DISCONNECT_POLL_S` while nothing arrives)."""
+        (checked at every update, and every `DISCONNECT_POLL_S` while nothing arrives: a call whose samples
+        keep finishing notices as soon as one that waits alone)."""
         while True:
             try:
-                return await asyncio.wait_for(submission.queue.get(), DISCONNECT_POLL_S)
+                update = await asyncio.wait_for(submission.queue.get(), DISCONNECT_POLL_S)
             except TimeoutError:
-                if http.transport is None or http.transport.is_closing():
-                    raise ConnectionResetError("the client disconnected") from None
+                update = None
+            if http.transport is None or http.transport.is_closing():
+                raise ConnectionResetError("the client disconnected")
+            if update is not None:
+                return update
 
     async def _wait_all(
         self, http: web.Request, submission: Call, output: _Output, is_list: bool
@@ -259,11 +307,11 @@ class GenerateRoutes:
             await _write_events(response, events)
         return await _end_stream(response)
 
-    async def _stream_error(self, http: web.Request, message: str) -> web.StreamResponse:
+    async def _stream_error(self, http: web.Request, message: str, code: int = 400) -> web.StreamResponse:
+        """HTTP 200 and one SSE error event: a refused request (400), or a full queue (503, retryable)."""
         response = await _start_stream(http)
-        error = ErrorBody(
-            error=ErrorDetail(message=message, type="invalid_request_error", code=400, retryable=False)
-        )
+        kind = "invalid_request_error" if code == 400 else "service_unavailable"
+        error = ErrorBody(error=ErrorDetail(message=message, type=kind, code=code, retryable=code == 503))
         await _write_events(response, [error])
         return await _end_stream(response)
 
@@ -404,11 +452,14 @@ def prompt_requests(
     stream: bool,
 ) -> list[Request]:
     """The engine requests of one checked prompt: one with `rid`, or for `n > 1` one per sample, each with a
-    fresh random rid (as SGLang regenerates them). `RequestError` when it cannot fit the context or asks for a
-    negative number of top logprobs."""
+    fresh random rid (as SGLang regenerates them). `RequestError` when it cannot fit the context or asks for
+    more top logprobs than the vocabulary has (or a negative number); `Limits.check_call` has checked `n`."""
     check_fits(prompt, options, engine.context_length)
-    if top_logprobs_num < 0:
-        raise RequestError(f"top_logprobs_num must be >= 0, got {top_logprobs_num}")
+    vocab = engine.model.config.vocab_size
+    if return_logprob and not 0 <= top_logprobs_num <= vocab:
+        raise RequestError(
+            f"top_logprobs_num must be in [0, {vocab}] (the vocabulary size), got {top_logprobs_num}"
+        )
     rids = [rid] if options.n == 1 else [uuid.uuid4().hex for _ in range(options.n)]
     return [
         Request(
@@ -434,13 +485,16 @@ def check_unique(requests: Sequence[Request], live: Collection[str]) -> None:
         seen.add(request.rid)
 
 
-def add_requests(engine: Engine, requests: Sequence[Request]) -> None:
-    """Queue a call's requests on the scheduler (run it on the engine thread, `Engine.call_async`): nothing is
-    queued, and SGLang's duplicate-rid `RequestError` raised, when the engine holds one of the rids already
-    (a request of the other transport)."""
+def add_requests(engine: Engine, requests: Sequence[Request], limits: Limits) -> None:
+    """Queue a call's requests on the scheduler (run it on the engine thread, `Engine.call_async`), all or
+    none: nothing is queued when the engine holds one of the rids already (a request of the other transport:
+    SGLang's duplicate-rid `RequestError`) or when the waiting queue cannot take them all (`QueueFullError`).
+    """
     for request in requests:
         if engine.find(request.rid) is not None:
             raise RequestError(f"{DUPLICATE_RID} detected: {request.rid}")
+    if engine.num_waiting + len(requests) > limits.max_queued_requests:
+        raise QueueFullError(QUEUE_FULL)
     for request in requests:
         engine.add_request(request)
 

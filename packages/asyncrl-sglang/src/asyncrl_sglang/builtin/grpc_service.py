@@ -16,8 +16,8 @@ metadata (`asyncrl-weight-versions`, `asyncrl-num-retractions`).
 Errors are gRPC status codes with the meaning of the HTTP errors: a bad value, an unknown or unsupported
 sampling field, an empty or out-of-vocabulary prompt, a prompt too long for the context or a duplicate
 request id is INVALID_ARGUMENT (what SGLang's servicer answers for its `ValueError`s, the over-context case
-included), with the message `/generate` gives; a missing or wrong API key is UNAUTHENTICATED (`HealthCheck`,
-like `/health`, needs none).
+included), with the message `/generate` gives; a full waiting queue is UNAVAILABLE (SGLang's 503); a missing
+or wrong API key is UNAUTHENTICATED (`HealthCheck`, like `/health`, needs none).
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ from asyncrl_sglang.builtin.engine import Engine, Request
 from asyncrl_sglang.builtin.gate import AdmissionGate, Ticket
 from asyncrl_sglang.builtin.generate import (
     Call,
+    Limits,
+    QueueFullError,
     abort_at_gate,
     abort_reason,
     abort_unfinished,
@@ -77,10 +79,14 @@ _UNSUPPORTED_FIELDS = (
 class SchedulerService(pb_grpc.SglangSchedulerServicer):
     """The `SglangScheduler` service of one engine; `gate` is the HTTP server's admission gate."""
 
-    def __init__(self, engine: Engine, gate: AdmissionGate, info: InfoRoutes) -> None:
+    def __init__(
+        self, engine: Engine, gate: AdmissionGate, info: InfoRoutes, limits: Limits | None = None
+    ) -> None:
         self.engine = engine
         self.gate = gate
         self.info = info
+        self.limits = limits or Limits()
+        """The bounds of a call (`--max-n`, `--max-queued-requests`), shared with `/generate`."""
         """The HTTP server's information routes: the launch arguments and startup this service reports too."""
         self.ready = False
         """Set once warm-up is done: `HealthCheck` is unhealthy before."""
@@ -110,6 +116,8 @@ class SchedulerService(pb_grpc.SglangSchedulerServicer):
                 else:
                     try:
                         await self._submit(call, request.stream)
+                    except QueueFullError as error:
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
                     except RequestError as error:
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
                     async for response in self._responses(call, request.stream):
@@ -147,10 +155,12 @@ class SchedulerService(pb_grpc.SglangSchedulerServicer):
             params = parse_object(SamplingParamsBody, sampling_fields(request.sampling_params))
         except WireError as error:
             raise RequestError(str(error)) from None
+        options = SamplingOptions.from_wire(params, vocab)
+        self.limits.check_call([options.n])
         requests = prompt_requests(
             self.engine,
             prompt,
-            SamplingOptions.from_wire(params, vocab),
+            options,
             rid=request.request_id or uuid.uuid4().hex,
             return_logprob=request.return_logprob,
             logprob_start_len=request.logprob_start_len,
@@ -166,7 +176,7 @@ class SchedulerService(pb_grpc.SglangSchedulerServicer):
         for index, engine_request in enumerate(call.requests):
             engine_request.on_update = forwarder(loop, call.queue, index, every_token=stream)
 
-        await self._engine(lambda: add_requests(self.engine, call.requests))
+        await self._engine(lambda: add_requests(self.engine, call.requests, self.limits))
 
     async def _responses(self, call: Call, stream: bool) -> AsyncIterator[pb.GenerateResponse]:
         """Chunks of new tokens while the requests run (when streaming); returns once all have finished."""
@@ -240,6 +250,7 @@ class SchedulerService(pb_grpc.SglangSchedulerServicer):
     ) -> pb.GetServerInfoResponse:
         """The launch arguments and the scheduler's handshake that `/server_info` reports, and the state."""
         engine = self.engine
+        snapshot = engine.snapshot
         arguments = Struct()
         arguments.update(server_args(self.info.args))
         handshake = scheduler_info(engine, self.info.startup)
@@ -250,7 +261,7 @@ class SchedulerService(pb_grpc.SglangSchedulerServicer):
         return pb.GetServerInfoResponse(
             server_args=arguments,
             scheduler_info=scheduler,
-            active_requests=engine.num_running + engine.num_waiting + self.gate.num_waiting,
+            active_requests=snapshot.num_running + snapshot.num_waiting + self.gate.num_waiting,
             is_paused=self.gate.paused is not None,
             uptime_seconds=time.time() - self.started_s,
             sglang_version=SERVER_VERSION,

@@ -27,6 +27,7 @@ from asyncrl_sglang.builtin._http import Json, error_response, json_model, not_f
 from asyncrl_sglang.builtin.engine import Engine, Request
 from asyncrl_sglang.builtin.gate import AdmissionGate
 from asyncrl_sglang.builtin.sampling import SamplingOptions
+from asyncrl_sglang.builtin.snapshot import EngineSnapshot
 from asyncrl_sglang.wire import LoadsQuery, ModelInfo, WeightVersionReply, parse_object
 
 if TYPE_CHECKING:
@@ -39,7 +40,8 @@ GRAPH_PHASES = ("prefill", "decode", "target_verify", "draft_prefill", "draft_de
 """The CUDA-graph phases SGLang reports memory and capture time for; the built-in engine captures `decode`."""
 HEALTH_CHECK_TIMEOUT_S = 20.0
 """How long the one-token health probe may take (SGLang's `SGLANG_HEALTH_CHECK_TIMEOUT` default)."""
-_NOT_SERVER_ARGS = frozenset({"api_key", "weight_version_route", "launch_command"})
+_NOT_SERVER_ARGS = frozenset({"api_key", "weight_version_route", "launch_command", "max_n"})
+"""Launch arguments SGLang's `ServerArgs` has no field for (or that must not be shown: the key)."""
 _GB = float(1 << 30)
 
 
@@ -124,7 +126,8 @@ def scheduler_info(engine: Engine, startup: Startup) -> Json:
 
 @dataclass(frozen=True, slots=True)
 class Load:
-    """One reading of the engine's load, taken on the event loop (counts may be one scheduler step old)."""
+    """One reading of the engine's load: the scheduler's last published `EngineSnapshot` (at most one
+    scheduler iteration old, never half a step) and the admission gate's count."""
 
     num_running_reqs: int
     num_waiting_reqs: int
@@ -140,25 +143,28 @@ class Load:
     weight_gb: float
     kv_cache_gb: float
     graph_gb: float
+    snapshot: EngineSnapshot
+    """The scheduler's snapshot this reading was taken from (its counters feed `/metrics`)."""
 
     @classmethod
     def read(cls, engine: Engine, gate: AdmissionGate) -> Load:
-        waiting = [r for r in engine.waiting if not r.finished]
+        snapshot = engine.snapshot  # one immutable object: every value below is of the same moment
         return cls(
-            num_running_reqs=engine.num_running,
-            num_waiting_reqs=engine.num_waiting,
-            num_waiting_tokens=sum(r.num_tokens for r in waiting),
+            num_running_reqs=snapshot.num_running,
+            num_waiting_reqs=snapshot.num_waiting,
+            num_waiting_tokens=snapshot.num_waiting_tokens,
             num_paused_reqs=gate.num_waiting,
-            num_retracted_reqs=sum(1 for r in waiting if r.num_retractions > 0),
-            num_used_tokens=sum(r.num_tokens for r in engine.running),
+            num_retracted_reqs=snapshot.num_retracted_waiting,
+            num_used_tokens=snapshot.num_used_tokens,
             max_total_num_tokens=engine.max_running_requests * engine.context_length,
             max_running_requests=engine.max_running_requests,
-            gen_throughput=engine.counters.gen_throughput,
-            prefill_tokens_total=engine.counters.prefill_tokens_total,
-            prefill_busy_us=engine.counters.prefill_busy_us,
+            gen_throughput=snapshot.gen_throughput,
+            prefill_tokens_total=snapshot.prefill_tokens_total,
+            prefill_busy_us=snapshot.prefill_busy_us,
             weight_gb=engine.model.nbytes() / _GB,
-            kv_cache_gb=engine.kv_cache_bytes / _GB,
-            graph_gb=engine.cuda_graph_bytes / _GB,
+            kv_cache_gb=snapshot.kv_cache_bytes / _GB,
+            graph_gb=snapshot.cuda_graph_bytes / _GB,
+            snapshot=snapshot,
         )
 
     @property
@@ -276,7 +282,7 @@ class InfoRoutes:
             "world_size": 1,
             "startup_time": self.startup.startup_time(),
             "effective_max_running_requests_per_dp": engine.max_running_requests,
-            "last_gen_throughput": engine.counters.gen_throughput,
+            "last_gen_throughput": load.gen_throughput,
             "memory_usage": {
                 "weight": round(load.weight_gb, 3),
                 "kvcache": round(load.kv_cache_gb, 3),
@@ -286,7 +292,7 @@ class InfoRoutes:
                 "graph": dict.fromkeys(GRAPH_PHASES, 0.0) | {"decode": round(load.graph_gb, 3)},
             },
             "disaggregation_mode": "null",
-            "decode_cuda_graph_bs": engine.cuda_graph_batch_sizes,
+            "decode_cuda_graph_bs": list(load.snapshot.cuda_graph_batch_sizes),
             "decode_cuda_graph_memory_gb": round(load.graph_gb, 3),
         }
         info = arguments | {"launch_command": self.args.launch_command}
@@ -321,8 +327,8 @@ class InfoRoutes:
     async def metrics(self, request: web.Request) -> web.Response:
         if not self.args.enable_metrics:
             return not_found()
-        counters = self.engine.counters
         load = Load.read(self.engine, self.gate)
+        counters = load.snapshot
         label = f'{{model_name="{self.args.served_model_name}",engine_type="unified"}}'
         gauges = {
             "num_running_reqs": ("Requests in the running batch.", load.num_running_reqs),

@@ -130,6 +130,9 @@ class SamplingOptions:
             raise RequestError(f"stop_token_ids {bad} are outside the vocabulary (size {vocab_size})")
         if any(not s for s in self.stop):
             raise RequestError("stop strings must not be empty")
+        if self.sampling_seed is not None and not -(2**63) <= self.sampling_seed < 2**64:
+            # torch.Generator.manual_seed takes a 64-bit value; a larger one would fail at admission.
+            raise RequestError(f"sampling_seed must be a 64-bit integer, got {self.sampling_seed}")
 
 
 class SamplingState(Protocol):

@@ -18,6 +18,7 @@ from typing import Any, Literal, get_args
 
 from aiohttp import web
 
+from asyncrl_sglang.builtin import DEFAULT_MAX_N, DEFAULT_MAX_QUEUED_REQUESTS
 from asyncrl_sglang.builtin._http import (
     Handler,
     error_response,
@@ -28,7 +29,7 @@ from asyncrl_sglang.builtin._http import (
 )
 from asyncrl_sglang.builtin.engine import Engine, EngineBusyError, PauseMode
 from asyncrl_sglang.builtin.gate import AdmissionGate
-from asyncrl_sglang.builtin.generate import GenerateRoutes, Tokenizer
+from asyncrl_sglang.builtin.generate import GenerateRoutes, Limits, Tokenizer
 from asyncrl_sglang.builtin.info import InfoRoutes
 from asyncrl_sglang.builtin.weights import WeightRoutes
 from asyncrl_sglang.tensor_codec import encode_tensors as encode_safetensors
@@ -62,6 +63,11 @@ class ServerArgs:
     grpc_port: int | None = None
     api_key: str | None = None
     max_running_requests: int = 32
+    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
+    """The most requests waiting at once (SGLang's flag): a call that does not fit beside those waiting is
+    answered 503 "The request queue is full.", a call larger than this is a 400."""
+    max_n: int = DEFAULT_MAX_N
+    """The largest `sampling_params.n` (400 above it)."""
     context_length: int = 2048
     weight_version: str = "default"
     device: str = "cpu"
@@ -84,7 +90,12 @@ class BuiltinServer:
         self.tokenizer = tokenizer
         self.args = args
         self.gate = AdmissionGate()
-        self.generation = GenerateRoutes(engine, tokenizer, self.gate)
+        self.generation = GenerateRoutes(
+            engine,
+            tokenizer,
+            self.gate,
+            Limits(max_n=args.max_n, max_queued_requests=args.max_queued_requests),
+        )
         self.weights = WeightRoutes(engine, self.gate)
         self.info = InfoRoutes(engine, self.gate, args)
         self.app = web.Application(

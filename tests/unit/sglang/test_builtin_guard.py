@@ -1,0 +1,290 @@
+"""No request can harm the others, over both fronts of the built-in engine (HTTP and gRPC, served in process
+on loopback over a tiny Llama): bounds checked before admission, disconnects noticed, loads read from the
+scheduler's snapshot. For each bad input, requests started before it finish normally and the engine answers
+a later request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from aiohttp import ClientTimeout
+from aiohttp.test_utils import TestClient, TestServer
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
+
+from asyncrl_sglang.builtin.engine import Engine, Request
+from asyncrl_sglang.builtin.grpc_service import SchedulerService, start_grpc_server
+from asyncrl_sglang.builtin.model import EngineModel
+from asyncrl_sglang.builtin.sampling import SamplingOptions
+from asyncrl_sglang.builtin.server import BuiltinServer, ServerArgs
+
+WAIT_S = 60.0
+LONG = {"max_new_tokens": 60, "ignore_eos": True, "temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_llama_path: Path) -> EngineModel:
+    return EngineModel.from_pretrained(tiny_llama_path)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama_path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_llama_path))
+
+
+@dataclass
+class Served:
+    client: TestClient[Any, Any]
+    server: BuiltinServer
+    stub: pb_grpc.SglangSchedulerStub
+
+    @property
+    def engine(self) -> Engine:
+        return self.server.engine
+
+
+@pytest.fixture
+async def make_served(
+    tiny_model: EngineModel, tokenizer: Any, tiny_llama_path: Path
+) -> AsyncIterator[Callable[..., Any]]:
+    """Start an engine with its HTTP and gRPC fronts (`ServerArgs` overrides); all stop at teardown."""
+    started: list[tuple[Engine, TestClient[Any, Any], grpc.aio.Server, grpc.aio.Channel]] = []
+
+    async def make(**overrides: Any) -> Served:
+        args = ServerArgs(
+            model_path=str(tiny_llama_path),
+            served_model_name="tiny",
+            tokenizer_path=str(tiny_llama_path),
+            **{"context_length": 2048, "max_running_requests": 8, **overrides},
+        )
+        engine = Engine(
+            tiny_model,
+            max_running_requests=args.max_running_requests,
+            context_length=args.context_length,
+            eos_token_ids=[tokenizer.eos_token_id],
+            decode_text=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        )
+        engine.start()
+        server = BuiltinServer(engine, tokenizer, args)
+        server.ready = True
+        client: TestClient[Any, Any] = TestClient(TestServer(server.app, host="127.0.0.1"))
+        await client.start_server()
+        service = SchedulerService(engine, server.gate, server.info, server.generation.limits)
+        service.ready = True
+        grpc_server, port = await start_grpc_server(service, "127.0.0.1", 0, None)
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        started.append((engine, client, grpc_server, channel))
+        return Served(client, server, pb_grpc.SglangSchedulerStub(channel))
+
+    yield make
+    for engine, client, grpc_server, channel in started:
+        await channel.close()
+        await grpc_server.stop(grace=None)
+        await client.close()
+        await asyncio.to_thread(engine.stop)
+
+
+async def _post(served: Served, **body: Any) -> tuple[int, Any]:
+    response = await served.client.post("/generate", json=body)
+    return response.status, json.loads(await response.text())
+
+
+async def _until(predicate: Callable[[], bool]) -> None:
+    # The engine lives on its own thread: poll its published snapshot (no event to await).
+    async with asyncio.timeout(WAIT_S):
+        while not predicate():  # noqa: ASYNC110
+            await asyncio.sleep(0.005)
+
+
+async def _started_before(served: Served, count: int = 2) -> list[asyncio.Task[tuple[int, Any]]]:
+    """`count` long requests, running before the bad input arrives."""
+    tasks = [
+        asyncio.create_task(_post(served, input_ids=[5, 6, 7 + i], sampling_params=LONG))
+        for i in range(count)
+    ]
+    await _until(lambda: served.engine.snapshot.num_running >= count)
+    return tasks
+
+
+async def _finish_normally(served: Served, tasks: list[asyncio.Task[tuple[int, Any]]]) -> None:
+    for task in tasks:
+        status, body = await asyncio.wait_for(task, WAIT_S)
+        assert status == 200, body
+        assert body["meta_info"]["finish_reason"] == {"type": "length", "length": LONG["max_new_tokens"]}
+        assert len(body["output_ids"]) == LONG["max_new_tokens"]
+    async with asyncio.timeout(WAIT_S):
+        status, body = await _post(served, input_ids=[1, 2], sampling_params={"max_new_tokens": 2})
+    assert status == 200
+    assert len(body["output_ids"]) == 2
+
+
+async def _grpc_refusal(served: Served, request: pb.GenerateRequest) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        async for _ in served.stub.Generate(request, timeout=WAIT_S):
+            pass
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    return refused.value
+
+
+def _grpc_request(**fields: Any) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=fields.pop("request_id", "g"),
+        tokenized=pb.TokenizedInput(input_ids=fields.pop("input_ids", [1, 2])),
+        sampling_params=fields.pop("sampling_params", pb.SamplingParams(max_new_tokens=2, temperature=1.0)),
+        **fields,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- top logprobs
+async def test_top_logprobs_above_the_vocabulary_is_refused_before_admission(
+    make_served: Callable[..., Any],
+) -> None:
+    served: Served = await make_served()
+    vocab = served.engine.model.config.vocab_size
+    others = await _started_before(served)
+    status, body = await _post(
+        served,
+        input_ids=[1, 2],
+        return_logprob=True,
+        top_logprobs_num=vocab + 1,
+        sampling_params={"max_new_tokens": 2},
+    )
+    assert status == 400
+    assert "top_logprobs_num" in body["error"]["message"]
+    refused = await _grpc_refusal(served, _grpc_request(return_logprob=True, top_logprobs_num=vocab + 1))
+    assert "top_logprobs_num" in (refused.details() or "")
+    await _finish_normally(served, others)
+    # The whole vocabulary is a valid number of top logprobs.
+    status, body = await _post(
+        served,
+        input_ids=[1, 2],
+        return_logprob=True,
+        top_logprobs_num=vocab,
+        sampling_params={"max_new_tokens": 1},
+    )
+    assert status == 200
+    assert len(body["meta_info"]["output_top_logprobs"][0]) == vocab
+
+
+# ---------------------------------------------------------------------------------------------- n and batches
+async def test_n_above_the_configured_maximum_is_refused(make_served: Callable[..., Any]) -> None:
+    served: Served = await make_served(max_n=16)
+    others = await _started_before(served)
+    status, body = await _post(served, input_ids=[1, 2], sampling_params={"max_new_tokens": 1, "n": 10**6})
+    assert status == 400
+    assert "--max-n" in body["error"]["message"]
+    sampling = pb.SamplingParams(max_new_tokens=1, temperature=1.0, n=17)
+    refused = await _grpc_refusal(served, _grpc_request(sampling_params=sampling))
+    assert "--max-n" in (refused.details() or "")
+    await _finish_normally(served, others)
+    status, body = await _post(served, input_ids=[1, 2], sampling_params={"max_new_tokens": 1, "n": 16})
+    assert status == 200
+    assert len(body) == 16
+
+
+async def test_a_batch_larger_than_the_queue_can_take_is_refused(make_served: Callable[..., Any]) -> None:
+    served: Served = await make_served(max_queued_requests=20)
+    others = await _started_before(served)
+    status, body = await _post(served, input_ids=[[1, 2]] * 8, sampling_params={"max_new_tokens": 1, "n": 4})
+    assert status == 400
+    assert "32 requests" in body["error"]["message"]
+    assert served.engine.snapshot.num_requests_total == 2  # nothing of the batch was queued
+    sampling = pb.SamplingParams(max_new_tokens=1, temperature=1.0, n=21)
+    await _grpc_refusal(served, _grpc_request(sampling_params=sampling))
+    await _finish_normally(served, others)
+
+
+async def test_a_full_queue_answers_503(make_served: Callable[..., Any]) -> None:
+    served: Served = await make_served(max_queued_requests=4, max_running_requests=2)
+    others = await _started_before(served)
+    queued = [
+        asyncio.create_task(_post(served, input_ids=[3, 4], sampling_params={"max_new_tokens": 1}))
+        for _ in range(4)
+    ]
+    await _until(lambda: served.engine.snapshot.num_waiting >= 4)
+    status, body = await _post(served, input_ids=[1, 2], sampling_params={"max_new_tokens": 1})
+    assert (status, body["code"], body["message"]) == (503, 503, "The request queue is full.")
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        async for _ in served.stub.Generate(_grpc_request(), timeout=WAIT_S):
+            pass
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    for task in queued:
+        assert (await asyncio.wait_for(task, WAIT_S))[0] == 200
+    await _finish_normally(served, others)
+
+
+# ---------------------------------------------------------------------------------------------- disconnects
+async def test_a_non_streaming_client_that_leaves_is_aborted_while_its_samples_finish(
+    make_served: Callable[..., Any],
+) -> None:
+    """n samples that finish one after another keep the call busy; the client leaving must still abort the
+    unfinished ones at once (not only after a quiet spell)."""
+    # One sample at a time, 8 tokens each: an update every 8 steps, far more often than the 0.5 s poll.
+    served: Served = await make_served(max_running_requests=1)
+    body = {"input_ids": [9, 8, 7], "sampling_params": {"max_new_tokens": 8, "n": 64, "ignore_eos": True}}
+    response_task = asyncio.create_task(
+        served.client.post("/generate", json=body, timeout=ClientTimeout(total=WAIT_S))
+    )
+    await _until(lambda: served.engine.snapshot.generation_tokens_total >= 16)
+    generated = served.engine.snapshot.generation_tokens_total
+    response_task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await response_task
+    await _until(lambda: served.engine.snapshot.num_running + served.engine.snapshot.num_waiting == 0)
+    snapshot = served.engine.snapshot
+    assert snapshot.num_aborted_requests_total > 0
+    assert snapshot.generation_tokens_total - generated < 64 * 8 // 2
+
+
+# ------------------------------------------------------------------------------------------- loads
+async def test_loads_and_metrics_never_fail_under_a_long_queue(make_served: Callable[..., Any]) -> None:
+    # One running request: the scheduler pops from the queue at every step while the routes read.
+    served: Served = await make_served(enable_metrics=True, max_running_requests=1)
+    engine = served.engine
+    queued = [
+        Request(rid=f"q{i}", prompt_ids=[1, 2], options=SamplingOptions(max_new_tokens=1, ignore_eos=True))
+        for i in range(100_000)
+    ]
+    await asyncio.wrap_future(engine.call_async(lambda: [engine.add_request(r) for r in queued]))
+    for _ in range(40):
+        for path in ("/metrics", "/v1/loads", "/server_info"):
+            response = await served.client.get(path)
+            assert response.status == 200, await response.text()
+        reply = await served.stub.GetLoads(pb.GetLoadsRequest(), timeout=WAIT_S)
+        assert 0 < reply.loads[0].num_waiting_reqs <= 100_000
+    await served.client.post("/abort_request", json={"abort_all": True})
+    await _until(lambda: engine.snapshot.num_waiting == 0)
+    await _finish_normally(served, [])
+
+
+# ---------------------------------------------------------------------------------------------- gRPC zeros
+async def test_grpc_sampling_zeros_read_as_sglangs_servicer_reads_them(
+    make_served: Callable[..., Any],
+) -> None:
+    """proto3 cannot tell an unset top_p, top_k, repetition_penalty or n from its zero: they mean the neutral
+    value (SGLang 0.5.23's servicer); temperature 0 is greedy, as it is literally."""
+    served: Served = await make_served()
+    params = pb.SamplingParams(max_new_tokens=4, ignore_eos=True)  # everything else at its zero
+    completes = [
+        response.complete
+        async for response in served.stub.Generate(_grpc_request(sampling_params=params), timeout=WAIT_S)
+        if response.HasField("complete")
+    ]
+    assert len(completes) == 1
+    assert len(completes[0].output_ids) == 4
+    status, body = await _post(
+        served,
+        input_ids=[1, 2],
+        sampling_params={"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True},
+    )
+    assert status == 200
+    assert list(completes[0].output_ids) == body["output_ids"]
