@@ -157,10 +157,11 @@ def test_sigterm_in_start_up_then_the_same_command_and_sigint_in_training(
 def test_a_second_signal_forces_and_sigkill_of_the_driver_leaves_nothing(start: Callable[[], Run]) -> None:
     forced = start()
     forced.wait_for(STARTING)
+    # Back to back, so that the second comes while the first one's cleanup runs (not after it ended).
     forced.signal(signal.SIGINT)
-    forced.wait_for("SIGINT: stopping the run; send it again to force", STOP_S)
     forced.signal(signal.SIGTERM)
     assert forced.wait() == 143, forced.output()
+    assert "SIGINT: stopping the run; send it again to force" in forced.output()
     assert "SIGTERM again: killing the run's processes now" in forced.output()
     assert forced.left(timeout_s=30.0) == []
     killed = start()

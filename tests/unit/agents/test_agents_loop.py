@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 
@@ -12,7 +13,9 @@ from pydantic import ValidationError
 
 from asyncrl_agents.loop import AgentLoopWorker
 from asyncrl_agents.tasks.searchr1 import INVALID_TURN_OBSERVATION, SearchR1MiniArguments, SearchR1MiniTask
+from asyncrl_core import metrics
 from asyncrl_core.errors import AsyncRLError, EngineUnavailableError, GenerationError, PromptTooLongError
+from asyncrl_core.runner.workers import group_metrics
 from asyncrl_core.types import NO_VERSION, Generation, SamplingParams, TaskSample
 
 pytestmark = pytest.mark.integration
@@ -187,19 +190,29 @@ async def test_context_budget_cuts_observations_and_ends_the_episode(task: Searc
     assert len(trajectory.token_ids) <= context_len
 
 
-async def test_tool_failure_becomes_an_observation() -> None:
-    # A retriever that is not there: every search fails, the episode goes on.
+async def test_tool_failure_becomes_an_observation_a_warning_and_a_step_metric(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A retriever that is not there: every search fails, the episode goes on; the outage is logged as a
+    # warning and counted in the metrics of the step that trains on the group.
     task = SearchR1MiniTask(retriever_url="http://127.0.0.1:9/retrieve", search_timeout_s=2.0)
     try:
         tokenizer = smollm2_tokenizer()
         turns = iter(["<search> anything </search>", "<answer> x </answer>"])
         engine = ScriptedEngine(tokenizer, lambda _: next(turns))
         index, sample = find(task, "Who founded")
-        (trajectory,) = (await worker(task, engine, group_size=1).run_group(index, sample)).trajectories
+        with caplog.at_level(logging.WARNING, logger="asyncrl_agents.loop"):
+            group = await worker(task, engine, group_size=1).run_group(index, sample)
+        (trajectory,) = group.trajectories
         assert trajectory.finish_reason == "answer"
         assert trajectory.metrics["num_tool_errors"] == 1
         response = tokenizer.decode(trajectory.token_ids[trajectory.prompt_len :])
         assert "<information>Search failed: search failed: ConnectError" in response
+        assert "tool call search('anything') failed (1 in a row)" in caplog.text
+        step = group_metrics([group])
+        assert step[metrics.TOOL_CALLS] == step[metrics.TOOL_ERRORS] == 1
+        assert step[metrics.TOOL_ERROR_RATE] == 1.0
+        assert step[metrics.trajectory_mean(metrics.TRAJECTORY_TOOL_S)] > 0.0
     finally:
         await task.aclose()
 
@@ -231,7 +244,10 @@ class RefusingEngine:
         raise GenerationError("prompt too long for the context")
 
 
-async def test_engine_refusal_ends_the_trajectory_not_the_group(task: SearchR1MiniTask) -> None:
+async def test_engine_refusal_fails_the_group_with_the_engines_error(task: SearchR1MiniTask) -> None:
+    # A refused request (a 400) would be refused again: the group fails with that error, which the runner
+    # takes as permanent (the prompt is dropped with it as the reason), instead of training on empty
+    # trajectories.
     loop = AgentLoopWorker(
         task,
         RefusingEngine(),
@@ -241,11 +257,8 @@ async def test_engine_refusal_ends_the_trajectory_not_the_group(task: SearchR1Mi
         max_prompt_len=512,
         max_response_len=64,
     )
-    group = await loop.run_group(0)
-    assert [t.finish_reason for t in group.trajectories] == ["error", "error"]
-    assert all(t.response_len == 0 for t in group.trajectories)
-    assert group.version_range() is None
-    assert group.finish_version == NO_VERSION
+    with pytest.raises(GenerationError, match="prompt too long for the context"):
+        await loop.run_group(0)
 
 
 class UnreachableEngine:

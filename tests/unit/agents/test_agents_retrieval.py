@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
 import pytest
+from aiohttp import web
 
-from asyncrl_agents.retrieval import BM25Index, Corpus, LsaIndex, RetrievalServer
+from asyncrl_agents.retrieval import BM25Index, Corpus, LsaIndex, RetrievalServer, make_app
 from asyncrl_agents.tasks.mini_world import generate, write_jsonl
 from asyncrl_core.errors import AsyncRLError
+from asyncrl_core.server_process import bound_port
 
 pytestmark = pytest.mark.integration
 
@@ -193,3 +197,41 @@ def test_bm25_keeps_jax_on_the_cpu() -> None:
         timeout=120,
     )
     assert mine.stdout.strip() == "cuda"
+
+
+class HeldIndex:
+    """A real BM25 index whose searches wait until the test lets them go (a large batch, in effect)."""
+
+    def __init__(self, texts: list[str]) -> None:
+        self.inner = BM25Index(texts)
+        self.searching = threading.Event()
+        self.release = threading.Event()
+
+    def search(self, queries: Sequence[str], k: int) -> list[list[tuple[int, float]]]:
+        self.searching.set()
+        if not self.release.wait(timeout=60):
+            raise TimeoutError("the test never released the search")
+        return self.inner.search(queries, k)
+
+
+async def test_health_answers_while_a_search_runs() -> None:
+    corpus = Corpus.from_rows(ROWS)
+    index = HeldIndex(corpus.texts())
+    runner = web.AppRunner(make_app(corpus, index, index_name="bm25"))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{bound_port(runner, 0)}"
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=30, trust_env=False) as client:
+            search = asyncio.create_task(client.post("/retrieve", json={"queries": ["Paris"], "topk": 1}))
+            assert await asyncio.to_thread(index.searching.wait, 30)
+            health = await client.get("/health")  # the search is still held on its thread
+            assert health.status_code == 200
+            assert not search.done()
+            index.release.set()
+            response = await search
+            assert response.json()["result"][0][0]["id"] == "0"
+    finally:
+        index.release.set()
+        await runner.cleanup()

@@ -101,7 +101,9 @@ def test_names_are_unique_and_well_formed() -> None:
             continue
         if name.startswith("TRAJECTORY_"):
             assert re.fullmatch(r"[a-z_]+", value), name
-        elif name != "DATA_STALENESS_RATIO_PREFIX":
+        elif name.endswith("_PREFIX"):  # completed by a builder: `data_staleness_ratio`, `trajectory_mean`
+            assert re.fullmatch(r"(time|rollout|train|eval)(/[a-z_]+)+[/_]", value), name
+        else:
             assert re.fullmatch(r"(time|rollout|train|eval)(/[a-z_]+)+", value), name
 
 
@@ -111,6 +113,10 @@ def test_groupings_hold_constants_once() -> None:
     assert set(grouped) <= constants()
     documented = {name for name in documented_names() if "<k>" not in name}
     assert documented <= set(grouped)
+
+
+def test_trajectory_mean() -> None:
+    assert metrics.trajectory_mean(metrics.TRAJECTORY_TOOL_S) == "rollout/trajectory/tool_s/mean"
 
 
 def test_data_staleness_ratio() -> None:

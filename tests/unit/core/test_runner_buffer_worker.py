@@ -13,7 +13,7 @@ from asyncrl_core import metrics
 from asyncrl_core.config import AsyncRLConfig, load_config
 from asyncrl_core.errors import InvalidGroupError
 from asyncrl_core.runner.ledger import audit
-from asyncrl_core.runner.workers import BufferWorker, LocalBufferPort
+from asyncrl_core.runner.workers import BufferWorker, LocalBufferPort, RunnerError
 from asyncrl_core.types import NO_VERSION, Group, Trajectory
 
 
@@ -107,6 +107,9 @@ def test_a_permanent_failure_drops_the_prompt_with_its_reason(tmp_path: Path) ->
         await port.abandon(third)  # retryable: handed back
 
     asyncio.run(fail())
+    step = worker.end_step()
+    assert (step[metrics.FAILED_GROUPS_DROPPED], step[metrics.FAILED_GROUPS_RETRIED]) == (1.0, 1.0)
+    assert worker.failure_reasons == {prompt_a: "prompt too long"}
     with pytest.raises(InvalidGroupError):  # no longer in flight: nothing changes
         worker.abandon(first, "prompt too long")
     with pytest.raises(ValueError, match="non-empty reason"):
@@ -118,11 +121,13 @@ def test_a_permanent_failure_drops_the_prompt_with_its_reason(tmp_path: Path) ->
     ledger = worker.ledger_json()
     assert ledger["prompts"][str(prompt_a)]["dropped"] == {"prompt too long": 1}
     assert ledger["prompts"][str(prompt_c)]["handed_back"] == 1
-    # Epoch 1, then the handed-back prompt of epoch 0; the dropped one is not issued again in its place.
-    issued = [prompt for _, prompt in worker.admit(2, timeout_s=0.0)]
-    assert issued == [0, 1]
-    assert prompt_a == 0
-    assert prompt_c == 2
+    # Epoch 1 without the prompt dropped for good (its ticket is dropped for the same reason), then the
+    # handed-back prompt of epoch 0.
+    issued = [prompt for _, prompt in worker.admit(3, timeout_s=0.0)]
+    assert (prompt_a, prompt_c) == (0, 2)
+    assert issued == [1, 2, 2]
+    assert [prompt_a, 1, [], "prompt too long"] in worker.ledger_json()["tickets"]
+    assert worker.end_step()[metrics.FAILED_GROUPS_DROPPED] == 0.0  # counted per step
 
 
 def test_the_ledger_audits_every_ticket_of_each_issued_epoch(tmp_path: Path) -> None:
@@ -166,3 +171,36 @@ def test_restored_state_reissues_the_inflight_prompts_first_and_keeps_the_buffer
     assert sorted(group.prompt_index for group in batch.groups) == [0, 1, 2, 3]
     assert batch.groups[0].group_id == first + 1 == second  # the buffered group, kept with its id
     assert all(not r.problems for r in audit(resumed.ledger_json()))
+
+
+def test_every_prompt_failing_for_good_is_an_error_not_a_loop(tmp_path: Path) -> None:
+    worker = BufferWorker(_config(tmp_path), dataset_size=2)
+    for group_id, _ in worker.admit(2, timeout_s=0.0):
+        worker.abandon(group_id, "GenerationError: refused")
+    with pytest.raises(RunnerError, match="every prompt of the dataset \\(2\\) failed for good"):
+        worker.admit(1, timeout_s=0.0)
+
+
+def test_failures_beyond_the_step_limit_stop_the_run_naming_the_setting(tmp_path: Path) -> None:
+    worker = BufferWorker(
+        _config(tmp_path, **{"rollout_buffer.max_failed_groups_per_step": 2}), dataset_size=8
+    )
+    for group_id, _ in worker.admit(3, timeout_s=0.0):
+        worker.abandon(group_id)
+    with pytest.raises(RunnerError, match="max_failed_groups_per_step \\(2\\)"):
+        worker.take_batch(2, actor_version=0, timeout_s=0.0)
+    with pytest.raises(RunnerError, match="max_failed_groups_per_step"):
+        worker.admit(1, timeout_s=0.0)
+
+
+def test_a_dead_workers_groups_are_handed_back(tmp_path: Path) -> None:
+    worker = BufferWorker(_config(tmp_path), dataset_size=8)
+    ((kept, kept_prompt),) = worker.admit(1, timeout_s=0.0, worker_index=0)
+    lost = worker.admit(2, timeout_s=0.0, worker_index=1)
+    worker.complete(_group(lost[0][0], lost[0][1], 0))  # finished before the worker died: kept
+    assert worker.hand_back(1) == 1
+    assert worker.hand_back(1) == 0  # nothing is handed back twice
+    counts = worker.counts()
+    assert (counts["inflight"], counts["buffered"], counts["handed_back"]) == (1, 1, 1)
+    assert _balanced(counts)
+    worker.complete(_group(kept, kept_prompt, 0))

@@ -391,7 +391,7 @@ def test_bad_checkpoints_are_refused_without_change(model_dir: Path, tmp_path: P
 
 
 def test_model_path_must_be_a_model_folder(tmp_path: Path) -> None:
-    with pytest.raises(AsyncRLError, match=r"actor.model_path .* is not a HuggingFace model folder"):
+    with pytest.raises(AsyncRLError, match=r"actor.model_path: .* is not a HuggingFace model folder"):
         TorchActor(TorchActorConfig(model_path=str(tmp_path), temperature=1.0), AlgorithmConfig(group_size=2))
     with pytest.raises(ActorError, match="tensor_parallel_size"):
         TorchActor(

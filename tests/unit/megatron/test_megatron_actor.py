@@ -102,7 +102,7 @@ def test_bad_checkpoints_are_refused_without_change(model_dir: Path, tmp_path: P
 def test_settings_it_cannot_honour_are_refused(model_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(MegatronActorError, match="pipeline_parallel_size"):
         _actor(model_dir, pipeline_parallel_size=2)
-    with pytest.raises(AsyncRLError, match=r"actor.model_path .* is not a HuggingFace model folder"):
+    with pytest.raises(AsyncRLError, match=r"actor.model_path: .* is not a HuggingFace model folder"):
         _actor(tmp_path)
     with pytest.raises(MegatronActorError, match="sequence_parallel"):
         _actor(model_dir, sequence_parallel=True)

@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 import httpx
 import pytest
 
-from asyncrl_core.errors import EngineControlError
+from asyncrl_core.errors import EngineControlError, EngineUnavailableError
 from asyncrl_core.protocols import GenerationClient
 from asyncrl_core.types import SamplingParams
 from asyncrl_sglang.client import RetryPolicy, SGLangClient
@@ -126,3 +126,82 @@ async def test_pool_wide_calls_name_every_failed_engine() -> None:
 def test_an_empty_pool_is_refused() -> None:
     with pytest.raises(ValueError, match="at least one"):
         EnginePool([])
+
+
+_GENERATION = {
+    "output_ids": [1],
+    "meta_info": {
+        "id": "r",
+        "finish_reason": {"type": "length", "length": 1},
+        "weight_version": "0",
+        "output_token_logprobs": [[-1.0, 1, None]],
+    },
+}
+
+
+class Outage:
+    """Engines that refuse connections while `down` holds their index (as a dead process's port does)."""
+
+    def __init__(self, count: int, down: set[int], recovery_timeout_s: float) -> None:
+        self.down = down
+        self.generated: list[tuple[int, str]] = []
+        self.health_probes = 0
+        self.probed = asyncio.Event()
+        no_wait = RetryPolicy(max_attempts=2, initial_backoff_s=0.0, max_backoff_s=0.0)
+        self.pool = EnginePool(
+            [
+                SGLangClient(
+                    f"http://engine{index}",
+                    transport=httpx.MockTransport(self._handler(index)),
+                    retry=no_wait,
+                )
+                for index in range(count)
+            ],
+            recovery_timeout_s=recovery_timeout_s,
+        )
+
+    def _handler(self, index: int) -> Callable[[httpx.Request], Awaitable[httpx.Response]]:
+        async def handler(request: httpx.Request) -> httpx.Response:
+            if request.url.path == "/health":
+                self.health_probes += 1
+                self.probed.set()
+            if index in self.down:
+                raise httpx.ConnectError("connection refused", request=request)
+            if request.url.path == "/health":
+                return httpx.Response(200)
+            self.generated.append((index, json.loads(request.content)["rid"]))
+            return httpx.Response(200, json=_GENERATION)
+
+        return handler
+
+
+async def test_a_dead_engines_request_goes_to_another_engine_under_its_rid() -> None:
+    outage = Outage(2, down={0}, recovery_timeout_s=0.0)
+    async with outage.pool as pool:
+        generation = await pool.generate([1, 2], SamplingParams(), rid="r0")
+        assert generation.output_ids == [1]
+        assert outage.generated == [(1, "r0")]
+        assert pool.down == {0}
+        await pool.generate([1, 2], SamplingParams(), rid="r1")  # routed around engine 0 at once
+        assert outage.generated == [(1, "r0"), (1, "r1")]
+
+
+async def test_a_request_waits_for_a_restarted_engine() -> None:
+    outage = Outage(1, down={0}, recovery_timeout_s=60.0)
+    async with outage.pool as pool:
+        request = asyncio.create_task(pool.generate([1, 2], SamplingParams(), rid="r0"))
+        await asyncio.wait_for(outage.probed.wait(), 10)
+        assert not request.done()
+        outage.down.clear()  # the engine is back on its port
+        generation = await asyncio.wait_for(request, 10)
+        assert generation.output_ids == [1]
+        assert outage.generated == [(0, "r0")]
+        assert pool.down == frozenset()
+
+
+async def test_a_request_fails_when_no_engine_comes_back_in_time() -> None:
+    outage = Outage(1, down={0}, recovery_timeout_s=0.0)
+    async with outage.pool as pool:
+        with pytest.raises(EngineUnavailableError, match="engine0"):
+            await pool.generate([1, 2], SamplingParams(), rid="r0")
+        assert outage.generated == []

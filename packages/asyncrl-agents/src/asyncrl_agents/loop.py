@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from asyncrl_core import prompts
-from asyncrl_core.errors import AsyncRLError, GenerationError, PromptTooLongError
+from asyncrl_core.errors import AsyncRLError, PromptTooLongError
 from asyncrl_core.metrics import (
     TRAJECTORY_BOOKKEEPING_S,
     TRAJECTORY_GENERATION_S,
@@ -143,9 +143,14 @@ class AgentLoopWorker:
 
     A plain class with async methods: build it in a test, or wrap it in a Ray actor. Every group runs its
     `group_size` trajectories concurrently; at most `max_concurrent_groups` groups run at a time (the others
-    wait in `run_group`). A tool's exception or timeout becomes an observation; an episode that outgrows
-    `max_turns` or the context budget ends cleanly with that finish reason. A `GenerationError` (the engine
-    refused a request) ends that trajectory with finish reason `error`; an unreachable engine raises.
+    wait in `run_group`). A tool's exception or timeout becomes an observation (counted in the trajectory's
+    `num_tool_errors`); an episode that outgrows `max_turns` or the context budget ends cleanly with that
+    finish reason.
+
+    Failures of a group are raised by `run_group`, typed by whether a retry can mend them (the runner drops
+    or re-issues the prompt accordingly): `PromptTooLongError` (the prompt exceeds `max_prompt_len`) and
+    `GenerationError` (the engine refused a request: a 400, retrying sends the same request) will not pass;
+    `EngineUnavailableError` (no engine answered within the client's retries and timeouts) may.
 
     Args:
         task: the task (dataset, tools, parser, observations, reward).
@@ -220,6 +225,8 @@ class AgentLoopWorker:
         self._rid_prefix = uuid.uuid4().hex[:12]
         self._next_group_id = 0
         self._dataset_cache: dict[str, Sequence[TaskSample]] = {}
+        self._failing_tools: dict[str, int] = {}
+        """Tool name -> calls that failed in a row (absent: the last call succeeded)."""
 
     def _end_ids(self, sampling: SamplingParams) -> frozenset[int]:
         ids: set[int] = set(sampling.stop_token_ids)
@@ -346,10 +353,6 @@ class AgentLoopWorker:
         started = time.perf_counter()
         try:
             generation = await self.client.generate(episode.token_ids, sampling, rid=rid)
-        except GenerationError as error:
-            logger.warning("request %s refused by the engine, trajectory ends: %s", rid, error)
-            episode.finish_reason = "error"
-            return
         finally:
             episode.generation_s += time.perf_counter() - started
 
@@ -425,8 +428,15 @@ class AgentLoopWorker:
         except Exception as failure:  # a tool may fail in any way; the model reads the error instead
             error = f"{call.tool} failed: {type(failure).__name__}: {failure}"
         else:
+            if self._failing_tools.pop(call.tool, 0):
+                logger.warning("tool %s answers again", call.tool)
             return ToolResult(text, None, time.perf_counter() - started)
-        logger.debug("tool call %s(%r): %s", call.tool, call.arguments, error)
+        # A tool that goes down fails every call: say so once when it starts, then every 100 failures.
+        failures = self._failing_tools[call.tool] = self._failing_tools.get(call.tool, 0) + 1
+        if failures % 100 == 1:
+            logger.warning(
+                "tool call %s(%r) failed (%d in a row): %s", call.tool, call.arguments, failures, error
+            )
         return ToolResult("", error, time.perf_counter() - started)
 
     async def aclose(self) -> None:

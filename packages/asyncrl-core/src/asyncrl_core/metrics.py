@@ -48,6 +48,18 @@ DROPPED_GROUPS: Final = "rollout/dropped_groups"
 """Groups dropped by the staleness cap during the step (their prompts return to the dataloader)."""
 
 
+FAILED_GROUPS_RETRIED: Final = "rollout/failed_groups/retried"
+"""Groups whose generation failed during the step for a reason that may pass (an engine that died or did not
+answer, a worker that died): their prompts are issued again."""
+FAILED_GROUPS_DROPPED: Final = "rollout/failed_groups/dropped"
+"""Groups whose generation failed during the step for a reason that will not pass (a prompt too long, a
+request the engine refused): their prompts are dropped for good, each with its reason."""
+ENGINE_RESTARTS: Final = "rollout/engine_restarts"
+"""Engine processes restarted during the step (they died or stopped answering `/health`)."""
+AGENT_LOOP_RESTARTS: Final = "rollout/agent_loop_restarts"
+"""Agent-loop workers restarted during the step (their process died); their groups were issued again."""
+
+
 def data_staleness_ratio(staleness: int) -> str:
     """The name of the share of the step's groups whose staleness is exactly `staleness` (>= 0)."""
     if staleness < 0:
@@ -70,6 +82,29 @@ RESPONSE_LEN_MEAN: Final = "rollout/response_len/mean"
 """Mean response length of the step's trajectories (tokens after the prompt, observations included)."""
 NUM_MODEL_TOKENS: Final = "rollout/num_model_tokens"
 """Tokens the model generated for the step's trajectories (observation tokens excluded)."""
+
+# --- rollout/*: what the step's trajectories did, summed or averaged from their `Trajectory.metrics`
+
+TOOL_CALLS: Final = "rollout/tool_calls"
+"""Tool calls made by the step's trajectories."""
+TOOL_ERRORS: Final = "rollout/tool_errors"
+"""Tool calls of the step's trajectories that failed (the tool raised, timed out or was unknown); a tool that
+is down shows here, its error text being what the model read instead of a result."""
+TOOL_ERROR_RATE: Final = "rollout/tool_error_rate"
+"""`tool_errors / tool_calls` of the step (0 when no tool was called)."""
+INVALID_TURNS: Final = "rollout/invalid_turns"
+"""Model turns of the step's trajectories whose output could not be parsed."""
+OBSERVATIONS_CUT: Final = "rollout/observations_cut"
+"""Observations of the step's trajectories cut to fit the response budget."""
+PER_TRAJECTORY_PREFIX: Final = "rollout/trajectory/"
+"""Prefix of the per-trajectory time means; `trajectory_mean(key)` builds a full name
+(`rollout/trajectory/generation_s/mean`)."""
+
+
+def trajectory_mean(key: str) -> str:
+    """The name of the step's mean of the per-trajectory measurement `key` (a `TRAJECTORY_*` key)."""
+    return f"{PER_TRAJECTORY_PREFIX}{key}/mean"
+
 
 # --- train/*: the training step, summed over micro-batches and ranks (and, with several optimiser updates per
 # step, the mean over its updates)
@@ -117,7 +152,8 @@ EVAL_WEIGHT_VERSION_MAX: Final = "eval/weight_version/max"
 """Latest weight version that generated any token of the evaluation."""
 
 # --- Per-trajectory measurements (keys of `Trajectory.metrics`, set by the agent loop)
-# Not logged one by one: the runner aggregates them into the step's rollout/* metrics.
+# Not logged one by one: the actor worker aggregates them into the step's rollout/* metrics (the counts
+# summed: TOOL_CALLS, TOOL_ERRORS, INVALID_TURNS, OBSERVATIONS_CUT; the times as `trajectory_mean(key)`).
 
 TRAJECTORY_GENERATION_S: Final = "generation_s"
 """Seconds waiting for the engine's generations."""

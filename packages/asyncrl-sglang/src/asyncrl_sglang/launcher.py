@@ -282,9 +282,12 @@ def _signals_exit() -> Generator[None]:
     try:
         yield
     finally:
-        for signum in installed:
-            if signal.getsignal(signum) is _exit_on_signal:
-                signal.signal(signum, signal.SIG_DFL)
+        # Only the main thread may set handlers: engines stopped from another thread (a Ray actor serving
+        # several calls at once) leave them installed, and they raise `SystemExit` there as before.
+        if threading.current_thread() is threading.main_thread():
+            for signum in installed:
+                if signal.getsignal(signum) is _exit_on_signal:
+                    signal.signal(signum, signal.SIG_DFL)
 
 
 def _wait_healthy(
@@ -385,9 +388,9 @@ class LaunchedEngines:
             for url, target in zip(self.urls, self.grpc_targets, strict=True)
         ]
 
-    def pool(self, timeouts: ClientTimeouts | None = None) -> EnginePool:
-        """A new pool over every engine."""
-        return EnginePool(self.clients(timeouts))
+    def pool(self, timeouts: ClientTimeouts | None = None, *, recovery_timeout_s: float = 0.0) -> EnginePool:
+        """A new pool over every engine (`EnginePool`'s `recovery_timeout_s`)."""
+        return EnginePool(self.clients(timeouts), recovery_timeout_s=recovery_timeout_s)
 
 
 def start_engines(
@@ -507,6 +510,7 @@ def connect_engines(
 ) -> EnginePool:
     """One pool over running engines (from another process than the one that launched them): generation
     over gRPC where a target is given, else HTTP; each request allowed `request_timeout_s` seconds, pauses
-    for weight syncs included."""
+    for weight syncs included, and as long again to wait for an engine that went down to come back (the
+    runner restarts dead engines)."""
     engines = LaunchedEngines(urls, api_key=api_key, grpc_targets=grpc_targets)
-    return engines.pool(ClientTimeouts(generate_s=request_timeout_s))
+    return engines.pool(ClientTimeouts(generate_s=request_timeout_s), recovery_timeout_s=request_timeout_s)

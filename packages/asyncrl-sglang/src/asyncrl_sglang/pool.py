@@ -1,9 +1,12 @@
 """Several engine instances behind one `GenerationClient`.
 
 Routing: a request goes to the engine with the fewest outstanding requests from this pool (ties: the lowest
-index). A caller may pass a `routing_key` (for example the trajectory id): every request with that key then
-goes to the engine the first one went to, so the turns of a multi-turn trajectory hit that engine's prefix
-cache. Sticky keys are forgotten least-recently-used beyond `max_sticky_keys`.
+index), among those not marked down; an engine is marked down when it cannot be reached and no longer
+answers `/health`, and its requests go again to another engine (or wait, up to `recovery_timeout_s`, for one
+to answer again: a restarted engine). A caller may pass a `routing_key` (for example the trajectory id):
+every request with that key then goes to the engine the first one went to, so the turns of a multi-turn
+trajectory hit that engine's prefix cache. Sticky keys are forgotten least-recently-used beyond
+`max_sticky_keys`.
 
 Pool-wide control (pause, continue, weight updates) runs on every engine at once and reports which engines
 failed. The pool also owns the client-side admission gate the `drain` pause mode needs: while it is closed,
@@ -14,6 +17,8 @@ and `wait_idle` waits for the requests already sent to finish.
 from __future__ import annotations
 
 import asyncio
+import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
@@ -24,14 +29,28 @@ from asyncrl_sglang.client import PauseMode, SGLangClient
 
 T = TypeVar("T")
 
+RECOVERY_POLL_S = 0.5
+"""Seconds between `/health` probes of engines that went down, while a request waits for one."""
+
 
 class EnginePool:
     """Clients of several engines, used as one `GenerationClient`; closes the clients on `aclose`."""
 
-    def __init__(self, clients: Sequence[SGLangClient], *, max_sticky_keys: int = 100_000) -> None:
+    def __init__(
+        self,
+        clients: Sequence[SGLangClient],
+        *,
+        max_sticky_keys: int = 100_000,
+        recovery_timeout_s: float = 0.0,
+    ) -> None:
+        """`recovery_timeout_s`: how long a request whose engine went down waits for an engine to answer
+        `/health` again before it fails (0: it fails at once)."""
         if not clients:
             raise ValueError("an engine pool needs at least one engine client")
         self.clients: tuple[SGLangClient, ...] = tuple(clients)
+        self.recovery_timeout_s = recovery_timeout_s
+        self._down: set[int] = set()
+        """Engines that failed a request and have not answered `/health` since: routed around."""
         self._outstanding = [0] * len(self.clients)
         self._sticky: OrderedDict[str, int] = OrderedDict()
         self._max_sticky_keys = max_sticky_keys
@@ -67,10 +86,14 @@ class EnginePool:
     # Generation
 
     def _pick(self, routing_key: str | None) -> int:
-        if routing_key is not None and (index := self._sticky.get(routing_key)) is not None:
+        if (
+            routing_key is not None
+            and (index := self._sticky.get(routing_key)) is not None
+            and index not in self._down
+        ):
             self._sticky.move_to_end(routing_key)
             return index
-        index = min(range(len(self.clients)), key=lambda i: (self._outstanding[i], i))
+        index = min(range(len(self.clients)), key=lambda i: (i in self._down, self._outstanding[i], i))
         if routing_key is not None:
             self._sticky[routing_key] = index
             if len(self._sticky) > self._max_sticky_keys:
@@ -85,20 +108,54 @@ class EnginePool:
         rid: str | None = None,
         routing_key: str | None = None,
     ) -> Generation:
-        """`GenerationClient.generate` on the least-loaded engine (or the one `routing_key` sticks to)."""
-        while not self._admission_open.is_set():
-            await self._admission_open.wait()
-        index = self._pick(routing_key)
-        self._outstanding[index] += 1
-        self._num_inflight += 1
-        self._idle.clear()
-        try:
-            return await self.clients[index].generate(input_ids, sampling, rid=rid)
-        finally:
-            self._outstanding[index] -= 1
-            self._num_inflight -= 1
-            if self._num_inflight == 0:
-                self._idle.set()
+        """`GenerationClient.generate` on the least-loaded engine (or the one `routing_key` sticks to).
+
+        An engine that cannot be reached (`EngineUnavailableError` and no answer to `/health`: it died or
+        stopped answering) is routed around until it answers again, and the request is sent again under
+        the same `rid` to another engine, or to the first that answers within `recovery_timeout_s` (a
+        restarted one). The lost engine never finished the request, so it is generated once. An engine that
+        answers `/health` but not the request (it timed out) fails the call.
+        """
+        rid = rid or uuid.uuid4().hex
+        while True:
+            while not self._admission_open.is_set():
+                await self._admission_open.wait()
+            index = self._pick(routing_key)
+            self._outstanding[index] += 1
+            self._num_inflight += 1
+            self._idle.clear()
+            try:
+                return await self.clients[index].generate(input_ids, sampling, rid=rid)
+            except EngineUnavailableError as error:
+                if await self.clients[index].health():
+                    raise
+                self._down.add(index)
+                lost = error
+            finally:
+                self._outstanding[index] -= 1
+                self._num_inflight -= 1
+                if self._num_inflight == 0:
+                    self._idle.set()
+            await self._wait_available(lost)
+
+    async def _wait_available(self, lost: EngineUnavailableError) -> None:
+        """Return once some engine is not marked down (probing the down ones' `/health`); `lost` again
+        after `recovery_timeout_s` without one."""
+        deadline = time.monotonic() + self.recovery_timeout_s
+        while len(self._down) == len(self.clients):
+            for index in sorted(self._down):
+                if await self.clients[index].health():
+                    self._down.discard(index)
+            if len(self._down) < len(self.clients):
+                return
+            if time.monotonic() >= deadline:
+                raise lost
+            await asyncio.sleep(RECOVERY_POLL_S)
+
+    @property
+    def down(self) -> frozenset[int]:
+        """Engines routed around: they failed a request and have not answered `/health` since."""
+        return frozenset(self._down)
 
     # ---------------------------------------------------------------------------------------------------
     # Admission gate (drain)

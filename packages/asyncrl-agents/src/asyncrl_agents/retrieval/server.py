@@ -6,12 +6,15 @@ answers `{"result": [...]}` with one list per query, best first: documents (the 
 `{"id", "contents", ...}`) or, with `return_scores`, `{"document": row, "score": float}` objects. A request
 Search-R1's client sends works unchanged, and asyncrl's search tool works against Search-R1's own server.
 A malformed request gets 400 `{"error": message}` and the server keeps serving. `GET /health` answers 200
-`{"status": "ok", "num_documents": n, "index": kind}`.
+`{"status": "ok", "num_documents": n, "index": kind}`, also while a search runs: searches run one at a time on
+a thread of their own, off the event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import cast
 
@@ -26,6 +29,9 @@ active query of a batch in one request."""
 
 MAX_TOPK = 1000
 """Largest `topk` a request may ask for."""
+
+SEARCH_THREAD = web.AppKey("search_thread", ThreadPoolExecutor)
+"""The one thread searches run on, in arrival order (an index is searched by one thread at a time)."""
 
 
 class BadRequest(ValueError):
@@ -74,7 +80,11 @@ def make_app(corpus: Corpus, index: Index, *, index_name: str, default_topk: int
             parsed = RetrieveRequest.parse(body, default_topk)
         except BadRequest as error:
             return _bad_request(str(error))
-        hits = index.search(parsed.queries, parsed.topk)
+        # The search runs on the app's search thread: the event loop keeps answering `/health` (and
+        # reading the next requests) while a large batch is searched.
+        hits = await asyncio.get_running_loop().run_in_executor(
+            app[SEARCH_THREAD], index.search, parsed.queries, parsed.topk
+        )
         if parsed.return_scores:
             result: list[list[object]] = [
                 [{"document": corpus.documents[document], "score": score} for document, score in query_hits]
@@ -88,6 +98,12 @@ def make_app(corpus: Corpus, index: Index, *, index_name: str, default_topk: int
         return web.json_response({"status": "ok", "num_documents": len(corpus), "index": index_name})
 
     app = web.Application(client_max_size=MAX_BODY_BYTES)
+    app[SEARCH_THREAD] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="search")
+
+    async def stop_search_thread(app: web.Application) -> None:
+        app[SEARCH_THREAD].shutdown(wait=False, cancel_futures=True)
+
+    app.on_cleanup.append(stop_search_thread)
     app.router.add_post("/retrieve", retrieve)
     app.router.add_get("/health", health)
     return app

@@ -164,7 +164,9 @@ class RunnerConfig(Section):
     num_steps: PositiveInt
     """Training steps (actor optimiser steps) to run."""
     seed: Annotated[int, Field(ge=0, le=2**32 - 1)] = 0
-    """Seed of every random number generator of the run (workers derive theirs from it)."""
+    """Seed of the run: the dataloader's shuffle (`data.seed`, derived from it), the warm start, and the
+    torch actor's generators (Python's, numpy's and torch's, on every rank; saved in checkpoints). Not yet
+    derived from it: the Megatron actor's seed (0) and the engines' sampling (each engine's own seed)."""
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=200)] = "asyncrl"
     """Name of the run: letters, digits, `.`, `_` and `-`; names the run folder unless `run_dir` is set."""
     run_dir: Annotated[str, Field(min_length=1)] | None = None
@@ -558,6 +560,12 @@ class RolloutConfig(Section):
     drain_timeout_s: Annotated[Float, Field(gt=0.0)] = 600.0
     """Seconds the requests in flight may take to finish when the agent loops are drained: before each
     weight sync in `pause_mode: drain`, and when the run stops generating at its end."""
+    max_engine_restarts: NonNegativeInt = 3
+    """Times over the run a dead engine process (or one that stopped answering `/health`) is restarted,
+    all engines together; one more failure stops the run. 0: the first failure stops it."""
+    engine_unresponsive_s: Annotated[Float, Field(gt=0.0)] = 15.0
+    """Seconds an engine process may leave `/health` unanswered before it counts as failed (it is then
+    killed and restarted)."""
 
     def instances_from_placement(self, root: AsyncRLConfig) -> int | None:
         """Instances the placement and parallel sizes give, or `None` when they give none."""
@@ -870,6 +878,9 @@ class RolloutBufferConfig(Section):
     max_dropped_groups_per_step: NonNegativeInt | None = None
     """Groups one step may drop as too stale before the run stops with an error. Derived:
     `10 * data.rollout_batch_size`."""
+    max_failed_groups_per_step: NonNegativeInt | None = None
+    """Groups whose generation may fail in one step (issued again, or dropped for good) before the run stops
+    with an error: failures beyond it are systematic. Derived: `10 * data.rollout_batch_size`."""
 
     def derive(self, root: AsyncRLConfig, found: Validation) -> None:
         batch = root.data.rollout_batch_size
@@ -889,6 +900,8 @@ class RolloutBufferConfig(Section):
             found.derive("rollout_buffer.max_buffered_groups", buffered)
         if self.max_dropped_groups_per_step is None:
             found.derive("rollout_buffer.max_dropped_groups_per_step", 10 * batch)
+        if self.max_failed_groups_per_step is None:
+            found.derive("rollout_buffer.max_failed_groups_per_step", 10 * batch)
 
     def check(self, root: AsyncRLConfig, found: Validation) -> None:
         batch = root.data.rollout_batch_size
@@ -932,6 +945,9 @@ class AgentLoopConfig(Section):
     """Agent-loop workers (processes); groups are spread over them."""
     max_concurrent_groups: PositiveInt | None = None
     """Groups one worker runs at once. Derived: `ceil(rollout_buffer.max_inflight_groups / num_workers)`."""
+    max_worker_restarts: NonNegativeInt = 3
+    """Times over the run a dead agent-loop worker is restarted (its groups are issued again), all workers
+    together; one more death stops the run."""
 
     def derive(self, root: AsyncRLConfig, found: Validation) -> None:
         inflight = found.value("rollout_buffer.max_inflight_groups", root.rollout_buffer.max_inflight_groups)

@@ -4,7 +4,8 @@ finished groups and pushes its weights into the engines mid-generation.
 The agent-loop workers admit prompts themselves, under the buffer's two limits, and return finished groups
 to the buffer worker; the actor takes a batch whenever it is ready (`time/wait_data` is how long it waited),
 and the staleness cap drops groups at hand-off. Weights go to the engines after every step in
-`rollout.pause_mode`, while requests are in flight.
+`rollout.pause_mode`, while requests are in flight. The engines and agent loops are watched while the driver
+waits (`runner.liveness`): a failed one is restarted, or the run stops naming it.
 """
 
 from __future__ import annotations
@@ -16,16 +17,14 @@ from asyncrl_core.runner.context import RunContext
 
 
 def run_async(ctx: RunContext) -> None:
-    workers, batch_size = ctx.workers, ctx.config.data.rollout_batch_size
-    serving = [loop.serve.remote(workers.buffer_port) for loop in workers.agent_loops]
+    workers, liveness, batch_size = ctx.workers, ctx.liveness, ctx.config.data.rollout_batch_size
+    liveness.serve()  # every agent loop's `serve.remote(buffer)`, watched beside the engines
     for step in range(ctx.start_step, ctx.config.runner.num_steps):
         started = time.perf_counter()
-        batch = ctx.wait_batch(
-            lambda: workers.buffer.take_batch.remote(batch_size, ctx.version, 1.0), serving
-        )
+        batch = ctx.wait_batch(lambda: workers.buffer.take_batch.remote(batch_size, ctx.version, 1.0))
         wait_s = time.perf_counter() - started
         train_metrics = ctx.train(batch)
-        sync_metrics = workers.sync_weights(ctx.config.rollout.pause_mode)
+        sync_metrics = liveness.sync_weights(ctx.config.rollout.pause_mode)
         buffer_metrics = workers.get(workers.buffer.end_step.remote(), "buffer statistics")
         ctx.end_step(
             step,
@@ -33,8 +32,9 @@ def run_async(ctx: RunContext) -> None:
                 **train_metrics,
                 **sync_metrics,
                 **buffer_metrics,
+                **liveness.end_step(),
                 metrics.TIME_WAIT_DATA: wait_s,
                 metrics.TIME_STEP: time.perf_counter() - started,
             },
         )
-    ctx.stop_serving(serving)
+    liveness.stop_serving()

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 from asyncrl_core import metrics
 from asyncrl_core.runner import checkpoint
 from asyncrl_core.runner.ledger import LEDGER_FILE, write_json
-from asyncrl_core.runner.timeouts import timed_out
+from asyncrl_core.runner.liveness import Liveness
+from asyncrl_core.runner.timeouts import TimeoutKey, timed_out, timeout_of
 from asyncrl_core.runner.workers import BufferState, RunnerError
 
 if TYPE_CHECKING:
@@ -48,6 +49,8 @@ class RunContext:
         self._identity: dict[str, Any] | None = None
         self._saved_step: int | None = None
         """The step of the last checkpoint this run wrote or resumed from (none is written twice)."""
+        self.liveness = Liveness(workers, run_dir)
+        """The watch over engines and agent loops the drivers wait through."""
 
     # --- driver helpers --------------------------------------------------------------------------------
 
@@ -58,38 +61,68 @@ class RunContext:
         return [(loop, base + (index < extra)) for index, loop in enumerate(loops) if base + (index < extra)]
 
     def train(self, batch: Any) -> dict[str, float]:
-        """One step of every actor rank on `batch` (a Ray reference or a `Batch`); rank 0's metrics."""
-        results = self.workers.get(
-            [actor.train.remote(batch) for actor in self.workers.actors], "training", "actor.train_timeout_s"
+        """One step of every actor rank on `batch` (a Ray reference or a `Batch`); rank 0's metrics. A rank
+        that dies stops the run at once with its rank and error (the others may wait for it forever)."""
+        results = self.wait_all(
+            [actor.train.remote(batch) for actor in self.workers.actors],
+            "training",
+            "actor rank",
+            "actor.train_timeout_s",
         )
         self.version += 1
         return results[0]
 
-    def wait_batch(self, take: Callable[[], Any], serving: Sequence[Any]) -> Any:
-        """Poll `take()` (a hand-off that waits up to a second) until it yields a batch, failing fast when an
-        agent-loop worker stopped (its error is raised) and after `rollout.request_timeout_s` without data."""
+    def wait_all(self, refs: Sequence[Any], what: str, part: str, key: TimeoutKey) -> list[Any]:
+        """The results of calls `refs` (in order), one per worker of a kind (`part`: `actor rank`,
+        `agent-loop worker`), while the engines are watched (a failed one is restarted meanwhile);
+        `RunnerError` naming the worker that died, or after the timeout `key` names."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        timeout_s = timeout_of(self.config, key)
+        deadline = time.monotonic() + timeout_s
+        pending = list(refs)
+        while pending:
+            watched = self.liveness.refs()
+            ready, _ = ray.wait(
+                [*pending, *watched], num_returns=1, timeout=max(0.0, deadline - time.monotonic())
+            )
+            if not ready:
+                raise timed_out(what, timeout_s, key)
+            if ready[0] in watched:
+                self.liveness.recover(ready[0])
+                continue
+            pending.remove(ready[0])
+            try:
+                ray.get(ready[0], timeout=0)
+            except RayActorError as error:
+                index = list(refs).index(ready[0])
+                raise self.liveness.fatal(f"{part} {index}", f"died during {what}: {error}") from error
+        return self.workers.get(list(refs), what, key)
+
+    def wait_batch(self, take: Callable[[], Any]) -> Any:
+        """Poll `take()` (a hand-off that waits up to a second) until it yields a batch, while the engines
+        and agent loops are watched (a failed one is restarted, or its error raised); `RunnerError` after
+        `rollout.request_timeout_s` without data."""
         import ray
 
         deadline = time.monotonic() + self.timeout_s
-        while time.monotonic() < deadline:
-            ref = take()
-            ready, _ = ray.wait([ref, *serving], num_returns=1, timeout=self.timeout_s)
+        ref = take()
+        while True:
+            watched = self.liveness.refs()
+            ready, _ = ray.wait([ref, *watched], num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if ready and ready[0] is not ref:
-                self.workers.get(ready[0], "the agent loop")
-                raise RunnerError("an agent-loop worker stopped while the run needed data")
-            batch = self.workers.get(ref, "the hand-off of a batch")
+                self.liveness.recover(ready[0])
+                continue
+            batch = self.workers.get(ref, "the hand-off of a batch") if ready else None
             if batch is not None:
                 return batch
-        raise RunnerError(
-            f"no batch of {self.config.data.rollout_batch_size} groups was ready within "
-            f"{self.timeout_s:.0f} s (rollout.request_timeout_s)"
-        )
-
-    def stop_serving(self, serving: Sequence[Any]) -> None:
-        """End the agent loops' continuous generation and wait for their running groups."""
-        for loop in self.workers.agent_loops:
-            loop.stop.remote()
-        self.workers.get(list(serving), "stopping the agent loops", "rollout.drain_timeout_s")
+            if time.monotonic() >= deadline:
+                raise RunnerError(
+                    f"no batch of {self.config.data.rollout_batch_size} groups was ready within "
+                    f"{self.timeout_s:.0f} s (rollout.request_timeout_s)"
+                )
+            ref = take()
 
     # --- end of a step ---------------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,6 +31,9 @@ from asyncrl_core.types import Group
 
 if TYPE_CHECKING:
     from asyncrl_core.config import AsyncRLConfig
+
+ROLLOUT_CALLS = 4
+"""Concurrent calls a rollout worker serves: its `watch` blocks for the whole run beside the others."""
 
 STOP_TIMEOUT_S = 30.0
 """Longest the agent loops and engines get to close at the end of a run before their workers are killed
@@ -103,8 +106,8 @@ class RayBufferPort:
     def __init__(self, handle: Any) -> None:
         self.handle = handle
 
-    async def admit(self, max_groups: int, timeout_s: float) -> list[tuple[int, int]]:
-        return await self.handle.admit.remote(max_groups, timeout_s)
+    async def admit(self, max_groups: int, timeout_s: float, worker_index: int = 0) -> list[tuple[int, int]]:
+        return await self.handle.admit.remote(max_groups, timeout_s, worker_index)
 
     async def complete(self, group: Group) -> bool:
         return await self.handle.complete.remote(group)
@@ -132,6 +135,8 @@ class WorkerGroups:
     ) -> None:
         self.config = config
         self._handles: list[Any] = []
+        self.on_death: Callable[[str, str], None] | None = None
+        """Told `(part, message)` when `get` finds a worker dead (the run's fault record)."""
         self._started = False
         self.stopped = stopped if stopped is not None else []
         """Where `stop` says what it stopped (the run's message on an interruption)."""
@@ -172,7 +177,9 @@ class WorkerGroups:
             share = rollout_devices[index * tp : (index + 1) * tp] if gpu else rollout_devices
             self.rollouts.append(
                 self._keep(
-                    rollout_class.options(**remote_options(config, rollout_node, share)).remote(
+                    rollout_class.options(
+                        **remote_options(config, rollout_node, share), max_concurrency=ROLLOUT_CALLS
+                    ).remote(
                         config, model_path=rollout_model_path, index=index, devices=share, run_dir=run_dir
                     )
                 )
@@ -209,19 +216,21 @@ class WorkerGroups:
         stage_started = time.perf_counter()
 
         loop_class = ray.remote(AgentLoopWorker)
-        for i in range(config.agentloop.num_workers):
-            self.agent_loops.append(
-                self._keep(
-                    loop_class.options(**remote_options(config, rollout_node, ())).remote(
-                        config,
-                        model_path=rollout_model_path,
-                        endpoints=self.endpoints,
-                        task_services=task_services,
-                        worker_index=i,
-                        cores=() if gpu else rollout_devices,
-                    )
+
+        def agent_loop(index: int) -> Any:
+            return self._keep(
+                loop_class.options(**remote_options(config, rollout_node, ())).remote(
+                    config,
+                    model_path=rollout_model_path,
+                    endpoints=self.endpoints,
+                    task_services=task_services,
+                    worker_index=index,
+                    cores=() if gpu else rollout_devices,
                 )
             )
+
+        self._agent_loop = agent_loop
+        self.agent_loops.extend(agent_loop(i) for i in range(config.agentloop.num_workers))
         dataset_size: int = self.get(
             self.agent_loops[0].dataset_size.remote(),
             "the start of the agent loops",
@@ -239,6 +248,22 @@ class WorkerGroups:
         self.get(self.buffer.counts.remote(), "the start of the buffer", "runner.startup_timeout_s")
         self.start_times["buffer"] = time.perf_counter() - stage_started
 
+    def restart_agent_loop(self, index: int) -> Any:
+        """A new agent-loop worker in place of worker `index` (whose process died); returns its handle once
+        it has started."""
+        import ray
+
+        old = self.agent_loops[index]
+        ray.kill(old)
+        self._handles.remove(old)
+        self.agent_loops[index] = self._agent_loop(index)
+        self.get(
+            self.agent_loops[index].dataset_size.remote(),
+            f"restarting agent-loop worker {index}",
+            "runner.startup_timeout_s",
+        )
+        return self.agent_loops[index]
+
     def _keep(self, handle: Any) -> Any:
         self._handles.append(handle)
         return handle
@@ -255,7 +280,25 @@ class WorkerGroups:
         except GetTimeoutError as error:
             raise timed_out(what, timeout, key) from error
         except RayActorError as error:
-            raise RunnerError(f"a worker died during {what}: {error}") from error
+            part = self.part_of(getattr(error, "actor_id", None))
+            if self.on_death is not None:
+                self.on_death(part, f"died during {what}: {error}")
+            raise RunnerError(f"{part} died during {what}: {error}") from error
+
+    def part_of(self, actor_id: str | None) -> str:
+        """What the Ray actor `actor_id` (hex) is in the run: `actor rank 0`, `agent-loop worker 1`, ..."""
+        roles = [
+            *(("actor rank", index, handle) for index, handle in enumerate(self.actors)),
+            *(("agent-loop worker", index, handle) for index, handle in enumerate(self.agent_loops)),
+            *(("the rollout worker of engine", index, handle) for index, handle in enumerate(self.rollouts)),
+        ]
+        for role, index, handle in roles:
+            if actor_id is not None and handle._actor_id.hex() == actor_id:
+                return f"{role} {index}"
+        buffer = getattr(self, "buffer", None)  # absent while the workers start
+        if actor_id is not None and buffer is not None and buffer._actor_id.hex() == actor_id:
+            return "the buffer worker"
+        return "a worker"
 
     def sync_weights(self, mode: str) -> dict[str, float]:
         """Push the actor's weights into every engine in `mode`; in `drain` mode the agent loops hold new
@@ -307,9 +350,8 @@ class WorkerGroups:
             _count(len(self.actors), "actor rank"),
             _count(len(self.agent_loops), "agent loop"),
         ]
-        self.stopped.append(
-            ", ".join(part for part in parts if part) + ("" if self._started else " (starting)")
-        )
+        described = ", ".join(part for part in parts if part)
+        self.stopped.append(described if self._started else f"{described} (still starting)")
 
 
 def _count(number: int, what: str) -> str:

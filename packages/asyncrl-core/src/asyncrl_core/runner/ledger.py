@@ -101,6 +101,13 @@ class PromptLedger:
             self.tickets[ticket].dropped = reason
         return ticket
 
+    def skipped(self, ticket: Ticket, reason: str) -> None:
+        """A prompt dropped for good earlier (`reason`) comes up again in a later epoch: it is not issued,
+        and its ticket ends there, dropped for the same reason (so the epoch's audit accounts for it)."""
+        if not reason or reason == STALE:
+            raise LedgerError("a skipped prompt needs the reason it was dropped for good")
+        self.tickets[ticket] = TicketRecord(dropped=reason)
+
     def _close(self, group_id: int) -> Ticket:
         ticket = self.open_groups.pop(group_id, None)
         if ticket is None:

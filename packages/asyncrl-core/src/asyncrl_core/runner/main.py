@@ -128,6 +128,9 @@ def _run(config: AsyncRLConfig, run_dir: Path, stopper: RunStopper, *, owns_ray:
         stopper.stopping = True
         if owns_ray and ray.is_initialized():
             ray.shutdown()
+            # Ray's shutdown puts back, under Python's feet, the C-level SIGTERM action its failure handler
+            # found at `ray.init` (the default: death without cleanup); Python's record still shows ours.
+            stopper.take_signals()
             stopper.stopped.append("Ray")
 
 

@@ -13,18 +13,19 @@ from asyncrl_core.runner.context import RunContext
 
 
 def run_sync(ctx: RunContext) -> None:
-    workers, batch_size = ctx.workers, ctx.config.data.rollout_batch_size
+    workers, liveness, batch_size = ctx.workers, ctx.liveness, ctx.config.data.rollout_batch_size
     for step in range(ctx.start_step, ctx.config.runner.num_steps):
         started = time.perf_counter()
-        workers.get(
+        ctx.wait_all(
             [loop.run_groups.remote(workers.buffer_port, num, ctx.timeout_s) for loop, num in ctx.shares()],
             "the rollout of a batch",
+            "agent-loop worker",
             "rollout.request_timeout_s",
         )
         rollout_s = time.perf_counter() - started
-        batch = workers.buffer.take_batch.remote(batch_size, ctx.version, ctx.timeout_s)
+        batch = ctx.wait_batch(lambda: workers.buffer.take_batch.remote(batch_size, ctx.version, 1.0))
         train_metrics = ctx.train(batch)
-        sync_metrics = workers.sync_weights(ctx.config.rollout.pause_mode)
+        sync_metrics = liveness.sync_weights(ctx.config.rollout.pause_mode)
         buffer_metrics = workers.get(workers.buffer.end_step.remote(), "buffer statistics")
         ctx.end_step(
             step,
@@ -32,6 +33,7 @@ def run_sync(ctx: RunContext) -> None:
                 **train_metrics,
                 **sync_metrics,
                 **buffer_metrics,
+                **liveness.end_step(),
                 metrics.TIME_ROLLOUT: rollout_s,
                 metrics.TIME_STEP: time.perf_counter() - started,
             },

@@ -23,14 +23,15 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+import urllib.parse
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from asyncrl_core import metrics, plugins
 from asyncrl_core.buffer import Batch, BufferSnapshot, GroupBuffer
-from asyncrl_core.errors import AsyncRLError
+from asyncrl_core.errors import AsyncRLError, GenerationError, PromptTooLongError
 from asyncrl_core.runner.dataloader import LoaderState, PromptLoader, Ticket
 from asyncrl_core.runner.ledger import STALE, PromptLedger
 from asyncrl_core.types import Group, SamplingParams
@@ -70,6 +71,12 @@ def load_target(target: str) -> object:
 
 class RunnerError(AsyncRLError):
     """A worker of the run failed or did not answer in time; the run stops with this message."""
+
+
+PERMANENT_ERRORS: tuple[type[AsyncRLError], ...] = (PromptTooLongError, GenerationError)
+"""Failures of a group that retrying cannot mend (a prompt too long for `data.max_prompt_len`, a request the
+engine refused with a 400): the prompt is dropped for good with the error as its reason. Every other
+`AsyncRLError` of a group (an engine that died or did not answer) hands the prompt back to be issued again."""
 
 
 def pin_to_cores(cores: Sequence[int]) -> None:
@@ -129,33 +136,62 @@ class BufferWorker:
         # Held while an admission waits for capacity (at most its timeout), so that two admitters never
         # take the same prompt; and by every change of the ledger.
         self._loader_lock = threading.Lock()
+        self.dataset_size = dataset_size
+        self.failure_reasons: dict[int, str] = {}
+        """Prompt index -> why it was dropped for good; such a prompt is not issued again (its later tickets
+        are recorded as dropped for the same reason)."""
+        self.max_failed_groups_per_step = config.rollout_buffer.max_failed_groups_per_step
+        self._admitted_by: dict[int, int] = {}
+        """Group id -> the agent-loop worker that admitted it, while the group is in flight."""
+        self._step_retried = 0
+        self._step_dropped = 0
 
-    def admit(self, max_groups: int, timeout_s: float) -> list[tuple[int, int]]:
-        """Admit up to `max_groups` new prompts, waiting up to `timeout_s` for the first one.
+    def admit(self, max_groups: int, timeout_s: float, worker_index: int = 0) -> list[tuple[int, int]]:
+        """Admit up to `max_groups` new prompts for agent-loop worker `worker_index`, waiting up to
+        `timeout_s` for the first one; prompts dropped for good are skipped.
 
-        Returns `(group_id, prompt_index)` per admitted prompt; empty when the limits stayed closed.
+        Returns `(group_id, prompt_index)` per admitted prompt; empty when the limits stayed closed. Raises
+        `RunnerError` once this step's failures passed `rollout_buffer.max_failed_groups_per_step`.
         """
+        self._check_failures()
         admitted: list[tuple[int, int]] = []
         with self._loader_lock:
-            prompt_index = self.loader.peek()
+            prompt_index = self._next_prompt()
             group_id = self.buffer.wait_admit(prompt_index, timeout_s)
             while group_id is not None:
                 self.ledger.issued(group_id, self.loader.advance_ticket())
                 admitted.append((group_id, prompt_index))
+                self._admitted_by[group_id] = worker_index
                 if len(admitted) == max_groups:
                     break
-                prompt_index = self.loader.peek()
+                prompt_index = self._next_prompt()
                 group_id = self.buffer.try_admit(prompt_index)
         return admitted
 
+    def _next_prompt(self) -> int:
+        """The loader's next prompt, past those dropped for good (the loader's lock is held)."""
+        if len(self.failure_reasons) >= self.dataset_size:
+            raise RunnerError(
+                f"every prompt of the dataset ({self.dataset_size}) failed for good; the first reason: "
+                f"{next(iter(self.failure_reasons.values()))}"
+            )
+        while (prompt_index := self.loader.peek()) in self.failure_reasons:
+            self.ledger.skipped(self.loader.advance_ticket(), self.failure_reasons[prompt_index])
+        return prompt_index
+
     def complete(self, group: Group) -> bool:
         """Buffer a finished group; False when it was already buffered (a retried call changes nothing)."""
-        return self.buffer.complete(group)
+        accepted = self.buffer.complete(group)
+        with self._loader_lock:
+            self._admitted_by.pop(group.group_id, None)
+        return accepted
 
     def abandon(self, group_id: int, reason: str | None = None) -> None:
-        """A group's generation failed: free its slot. With `reason` None the failure is retryable and the
-        prompt is handed back, to be issued again in a later epoch; with a reason (a prompt too long for the
-        context, say) it is permanent and the prompt is dropped, recorded in the ledger with `reason`.
+        """A group's generation failed: free its slot. With `reason` None the failure is retryable (an
+        engine or a worker died) and the prompt is handed back, to be issued again in a later epoch; with a
+        reason (a prompt too long for the context, a request the engine refused) it is permanent and the
+        prompt is dropped for good, recorded in the ledger with `reason` and not issued again. Both count
+        against `rollout_buffer.max_failed_groups_per_step`.
 
         A group that is no longer in flight (already abandoned or completed) raises `InvalidGroupError`
         and changes nothing."""
@@ -163,16 +199,41 @@ class BufferWorker:
             raise ValueError("abandon: a permanent failure needs a non-empty reason")
         with self._loader_lock:
             self.buffer.abandon(group_id)
+            self._admitted_by.pop(group_id, None)
             if reason is None:
                 prompt_index, epoch = self.ledger.handed_back(group_id)
                 self.loader.give_back(prompt_index, epoch)
+                self._step_retried += 1
             else:
-                self.ledger.dropped(group_id, reason)
+                prompt_index, _ = self.ledger.dropped(group_id, reason)
+                self.failure_reasons[prompt_index] = reason
+                self._step_dropped += 1
+
+    def hand_back(self, worker_index: int) -> int:
+        """Abandon (to issue again) every group agent-loop worker `worker_index` admitted and has not
+        finished: the worker died. Returns how many."""
+        with self._loader_lock:
+            lost = [group_id for group_id, worker in self._admitted_by.items() if worker == worker_index]
+        for group_id in lost:
+            self.abandon(group_id)
+        return len(lost)
+
+    def _check_failures(self) -> None:
+        failed = self._step_retried + self._step_dropped
+        if self.max_failed_groups_per_step is not None and failed > self.max_failed_groups_per_step:
+            raise RunnerError(
+                f"{failed} groups failed during one step ({self._step_retried} to retry, "
+                f"{self._step_dropped} dropped for good), more than "
+                f"rollout_buffer.max_failed_groups_per_step ({self.max_failed_groups_per_step}): the "
+                "failures are systematic (the warnings above name each); fix their cause or raise the limit"
+            )
 
     def take_batch(self, num_groups: int, actor_version: int, timeout_s: float) -> Batch | None:
         """The `num_groups` oldest fresh groups for the actor at `actor_version`, waiting up to `timeout_s`
         for them; None when they are not ready by then. Stale groups dropped meanwhile go back to the
-        dataloader either way."""
+        dataloader either way. Raises `RunnerError` once this step's failures passed
+        `rollout_buffer.max_failed_groups_per_step`."""
+        self._check_failures()
         result = self.buffer.take_batch(num_groups, actor_version, timeout_s=timeout_s)
         with self._loader_lock:
             for group_id in result.dropped_group_ids:
@@ -183,12 +244,19 @@ class BufferWorker:
         return result if result.ready else None
 
     def end_step(self) -> dict[str, float]:
-        """Close the step's buffer statistics: the staleness, drop and admission-wait metrics."""
-        return self.buffer.end_step().metrics()
+        """Close the step's buffer statistics: the staleness, drop and admission-wait metrics, and the
+        groups that failed."""
+        step_metrics = self.buffer.end_step().metrics()
+        with self._loader_lock:
+            step_metrics[metrics.FAILED_GROUPS_RETRIED] = float(self._step_retried)
+            step_metrics[metrics.FAILED_GROUPS_DROPPED] = float(self._step_dropped)
+            self._step_retried = self._step_dropped = 0
+        return step_metrics
 
     def counts(self) -> dict[str, int]:
         """Where every issued prompt went over the whole run (restarts included):
-        `issued = trained + handed_back + dropped + inflight + buffered`."""
+        `issued = trained + handed_back + dropped + inflight + buffered` (`dropped_stale` of the dropped were
+        too stale and issued again; the others failed for good)."""
         with self._loader_lock:
             totals = self.ledger.totals()
             return {
@@ -235,6 +303,9 @@ class BufferWorker:
             self.buffer, self.ledger = buffer, ledger
             self.loader.restore(state.loader)
             self.loader.reissue_first(tickets)
+            self.failure_reasons = {
+                prompt: record.dropped for (prompt, _), record in ledger.tickets.items() if record.dropped
+            }
         return [prompt_index for prompt_index, _ in tickets]
 
 
@@ -251,7 +322,9 @@ class BufferState:
 class BufferPort(Protocol):
     """How an agent-loop worker reaches the buffer worker: in-process, or through a Ray actor handle."""
 
-    async def admit(self, max_groups: int, timeout_s: float) -> list[tuple[int, int]]: ...
+    async def admit(
+        self, max_groups: int, timeout_s: float, worker_index: int = 0
+    ) -> list[tuple[int, int]]: ...
     async def complete(self, group: Group) -> bool: ...
     async def abandon(self, group_id: int, reason: str | None = None) -> None: ...
 
@@ -262,8 +335,8 @@ class LocalBufferPort:
     def __init__(self, worker: BufferWorker) -> None:
         self.worker = worker
 
-    async def admit(self, max_groups: int, timeout_s: float) -> list[tuple[int, int]]:
-        return await asyncio.to_thread(self.worker.admit, max_groups, timeout_s)
+    async def admit(self, max_groups: int, timeout_s: float, worker_index: int = 0) -> list[tuple[int, int]]:
+        return await asyncio.to_thread(self.worker.admit, max_groups, timeout_s, worker_index)
 
     async def complete(self, group: Group) -> bool:
         return await asyncio.to_thread(self.worker.complete, group)
@@ -276,18 +349,46 @@ class LocalBufferPort:
 # Agent loop
 
 
+_TRAJECTORY_COUNTS = {
+    metrics.TRAJECTORY_NUM_TOOL_CALLS: metrics.TOOL_CALLS,
+    metrics.TRAJECTORY_NUM_TOOL_ERRORS: metrics.TOOL_ERRORS,
+    metrics.TRAJECTORY_NUM_INVALID_TURNS: metrics.INVALID_TURNS,
+    metrics.TRAJECTORY_NUM_OBSERVATIONS_CUT: metrics.OBSERVATIONS_CUT,
+}
+"""Per-trajectory counts and the step metric that sums them."""
+_TRAJECTORY_TIMES = (
+    metrics.TRAJECTORY_GENERATION_S,
+    metrics.TRAJECTORY_TOOL_S,
+    metrics.TRAJECTORY_PARSE_S,
+    metrics.TRAJECTORY_BOOKKEEPING_S,
+    metrics.TRAJECTORY_LOOP_OVERHEAD_S,
+    metrics.TRAJECTORY_TOTAL_S,
+)
+"""Per-trajectory times (seconds) the step reports as means."""
+
+
 def group_metrics(groups: Sequence[Group]) -> dict[str, float]:
-    """Reward, turns and token counts of finished groups, under their metric names."""
+    """Reward, turns and token counts of finished groups, and their trajectories' own measurements (tool
+    calls and errors, invalid turns, cut observations summed; times averaged), under their metric names."""
     trajectories = [trajectory for group in groups for trajectory in group.trajectories]
     if not trajectories:
         return {}
     count = len(trajectories)
-    return {
+    result = {
         metrics.REWARD_MEAN: sum(t.reward for t in trajectories) / count,
         metrics.TURNS_MEAN: sum(t.num_turns for t in trajectories) / count,
         metrics.RESPONSE_LEN_MEAN: sum(t.response_len for t in trajectories) / count,
         metrics.NUM_MODEL_TOKENS: float(sum(sum(t.loss_mask) for t in trajectories)),
     }
+    for key, name in _TRAJECTORY_COUNTS.items():
+        result[name] = float(sum(t.metrics.get(key, 0.0) for t in trajectories))
+    calls = result[metrics.TOOL_CALLS]
+    result[metrics.TOOL_ERROR_RATE] = result[metrics.TOOL_ERRORS] / calls if calls else 0.0
+    for key in _TRAJECTORY_TIMES:
+        measured = [t.metrics[key] for t in trajectories if key in t.metrics]
+        if measured:
+            result[metrics.trajectory_mean(key)] = sum(measured) / len(measured)
+    return result
 
 
 class AgentLoopWorker:
@@ -355,16 +456,34 @@ class AgentLoopWorker:
 
         return dataset_fingerprint(self.loop.dataset(split))
 
-    async def _run_one(self, buffer: BufferPort, group_id: int, prompt_index: int) -> None:
+    def _start(
+        self,
+        spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[None]],
+        buffer: BufferPort,
+        admitted: tuple[int, int],
+    ) -> asyncio.Task[None]:
+        """Run an admitted group as a task; it counts as running from now on, so the capacity read next
+        already sees it (a task starts only at the loop's next turn)."""
         self.num_running += 1
+        return spawn(self._run_one(buffer, *admitted))
+
+    async def _run_one(self, buffer: BufferPort, group_id: int, prompt_index: int) -> None:
+        """One admitted group (counted in `num_running` by `_start`): completed, or abandoned with the
+        failure's kind: a permanent error drops the prompt with its reason, any other `AsyncRLError`
+        (an engine lost, a request timed out) hands it back to be issued again."""
         try:
             group = await self.loop.run_group(prompt_index, group_id=group_id)
         except asyncio.CancelledError:
             await buffer.abandon(group_id)
             raise
+        except PERMANENT_ERRORS as error:
+            reason = f"{type(error).__name__}: {error}"
+            logger.warning("group %d (prompt %d) dropped for good: %s", group_id, prompt_index, reason)
+            self.num_failed += 1
+            await buffer.abandon(group_id, reason)
+            return
         except AsyncRLError as error:
-            # The engine refused or lost the whole group: its prompt goes back to the dataloader.
-            logger.warning("group %d (prompt %d) failed: %s", group_id, prompt_index, error)
+            logger.warning("group %d (prompt %d) failed, issued again: %s", group_id, prompt_index, error)
             self.num_failed += 1
             await buffer.abandon(group_id)
             return
@@ -374,24 +493,44 @@ class AgentLoopWorker:
         self.num_groups += 1
 
     async def run_groups(self, buffer: BufferPort, num_groups: int, timeout_s: float) -> int:
-        """Admit and run `num_groups` groups (sync mode); returns how many finished. Admission waits for
-        the limits like in async mode, so a batch larger than the in-flight limit runs in waves."""
+        """Run groups until `num_groups` have finished (sync mode); returns how many finished. A group that
+        fails is replaced by a new admission, until the buffer's failure guard stops the run. Admission
+        waits for the limits like in async mode, so a batch larger than the in-flight limit runs in
+        waves. `RunnerError` when `timeout_s` passes first."""
         deadline = time.monotonic() + timeout_s
-        started = 0
         finished_before = self.num_groups
-        async with asyncio.TaskGroup() as tasks:
-            while started < num_groups:
+        running: set[asyncio.Task[None]] = set()
+        try:
+            while (finished := self.num_groups - finished_before) < num_groups:
                 remaining_s = deadline - time.monotonic()
                 if remaining_s <= 0:
-                    raise RunnerError(f"admitted only {started} of {num_groups} groups in {timeout_s:.0f} s")
-                for group_id, prompt_index in await buffer.admit(num_groups - started, min(remaining_s, 1.0)):
-                    tasks.create_task(self._run_one(buffer, group_id, prompt_index))
-                    started += 1
+                    raise RunnerError(
+                        f"{finished} of {num_groups} groups finished within {timeout_s:.0f} s "
+                        f"({self.num_failed} failed on this worker so far)"
+                    )
+                wanted = num_groups - finished - len(running)
+                if wanted > 0:
+                    for admitted in await buffer.admit(wanted, min(remaining_s, 1.0), self.worker_index):
+                        running.add(self._start(asyncio.create_task, buffer, admitted))
+                if running:
+                    more_wanted = num_groups - finished - len(running) > 0
+                    done, running = await asyncio.wait(
+                        running,
+                        timeout=0 if more_wanted else min(remaining_s, 1.0),
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
+                    for task in done:
+                        task.result()  # an error of the loop itself (not a group's failure) ends the call
+        finally:
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
         return self.num_groups - finished_before
 
     async def serve(self, buffer: BufferPort) -> None:
         """Async mode: keep admitting prompts and running their groups until `stop`; then wait for the
-        groups already running. A failed group's prompt is returned; an error of the loop itself stops it."""
+        groups already running. A failed group's prompt is handed back or dropped; an error of the loop
+        itself stops it."""
         self._stop.clear()
         async with asyncio.TaskGroup() as tasks:
             while not self._stop.is_set():
@@ -399,8 +538,8 @@ class AgentLoopWorker:
                 if max_groups == 0:
                     await asyncio.sleep(0.01)
                     continue
-                for group_id, prompt_index in await buffer.admit(max_groups, 0.2):
-                    tasks.create_task(self._run_one(buffer, group_id, prompt_index))
+                for admitted in await buffer.admit(max_groups, 0.2, self.worker_index):
+                    self._start(tasks.create_task, buffer, admitted)
 
     def loop_capacity(self) -> int:
         """Groups this worker can start now without queueing them behind its own concurrency limit."""
@@ -463,8 +602,27 @@ def _connect_engines(config: AsyncRLConfig, endpoints: Sequence[EngineEndpoint])
 # Rollout
 
 
+@dataclass(frozen=True, slots=True)
+class EngineFailure:
+    """What `RolloutWorker.watch` saw happen to its engine process."""
+
+    index: int
+    """The engine's index among the rollout workers."""
+    what: str
+    """What happened, for a message: `exited with status -9`, `stopped answering /health for 15 s`."""
+    log_tail: str
+    """The end of the engine's log."""
+    detected_at: float
+    """Unix time at which the watch saw it."""
+
+
 class RolloutWorker:
-    """One engine server process (built-in or SGLang) on `devices`, started through the rollout backend."""
+    """One engine server process (built-in or SGLang) on `devices`, started through the rollout backend.
+
+    `watch` returns when the process exits or stops answering `/health` for `rollout.engine_unresponsive_s`
+    (the process is then killed, so the requests it held fail at once); `restart` starts it again on the
+    same address. Both run beside the other calls (the Ray actor serves several at once).
+    """
 
     def __init__(
         self, config: AsyncRLConfig, *, model_path: str, index: int, devices: Sequence[int], run_dir: Path
@@ -484,20 +642,85 @@ class RolloutWorker:
                 ),
             }
         )
-        self.engines = launch(
-            rollout,
-            run_dir=run_dir / f"rollout-{index}",
-            devices=tuple(devices),
-            gpu=gpu,
-            health_timeout_s=config.runner.startup_timeout_s,
-        )
+        self.index = index
+        self.unresponsive_s = config.rollout.engine_unresponsive_s
+        self.api_key = config.rollout.sglang.api_key
+
+        def start(base_port: int) -> Any:
+            sglang = rollout.sglang.model_copy(update={"base_port": base_port})
+            return launch(
+                rollout.model_copy(update={"sglang": sglang}),
+                run_dir=run_dir / f"rollout-{index}",
+                devices=tuple(devices),
+                gpu=gpu,
+                health_timeout_s=config.runner.startup_timeout_s,
+            )
+
+        self._launch = start
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._base_port = rollout.sglang.base_port
+        self.engines = self._launch(self._base_port)
 
     def endpoint(self) -> EngineEndpoint:
         """Where the engine answers: HTTP for control, and gRPC for generation when configured."""
         return EngineEndpoint(str(self.engines.urls[0]), self.engines.grpc_targets[0])
 
+    def pid(self) -> int | None:
+        """The engine process's id (None for an `external` engine)."""
+        processes = self.engines.processes
+        return int(processes[0].pid) if processes else None
+
+    def watch(self, poll_s: float = 1.0) -> EngineFailure | None:
+        """Block until the engine fails: its process exits, or `/health` stays unanswered for
+        `rollout.engine_unresponsive_s` (then the process group is killed). None once `stop` was called."""
+        from asyncrl_core.server_process import http_ok
+
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+        last_answer = time.monotonic()
+        while not self._stopped.wait(poll_s):
+            with self._lock:
+                engines = self.engines
+            process = engines.processes[0] if engines.processes else None
+            if process is not None and (code := process.returncode()) is not None:
+                if self._stopped.is_set():
+                    return None
+                return EngineFailure(
+                    self.index, f"exited with status {code}", process.log_tail(), time.time()
+                )
+            probe_s = min(5.0, self.unresponsive_s)
+            if http_ok(f"{engines.urls[0]}/health", headers=headers, timeout_s=probe_s):
+                last_answer = time.monotonic()
+            elif time.monotonic() - last_answer >= self.unresponsive_s and not self._stopped.is_set():
+                silent_s = time.monotonic() - last_answer
+                detected_at = time.time()
+                if process is not None:
+                    process.stop(grace_s=1.0)  # SIGKILL reaches a stopped process; SIGTERM waits for it
+                return EngineFailure(
+                    self.index,
+                    f"stopped answering /health for {silent_s:.0f} s (rollout.engine_unresponsive_s)",
+                    process.log_tail() if process is not None else "",
+                    detected_at,
+                )
+        return None
+
+    def restart(self) -> EngineEndpoint:
+        """Stop what is left of the engine and start it again (same command, same address); returns its
+        endpoint once it is healthy. It serves the model it started with: push the current weights next."""
+        with self._lock:
+            if not self.engines.processes:
+                raise RunnerError(
+                    f"engine {self.index} at {self.engines.urls[0]} is external: it cannot be restarted"
+                )
+            port = urllib.parse.urlsplit(self.engines.urls[0]).port or self._base_port
+            self.engines.stop()
+            self.engines = self._launch(port)  # its own port first: the agent loops send there
+        return self.endpoint()
+
     def stop(self) -> None:
-        self.engines.stop()
+        self._stopped.set()
+        with self._lock:
+            self.engines.stop()
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,0 +1,153 @@
+"""Fault injection into a running run of this process: find its processes, kill or stop them at a step, and
+read what the run recorded (`metrics.jsonl`, `faults.jsonl`).
+
+The run's processes are found among the descendants of this process (the Ray instance a test module starts
+here, its workers, and the engines they start): Ray workers by their process title (`ray::<Class>...`),
+engines by their command line (`asyncrl_sglang.builtin` and the model folder).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from asyncrl_core import metrics
+from asyncrl_core.runner.liveness import FAULTS_FILE
+
+WORKER_CLASSES = ("AgentLoopWorker", "RolloutWorker", "ActorWorker", "BufferWorker")
+"""The Ray actor classes of a run, as their processes' titles begin (`ray::ActorWorker.train`)."""
+ENGINE_MODULE = "asyncrl_sglang.builtin"
+
+
+def _descendants() -> list[psutil.Process]:
+    return psutil.Process().children(recursive=True)
+
+
+def _cmdline(process: psutil.Process) -> list[str]:
+    try:
+        return process.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return []
+
+
+def worker_pids(class_name: str) -> list[int]:
+    """Processes of this process's Ray instance running an actor of `class_name`."""
+    found = []
+    for process in _descendants():
+        line = _cmdline(process)
+        if line and line[0].startswith(f"ray::{class_name}") and process.status() != psutil.STATUS_ZOMBIE:
+            found.append(process.pid)
+    return found
+
+
+def engine_pids(model_path: Path) -> list[int]:
+    """Built-in engine processes serving `model_path` started under this process."""
+    found = []
+    for process in _descendants():
+        line = " ".join(_cmdline(process))
+        if ENGINE_MODULE in line and str(model_path) in line and process.status() != psutil.STATUS_ZOMBIE:
+            found.append(process.pid)
+    return found
+
+
+def leftovers(model_path: Path) -> list[str]:
+    """The run's processes still alive: engines of `model_path` and Ray workers of the run's classes."""
+    alive = [f"engine {pid}" for pid in engine_pids(model_path)]
+    for class_name in WORKER_CLASSES:
+        alive += [f"{class_name} {pid}" for pid in worker_pids(class_name)]
+    return alive
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll `condition` (a record of the run, a process table) every 0.2 s; `TimeoutError` naming `what`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{what} did not happen within {timeout_s:.0f} s")
+        time.sleep(0.2)
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            break  # a line being written
+    return records
+
+
+def steps_logged(run_dir: Path) -> int:
+    """Training steps in `metrics.jsonl` so far."""
+    return sum(1 for record in _jsonl(run_dir / "metrics.jsonl") if metrics.TIME_STEP in record)
+
+
+def fault_events(run_dir: Path) -> list[dict[str, Any]]:
+    """The records of `faults.jsonl` so far."""
+    return _jsonl(run_dir / FAULTS_FILE)
+
+
+@dataclass
+class Injected:
+    """One fault: the part it hits (as `faults.jsonl` names it) and when (unix time)."""
+
+    part: str
+    what: str
+    at: float
+
+
+@dataclass(eq=False)
+class Injector(threading.Thread):
+    """Runs `plan(injector)` beside a run; an error is kept for the test to raise."""
+
+    run_dir: Path
+    plan: Callable[[Injector], None]
+    injected: list[Injected] = field(default_factory=list[Injected])
+    error: BaseException | None = None
+
+    def __post_init__(self) -> None:
+        super().__init__(daemon=True)
+
+    def run(self) -> None:
+        try:
+            self.plan(self)
+        except BaseException as error:  # reported by the test
+            self.error = error
+
+    def after_steps(self, count: int, timeout_s: float = 300.0) -> None:
+        wait_until(lambda: steps_logged(self.run_dir) >= count, timeout_s, f"step {count}")
+
+    def signal(self, pid: int, signum: signal.Signals, part: str) -> None:
+        self.injected.append(Injected(part, signum.name, time.time()))
+        os.kill(pid, signum)
+
+    def until_recovered(self, part: str, timeout_s: float = 120.0) -> None:
+        """Wait for a `recovered` event of `part` after the last fault injected."""
+        since = self.injected[-1].at
+
+        def recovered() -> bool:
+            return any(
+                event["part"] == part and event["event"] == "recovered" and event["time"] >= since
+                for event in fault_events(self.run_dir)
+            )
+
+        wait_until(recovered, timeout_s, f"the recovery of {part}")
+
+
+def first_event(run_dir: Path, fault: Injected, event: str) -> dict[str, Any]:
+    """The first `event` recorded for the part of `fault` after it was injected."""
+    for record in fault_events(run_dir):
+        if record["part"] == fault.part and record["event"] == event and record["time"] >= fault.at:
+            return record
+    raise AssertionError(f"no {event} event of {fault.part} after the {fault.what} at {fault.at}")
