@@ -297,3 +297,43 @@ def test_a_retract_on_top_of_an_in_place_update_recomputes_the_kept_kv(
     assert done.wait(WAIT_S)
     assert request.num_retractions == 1
     assert request.cached_tokens == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cached_prefixes_match_a_full_prefill_on_cuda() -> None:
+    """The CUDA kernels of a prefill over a cached prefix (memory-efficient attention under a mask) against a
+    plain prefill (flash or memory-efficient, causal), float32, greedy, several turns in one batch."""
+    from asyncrl_sglang.builtin.model import ModelConfig
+
+    config = ModelConfig.from_dict(
+        {
+            "model_type": "llama",
+            "vocab_size": 512,
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 1024,
+            "eos_token_id": 2,
+        }
+    )
+    model = EngineModel.random(config, "cuda", torch.float32, seed=3)
+    engines: list[Engine] = []
+    try:
+        cached_engine = _start(engines, model)
+        plain_engine = _start(engines, model, prefix_cache=False)
+        prompts = [[(7 * i + j) % 500 + 3 for j in range(17 + 5 * i)] for i in range(6)]
+        turn1 = _generate(cached_engine, prompts)
+        _assert_same(turn1, _generate(plain_engine, prompts))
+        second = [p + r.output_ids + [9, 10, 11] for p, r in zip(prompts, turn1, strict=True)]
+        turn2 = _generate(cached_engine, second)
+        assert all(r.cached_tokens > 0 for r in turn2)
+        reference = _generate(plain_engine, second)
+        for got, want in zip(turn2, reference, strict=True):
+            assert got.output_ids == want.output_ids
+            assert got.output_logprobs == pytest.approx(want.output_logprobs, abs=1e-4)
+    finally:
+        for engine in engines:
+            engine.stop()
