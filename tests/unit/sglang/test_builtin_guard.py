@@ -197,7 +197,7 @@ async def test_a_batch_larger_than_the_queue_can_take_is_refused(make_served: Ca
     status, body = await _post(served, input_ids=[[1, 2]] * 8, sampling_params={"max_new_tokens": 1, "n": 4})
     assert status == 400
     assert "32 requests" in body["error"]["message"]
-    assert served.engine.snapshot.num_requests_total == 2  # nothing of the batch was queued
+    assert served.engine.snapshot.counters.num_requests_total == 2  # nothing of the batch was queued
     sampling = pb.SamplingParams(max_new_tokens=1, temperature=1.0, n=21)
     await _grpc_refusal(served, _grpc_request(sampling_params=sampling))
     await _finish_normally(served, others)
@@ -234,15 +234,15 @@ async def test_a_non_streaming_client_that_leaves_is_aborted_while_its_samples_f
     response_task = asyncio.create_task(
         served.client.post("/generate", json=body, timeout=ClientTimeout(total=WAIT_S))
     )
-    await _until(lambda: served.engine.snapshot.generation_tokens_total >= 16)
-    generated = served.engine.snapshot.generation_tokens_total
+    await _until(lambda: served.engine.snapshot.counters.generation_tokens_total >= 16)
+    generated = served.engine.snapshot.counters.generation_tokens_total
     response_task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await response_task
     await _until(lambda: served.engine.snapshot.num_running + served.engine.snapshot.num_waiting == 0)
     snapshot = served.engine.snapshot
-    assert snapshot.num_aborted_requests_total > 0
-    assert snapshot.generation_tokens_total - generated < 64 * 8 // 2
+    assert snapshot.counters.num_aborted_requests_total > 0
+    assert snapshot.counters.generation_tokens_total - generated < 64 * 8 // 2
 
 
 # ------------------------------------------------------------------------------------------- loads

@@ -41,7 +41,7 @@ from torch import Tensor
 from asyncrl_sglang.builtin.model import EngineModel, KVCache
 from asyncrl_sglang.builtin.prefix_cache import PrefixCache
 from asyncrl_sglang.builtin.sampling import SamplingOptions, sample_tokens
-from asyncrl_sglang.builtin.snapshot import EngineSnapshot, WaitingQueue
+from asyncrl_sglang.builtin.snapshot import EngineCounters, EngineSnapshot, WaitingQueue
 from asyncrl_sglang.wire import PauseMode as PauseMode
 
 logger = logging.getLogger(__name__)
@@ -133,26 +133,6 @@ class Request:
             # Finished before its first token: one empty span under the last version.
             spans.append({"version": self.version_marks[-1][0], "start": 0, "end": 0})
         return spans
-
-
-@dataclass(slots=True)
-class EngineCounters:
-    """Totals since start, read by `/metrics` (plain ints: written by the scheduler thread only)."""
-
-    prompt_tokens_total: int = 0
-    generation_tokens_total: int = 0
-    num_requests_total: int = 0
-    num_aborted_requests_total: int = 0
-    num_retracted_requests_total: int = 0
-    num_retracted_output_tokens_total: int = 0
-    prefill_tokens_total: int = 0
-    """Tokens run through prefill, re-prefills after a retraction included (prefix-cache hits excluded)."""
-    cached_tokens_total: int = 0
-    """Tokens whose KV a prefill took from the prefix cache."""
-    prefill_busy_us: int = 0
-    """Microseconds spent in prefill steps."""
-    gen_throughput: float = 0.0
-    """Decode tokens per second over the last decode steps (zeroed on a retract pause)."""
 
 
 class Engine:
@@ -288,14 +268,13 @@ class Engine:
 
     def _publish(self) -> None:
         """Swap in a new `snapshot` (scheduler thread only; O(running), the queue keeps its own totals)."""
-        counters = self.counters
         self.snapshot = EngineSnapshot(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             num_waiting_tokens=self.waiting.num_tokens,
             num_retracted_waiting=self.waiting.num_retracted,
             num_used_tokens=sum(r.num_tokens for r in self.running),
-            **{name: getattr(counters, name) for name in _SNAPSHOT_COUNTERS},
+            counters=dataclasses.replace(self.counters),
             kv_cache_bytes=self.kv_cache_bytes,
             cuda_graph_batch_sizes=tuple(self.cuda_graph_batch_sizes),
             cuda_graph_bytes=self.cuda_graph_bytes,
@@ -764,14 +743,6 @@ class Engine:
             self._cache.move_slot(last, slot, min(moved.num_tokens, self._cache.capacity))
         self.running[slot] = self.running[last]
         self.running.pop()
-
-
-_SNAPSHOT_COUNTERS = tuple(
-    f.name
-    for f in dataclasses.fields(EngineCounters)
-    if f.name in {g.name for g in dataclasses.fields(EngineSnapshot)}
-)
-"""The counters every snapshot copies (those `EngineSnapshot` has a field for)."""
 
 
 class _DecodeGraphs:

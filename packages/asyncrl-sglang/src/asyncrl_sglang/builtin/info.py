@@ -158,9 +158,9 @@ class Load:
             num_used_tokens=snapshot.num_used_tokens,
             max_total_num_tokens=engine.max_running_requests * engine.context_length,
             max_running_requests=engine.max_running_requests,
-            gen_throughput=snapshot.gen_throughput,
-            prefill_tokens_total=snapshot.prefill_tokens_total,
-            prefill_busy_us=snapshot.prefill_busy_us,
+            gen_throughput=snapshot.counters.gen_throughput,
+            prefill_tokens_total=snapshot.counters.prefill_tokens_total,
+            prefill_busy_us=snapshot.counters.prefill_busy_us,
             weight_gb=engine.model.nbytes() / _GB,
             kv_cache_gb=snapshot.kv_cache_bytes / _GB,
             graph_gb=snapshot.cuda_graph_bytes / _GB,
@@ -328,7 +328,7 @@ class InfoRoutes:
         if not self.args.enable_metrics:
             return not_found()
         load = Load.read(self.engine, self.gate)
-        counters = load.snapshot
+        counters = load.snapshot.counters
         label = f'{{model_name="{self.args.served_model_name}",engine_type="unified"}}'
         gauges = {
             "num_running_reqs": ("Requests in the running batch.", load.num_running_reqs),

@@ -1,5 +1,5 @@
-"""What the scheduler thread publishes for everyone else to read: `EngineSnapshot`, and the waiting queue that
-keeps its totals as it changes (`WaitingQueue`).
+"""What the scheduler thread publishes for everyone else to read: `EngineSnapshot` (with a copy of the
+engine's `EngineCounters`), and the waiting queue that keeps its totals as it changes (`WaitingQueue`).
 
 The HTTP and gRPC handlers run on the event loop while the scheduler thread mutates its running batch and its
 waiting queue; iterating either from the loop can fail (`deque mutated during iteration`) or read a half-done
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 
@@ -84,6 +84,26 @@ class WaitingQueue(deque[R], Generic[R]):
         self.num_retracted = 0
 
 
+@dataclass(slots=True)
+class EngineCounters:
+    """Totals since start, read by `/metrics` (plain ints: written by the scheduler thread only)."""
+
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    num_requests_total: int = 0
+    num_aborted_requests_total: int = 0
+    num_retracted_requests_total: int = 0
+    num_retracted_output_tokens_total: int = 0
+    prefill_tokens_total: int = 0
+    """Tokens run through prefill, re-prefills after a retraction included (prefix-cache hits excluded)."""
+    cached_tokens_total: int = 0
+    """Tokens whose KV a prefill took from the prefix cache."""
+    prefill_busy_us: int = 0
+    """Microseconds spent in prefill steps."""
+    gen_throughput: float = 0.0
+    """Decode tokens per second over the last decode steps (zeroed on a retract pause)."""
+
+
 @dataclass(frozen=True, slots=True)
 class EngineSnapshot:
     """The engine's state at one moment of the scheduler thread (the `/v1/loads`, `/metrics`, gRPC `GetLoads`
@@ -97,17 +117,8 @@ class EngineSnapshot:
     """Waiting requests that were retracted at least once."""
     num_used_tokens: int = 0
     """Tokens of the running requests (their KV)."""
-    prompt_tokens_total: int = 0
-    generation_tokens_total: int = 0
-    num_requests_total: int = 0
-    num_aborted_requests_total: int = 0
-    num_retracted_requests_total: int = 0
-    num_retracted_output_tokens_total: int = 0
-    prefill_tokens_total: int = 0
-    prefill_busy_us: int = 0
-    """Microseconds spent in prefill steps."""
-    gen_throughput: float = 0.0
-    """Decode tokens per second over the last decode steps."""
+    counters: EngineCounters = field(default_factory=EngineCounters)
+    """A copy of the engine's totals at this moment."""
     kv_cache_bytes: int = 0
     cuda_graph_batch_sizes: tuple[int, ...] = ()
     cuda_graph_bytes: int = 0
