@@ -13,6 +13,7 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from asyncrl_core.types import (
+    BatchShare,
     Demonstration,
     FinalAnswer,
     Generation,
@@ -58,8 +59,10 @@ class Actor(Protocol):
         """The weight version of the current parameters; 0 before the first step."""
         ...
 
-    def train_step(self, groups: Sequence[Group]) -> dict[str, float]:
-        """One optimiser step on `groups` (advantages are computed per group); returns `train/...` metrics.
+    def train_step(self, batch: Sequence[Group] | BatchShare) -> dict[str, float]:
+        """One optimiser step on this data-parallel rank's share of a batch (`asyncrl_core.shares`), or on
+        the step's groups, which every rank is then given and cuts the same way (advantages are computed per
+        group); returns `train/...` metrics. A share cut for another rank raises `BatchError`.
 
         Increments `version` by one.
         """

@@ -33,8 +33,9 @@ from asyncrl_core import metrics, plugins
 from asyncrl_core.buffer import Batch, BufferSnapshot, GroupBuffer
 from asyncrl_core.errors import AsyncRLError, GenerationError, PromptTooLongError
 from asyncrl_core.runner.dataloader import LoaderState, PromptLoader, Ticket
+from asyncrl_core.runner.handoff import Handoff, ShareCutter
 from asyncrl_core.runner.ledger import STALE, PromptLedger
-from asyncrl_core.types import Group, SamplingParams
+from asyncrl_core.types import BatchShare, Group, SamplingParams
 
 if TYPE_CHECKING:
     from asyncrl_core.config import AsyncRLConfig
@@ -128,8 +129,11 @@ class BufferWorker:
     takes a checkpoint's copy, so a checkpoint never holds a prompt admitted half-way.
     """
 
-    def __init__(self, config: AsyncRLConfig, dataset_size: int) -> None:
+    def __init__(self, config: AsyncRLConfig, dataset_size: int, *, by_reference: bool = False) -> None:
         self.buffer = GroupBuffer.from_config(config)
+        self.cutter = ShareCutter.from_config(config, by_reference=by_reference)
+        """Cuts batches into the actor ranks' shares (`hand_off`); with `by_reference` (the runner's Ray
+        actor) each share goes into Ray's object store."""
         seed = config.data.seed if config.data.seed is not None else config.runner.seed
         self.loader = PromptLoader(dataset_size, shuffle=config.data.shuffle, seed=seed)
         self.ledger = PromptLedger(dataset_size)
@@ -184,6 +188,8 @@ class BufferWorker:
         accepted = self.buffer.complete(group)
         with self._loader_lock:
             self._admitted_by.pop(group.group_id, None)
+        if accepted:
+            self.cutter.prepare(group)
         return accepted
 
     def abandon(self, group_id: int, reason: str | None = None) -> None:
@@ -241,7 +247,16 @@ class BufferWorker:
                 self.loader.give_back(prompt_index, epoch)
             for group in result.groups:
                 self.ledger.trained(group.group_id, actor_version)
+        self.cutter.forget(result.dropped_group_ids)
         return result if result.ready else None
+
+    def hand_off(self, num_groups: int, actor_version: int, timeout_s: float) -> Handoff | None:
+        """`take_batch`, cut into the actor's data-parallel shares (`asyncrl_core.runner.handoff`): what the
+        drivers take. None when the batch is not ready within `timeout_s`."""
+        batch = self.take_batch(num_groups, actor_version, timeout_s)
+        if batch is None:
+            return None
+        return self.cutter.cut(batch, group_metrics(batch.groups))
 
     def end_step(self) -> dict[str, float]:
         """Close the step's buffer statistics: the staleness, drop and admission-wait metrics, and the
@@ -311,6 +326,7 @@ class BufferWorker:
             tickets.append(ledger.handed_back(group_id))
         with self._loader_lock:
             self.buffer, self.ledger = buffer, ledger
+            self.cutter.clear()
             self.loader.restore(state.loader)
             self.loader.reissue_first(tickets)
             self.failure_reasons = {
@@ -791,12 +807,12 @@ class ActorWorker:
     def get_version(self) -> int:
         return self.actor.version
 
-    def train(self, batch: Batch) -> dict[str, float]:
-        """One training step on `batch`: the actor's `train/...` metrics and the batch's rollout metrics."""
+    def train(self, share: BatchShare) -> dict[str, float]:
+        """One training step on this rank's `share` of a batch (`asyncrl_core.runner.handoff`): the actor's
+        `train/...` metrics. A share cut for another data-parallel rank raises `BatchError`."""
         started = time.perf_counter()
-        result = self.actor.train_step(batch.groups)
+        result = self.actor.train_step(share)
         result[metrics.TIME_TRAINING] = time.perf_counter() - started
-        result.update(group_metrics(batch.groups))
         return result
 
     def sync_weights(self, endpoints: Sequence[EngineEndpoint], mode: str) -> dict[str, float]:
