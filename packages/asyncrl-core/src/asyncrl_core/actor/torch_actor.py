@@ -201,7 +201,11 @@ class TorchActor:
             )
         self._reference_logits: LossPositionLogits | None = None
         if self.settings.needs_reference:
-            reference = load_causal_lm(self.model_path, self.device, self.compute_dtype).eval()
+            # The same computation as the policy's forward pass, so that the KL is 0 until the policy moves:
+            # float32 weights under the same autocast (bfloat16 weights would round the residual stream and
+            # the norms differently), the same mode (train, dropout off), the same logits module.
+            reference = load_causal_lm(self.model_path, self.device, torch.float32)
+            reference.train(self.module.training)
             reference.requires_grad_(False)
             self._reference_logits = LossPositionLogits(reference)
 
