@@ -407,8 +407,11 @@ class SGLangConfig(Section):
     only."""
     api_key: str | None = None
     """Bearer token the servers expect, if any."""
-    host: str = "127.0.0.1"
-    """Address launched servers bind to. Loopback unless the engines must be reached from other nodes."""
+    host: Annotated[str, Field(min_length=1)] | None = None
+    """Address launched servers bind to (`0.0.0.0`: every interface). Unset: loopback (`127.0.0.1`) when the
+    Ray cluster has one node, and each engine's node address when it has several, so the actor and the
+    agent loops on other nodes reach it. An engine's URL carries the address it binds, or its node's address
+    when it binds every interface."""
     base_port: Annotated[int, Field(ge=1024, le=65535)] = 30000
     """First port of launched servers; instance `i` listens on `base_port + i` (or the next free port)."""
     extra_args: dict[str, ServerArgument] = Field(default_factory=dict[str, ServerArgument])

@@ -672,6 +672,10 @@ class RolloutWorker:
         self.unresponsive_s = config.rollout.engine_unresponsive_s
         self.api_key = config.rollout.sglang.api_key
 
+        from asyncrl_core.runner.placement import node_address
+
+        advertise_host = node_address()  # the URL's host when the engine binds every interface
+
         def start(base_port: int) -> Any:
             sglang = rollout.sglang.model_copy(update={"base_port": base_port})
             return launch(
@@ -680,6 +684,7 @@ class RolloutWorker:
                 devices=tuple(devices),
                 gpu=gpu,
                 health_timeout_s=config.runner.startup_timeout_s,
+                advertise_host=advertise_host,
             )
 
         self._launch = start
@@ -857,12 +862,15 @@ async def _push_weights(
 
 def weight_transport(config: AsyncRLConfig) -> Any:
     """The transport `rollout.sglang.weight_transport` names: request bodies, or a process group that the
-    trainer (rank 0 of the actor) forms with the engines at the first sync and keeps."""
+    trainer (rank 0 of the actor) forms with the engines at the first sync and keeps, meeting at the
+    trainer's node address on a port picked there."""
     num_ranks = config.rollout.tensor_parallel_size
     if config.rollout.sglang.weight_transport == "tensor":
         return cast("Callable[..., Any]", load_target(TENSOR_TRANSPORT_TARGET))(num_ranks)
-    from asyncrl_core.actor.distributed import free_port
+    from asyncrl_core.runner.placement import free_port_on, node_address
 
+    # The trainer hosts the group's store on its own node; the engines connect to it from theirs.
+    master_address = node_address()
     cluster = config.cluster
     shared = set(cluster.devices_of("actor")) & set(cluster.devices_of("rollout"))
     # NCCL forms no group with two ranks on one GPU: a trainer sharing its GPU with the engines goes
@@ -870,8 +878,8 @@ def weight_transport(config: AsyncRLConfig) -> Any:
     nccl = cluster.device_type == "gpu" and not shared
     distributed = cast("Callable[..., Any]", load_target(DISTRIBUTED_TRANSPORT_TARGET))
     return distributed(
-        master_address=config.rollout.sglang.host,
-        master_port=free_port(config.rollout.sglang.host),
+        master_address=master_address,
+        master_port=free_port_on(master_address),
         backend="nccl" if nccl else "gloo",
         num_ranks=num_ranks,
         device="cuda" if nccl else "cpu",
