@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 from asyncrl_core.types import (
     BatchShare,
@@ -31,6 +31,11 @@ if TYPE_CHECKING:
 
 NamedTensors = list[tuple[str, "torch.Tensor"]]
 """One bucket of weights under HuggingFace parameter names."""
+
+WeightExportRole = Literal["send", "join", "none"]
+"""What one rank of an actor does when the weights go to the engines: `send` consumes `export_weights` and
+pushes the buckets; `join` consumes it in step with the sender and drops the buckets (the export is a
+collective there: tensor-parallel shards are gathered); `none` takes no part."""
 
 
 @runtime_checkable
@@ -73,6 +78,12 @@ class Actor(Protocol):
 
         Buckets are produced lazily, so a large model never needs a second full copy in memory.
         """
+        ...
+
+    @property
+    def weight_export_role(self) -> WeightExportRole:
+        """This rank's part in a weight sync: exactly one rank of the actor sends; every rank whose
+        `export_weights` is a collective with the sender's joins."""
         ...
 
     def save_checkpoint(self, path: str) -> None:

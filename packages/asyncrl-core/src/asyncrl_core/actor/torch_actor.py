@@ -59,7 +59,7 @@ from asyncrl_core.metrics import (
     TRAIN_NUM_TRAJECTORIES,
     TRAIN_NUM_UPDATES,
 )
-from asyncrl_core.protocols import NamedTensors
+from asyncrl_core.protocols import NamedTensors, WeightExportRole
 from asyncrl_core.types import BatchShare, Group
 
 if TYPE_CHECKING:
@@ -242,6 +242,11 @@ class TorchActor:
     @property
     def version(self) -> int:
         return self._version
+
+    @property
+    def weight_export_role(self) -> WeightExportRole:
+        """Rank 0 sends; every rank holds the whole model, so the others take no part."""
+        return "send" if self.rank == 0 else "none"
 
     @property
     def reference(self) -> PreTrainedModel | None:

@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 import urllib.parse
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -39,7 +39,7 @@ from asyncrl_core.types import BatchShare, Group, SamplingParams
 
 if TYPE_CHECKING:
     from asyncrl_core.config import AsyncRLConfig
-    from asyncrl_core.protocols import Actor, GenerationClient, Task
+    from asyncrl_core.protocols import Actor, GenerationClient, NamedTensors, Task
 
 logger = logging.getLogger(__name__)
 
@@ -659,13 +659,16 @@ class RolloutWorker:
         launch = cast(
             "Callable[..., Any]", plugins.load("asyncrl.rollout_backends", config.rollout.rollout_backend)
         )
+        sglang = config.rollout.sglang
+        # An external engine: this worker watches the one at its own index of the URLs.
+        own = {"urls": sglang.urls[index : index + 1]} if sglang.urls else {}
+        if sglang.grpc_urls:
+            own["grpc_urls"] = sglang.grpc_urls[index : index + 1]
         rollout = config.rollout.model_copy(
             update={
                 "model_path": model_path,
                 "num_instances": 1,
-                "sglang": config.rollout.sglang.model_copy(
-                    update={"base_port": config.rollout.sglang.base_port + index}
-                ),
+                "sglang": sglang.model_copy(update={"base_port": sglang.base_port + index, **own}),
             }
         )
         self.index = index
@@ -778,7 +781,8 @@ class RankSettings:
 
 
 class ActorWorker:
-    """One rank of the actor: trains on batches; rank 0 also pushes the weights into the engines."""
+    """One rank of the actor: trains on batches; one rank pushes the weights into the engines, the ranks
+    holding shards of them take part in the export."""
 
     def __init__(
         self,
@@ -821,15 +825,26 @@ class ActorWorker:
         return result
 
     def sync_weights(self, endpoints: Sequence[EngineEndpoint], mode: str) -> dict[str, float]:
-        """Push the current weights into the engines as this version (rank 0 only), in `mode`.
+        """Push the current weights into the engines as this version, in `mode`.
 
-        In `drain` mode the caller has drained the agent loops first; this side then finds the engines idle
-        and flushes their caches with the last bucket."""
-        if self.rank != 0:
+        Every rank is called. The rank whose `weight_export_role` is `send` pushes the buckets; ranks that
+        `join` take the export in step with it (a collective: each bucket gathers tensor-parallel shards),
+        holding one bucket at a time and dropping it; the others return at once. In `drain` mode the caller
+        has drained the agent loops first; this side then finds the engines idle and flushes their caches
+        with the last bucket."""
+        role = self.actor.weight_export_role
+        if role == "none":
+            return {}
+        buckets = self.actor.export_weights(self.config.actor.weight_export_bucket_mb << 20)
+        if role == "join":
+            for _ in buckets:
+                pass
             return {}
         if self._transport is None:
             self._transport = weight_transport(self.config)
-        return asyncio.run(_push_weights(self.config, self.actor, self._transport, endpoints, mode))
+        return asyncio.run(
+            _push_weights(self.config, buckets, self.actor.version, self._transport, endpoints, mode)
+        )
 
     def save_checkpoint(self, path: str) -> None:
         self.actor.save_checkpoint(path)
@@ -839,7 +854,12 @@ class ActorWorker:
 
 
 async def _push_weights(
-    config: AsyncRLConfig, actor: Actor, transport: Any, endpoints: Sequence[EngineEndpoint], mode: str
+    config: AsyncRLConfig,
+    buckets: Iterator[NamedTensors],
+    version: int,
+    transport: Any,
+    endpoints: Sequence[EngineEndpoint],
+    mode: str,
 ) -> dict[str, float]:
     # A module function, not a method: a Ray actor class with a coroutine method becomes an asyncio actor,
     # and the actor worker must stay a plain threaded one (training blocks).
@@ -848,15 +868,13 @@ async def _push_weights(
     try:
         if config.rollout.sglang.weight_transport == "distributed":
             await transport.connect(client)
-        result = await sync(
-            client,
-            actor.export_weights(config.actor.weight_export_bucket_mb << 20),
-            actor.version,
-            mode=mode,
-            transport=transport,
-        )
+        result = await sync(client, buckets, version, mode=mode, transport=transport)
     finally:
         await client.aclose()
+        # Buckets left by a failure midway are still taken: the ranks that join the export wait in its
+        # collectives until the sender has gone through every bucket.
+        for _ in buckets:
+            pass
     return cast("dict[str, float]", result.metrics())
 
 
