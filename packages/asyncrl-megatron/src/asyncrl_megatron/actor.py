@@ -47,8 +47,8 @@ from asyncrl_core.actor.rng import rng_state, set_rng_state
 from asyncrl_core.algorithms import (
     LossSettings,
     PackedBatch,
-    pack_mini_batches,
     policy_loss,
+    rank_plan,
     token_entropy,
     token_logprobs,
     token_logprobs_and_entropy,
@@ -63,7 +63,7 @@ from asyncrl_core.metrics import (
     TRAIN_NUM_UPDATES,
 )
 from asyncrl_core.protocols import NamedTensors, WeightExportRole
-from asyncrl_core.types import Group
+from asyncrl_core.types import BatchShare, Group
 from asyncrl_megatron import checkpoint, parallel
 from asyncrl_megatron.mapping import SafetensorsReader, export_hf_weights, load_hf_weights
 from asyncrl_megatron.model import Architecture, build_gpt_model, megatron_warnings_ignored, padded_vocab_size
@@ -266,37 +266,40 @@ class MegatronActor:
             return "none"
         return "send" if self.tp_rank == 0 else "join"
 
-    def train_step(self, groups: Sequence[Group]) -> dict[str, float]:
-        """One training step on `groups`: `ppo_epochs` passes over mini-batches of `ppo_mini_batch_size`
-        groups, one optimizer update each; the version goes up by one.
+    def train_step(self, batch: Sequence[Group] | BatchShare) -> dict[str, float]:
+        """One training step: `ppo_epochs` passes over mini-batches of `ppo_mini_batch_size` groups, one
+        optimizer update each; the version goes up by one.
+
+        `batch` is this data-parallel rank's `BatchShare` (as the runner hands it over; the tensor-parallel
+        ranks of one data-parallel rank get the same share), or the step's groups, which every rank is then
+        given and cuts the same way (`asyncrl_core.algorithms.rank_plan`).
 
         Returns the step's `train/...` metrics, equal on every rank: `policy_loss`'s metrics and
         `train/grad_norm` (before clipping; 0 when clipping is off on a GPU, where Megatron does not compute
         it) as means over the updates (each update's own metrics are in `update_metrics`), `train/lr`,
         `train/num_updates`, and the step's `train/num_trajectories`, `train/num_tokens` and
-        `train/num_loss_tokens`. Raises `BatchError` for malformed groups (nothing is changed) and
-        `MegatronActorError` for a non-finite gradient: in the first update, the weights, the optimizer and
-        the version are unchanged; in a later one, the updates before it are kept and the version goes up
-        by one, as the error says.
+        `train/num_loss_tokens`. Raises `BatchError` for malformed groups or another rank's share (nothing
+        is changed) and `MegatronActorError` for a non-finite gradient: in the first update, the weights,
+        the optimizer and the version are unchanged; in a later one, the updates before it are kept and the
+        version goes up by one, as the error says.
         """
         with megatron_warnings_ignored():
-            return self._train_step(groups)
+            return self._train_step(batch)
 
-    def _train_step(self, groups: Sequence[Group]) -> dict[str, float]:
-        batches = pack_mini_batches(
-            groups,
+    def _train_step(self, batch: Sequence[Group] | BatchShare) -> dict[str, float]:
+        plan = rank_plan(
+            batch,
+            self.dp_rank,
+            self.dp_size,
             self.pad_id,
-            self.settings.ppo_mini_batch_size,
+            mini_batch_size=self.settings.ppo_mini_batch_size,
+            micro_batch_size=self.settings.micro_batch_size,
             normalize_std=self.loss_settings.normalize_advantage_std,
             aggregation=self.loss_settings.loss_aggregation,
         )
-        # Every micro-batch is cut and copied to the device before the first forward pass, so no host work
-        # or host-to-device copy waits between the micro-batches' kernels.
-        size = self.settings.micro_batch_size
-        plans = [
-            [part.to(self.device) for part in batch.rank_micro_batches(self.dp_rank, self.dp_size, size)]
-            for batch in batches
-        ]
+        # Every micro-batch is copied to the device before the first forward pass, so no host work or
+        # host-to-device copy waits between the micro-batches' kernels.
+        plans = [[part.to(self.device) for part in parts] for parts in plan.micro_batches]
         num_updates = self.settings.ppo_epochs * len(plans)
         # The proximal policy is the policy before the step's first update, for every update of the step
         # (so the clip acts from the second update on); a single update takes it from its own forward pass.
@@ -342,9 +345,9 @@ class MegatronActor:
         }
         result[TRAIN_LR] = self.settings.lr
         result[TRAIN_NUM_UPDATES] = float(num_updates)
-        result[TRAIN_NUM_TRAJECTORIES] = float(sum(batch.num_rows for batch in batches))
-        result[TRAIN_NUM_TOKENS] = float(sum(batch.num_tokens for batch in batches))
-        result[TRAIN_NUM_LOSS_TOKENS] = float(sum(batch.num_loss_tokens for batch in batches))
+        result[TRAIN_NUM_TRAJECTORIES] = float(plan.num_rows)
+        result[TRAIN_NUM_TOKENS] = float(plan.num_tokens)
+        result[TRAIN_NUM_LOSS_TOKENS] = float(plan.num_loss_tokens)
         return result
 
     def _accumulate_gradients(

@@ -220,7 +220,7 @@ class WorkerGroups:
         self.buffer = self._keep(
             buffer_class.options(
                 **placement.options(placement.head_slot()), max_concurrency=MAX_BUFFER_CALLS
-            ).remote(config, dataset_size)
+            ).remote(config, dataset_size, by_reference=True)
         )
         self.buffer_port = RayBufferPort(self.buffer)
         self.get(self.buffer.counts.remote(), "the start of the buffer", "runner.startup_timeout_s")
