@@ -5,22 +5,31 @@ and the checkpoint it saved at TP = 2 passes its manifest check.
 
 The engines are started here (`launch: external`), so they outlive the run and can be read after it; the
 actor's weights are those of the checkpoint the run saved after its last step, whose version the engines
-report."""
+report.
+
+The tensor transport (safetensors in each engine's request body) takes the same path through two actor
+ranks built without Ray (`parallel.spawn`): both engines get the actor's weights, and a push that fails
+(an engine that does not answer) leaves both ranks in step for the next collective."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from runner_testing import read_metrics, read_summary, run_config
 
 from asyncrl_core import metrics
+from asyncrl_core.config import AsyncRLConfig
 from asyncrl_core.runner import run
 from asyncrl_core.runner.checkpoint import ACTOR_DIR, checkpoints, verify_checkpoint
+from asyncrl_core.server_process import free_port
+from asyncrl_core.types import NO_VERSION, Group, Trajectory
 from asyncrl_sglang.builtin.testing import serve_builtin
 from asyncrl_sglang.client import SGLangClient
 
@@ -118,3 +127,82 @@ def test_the_first_step_has_no_kl_to_its_starting_policy(tp_run: TensorParallelR
 def test_the_checkpoint_is_intact(tp_run: TensorParallelRun) -> None:
     folder = checkpoints(tp_run.run_dir)[-1]
     assert verify_checkpoint(folder) == []
+
+
+def _groups() -> list[Group]:
+    """Two groups (`data.rollout_batch_size` of the run's configuration)."""
+    generator = torch.Generator().manual_seed(3)
+    return [
+        Group(
+            group_id=group_id,
+            prompt_index=group_id,
+            trajectories=[
+                Trajectory(
+                    token_ids=torch.randint(10, 49000, (9,), generator=generator).tolist(),
+                    prompt_len=4,
+                    loss_mask=[1, 1, 0, 1, 1],
+                    rollout_logprobs=[-10.5, -11.0, 0.0, -10.9, -10.7],
+                    versions=[0, 0, NO_VERSION, 0, 0],
+                    reward=reward,
+                )
+                for reward in (0.0, 1.0)
+            ],
+        )
+        for group_id in range(2)
+    ]
+
+
+def _train_and_push(config: AsyncRLConfig, model_dir: str, urls: list[str], dead_url: str) -> dict[str, Any]:
+    """One of two spawned actor ranks (TP = 2): a step, a push into `urls`, a push that fails, an export."""
+    from asyncrl_core.runner.workers import ActorWorker, EngineEndpoint, RankSettings
+    from asyncrl_megatron import parallel
+
+    try:
+        rank = RankSettings(int(os.environ["RANK"]), 2, int(os.environ["MASTER_PORT"]))
+        worker = ActorWorker(config, model_path=model_dir, devices=(), rank=rank)
+        worker.actor.train_step(_groups())
+        synced = worker.sync_weights([EngineEndpoint(url) for url in urls], "retract")
+        failure = None
+        try:
+            worker.sync_weights([EngineEndpoint(dead_url)], "retract")
+        except Exception as error:
+            failure = repr(error)
+        # A collective after the failed push: it completes only if both ranks left the push in step.
+        weights = {name: t.clone() for bucket in worker.actor.export_weights(1 << 20) for name, t in bucket}
+        return {"synced": synced, "failure": failure, "weights": weights, "version": worker.version}
+    finally:
+        parallel.destroy()
+
+
+@pytest.mark.timeout(600)
+def test_the_tensor_transport_from_two_ranks_into_two_engines(tmp_path: Path, tiny_llama_path: Path) -> None:
+    with (
+        serve_builtin(tiny_llama_path, max_running_requests=8) as first,
+        serve_builtin(tiny_llama_path, max_running_requests=8) as second,
+    ):
+        urls = [first.url, second.url]
+        config = run_config(
+            tmp_path,
+            tiny_llama_path,
+            actor={"backend": "megatron", "tensor_parallel_size": 2, "lr": 1e-3},
+            algorithm={"entropy_coef": 0.01},
+            rollout={"sglang": {"launch": "external", "urls": urls, "weight_transport": "tensor"}},
+        )
+        from asyncrl_megatron.parallel import spawn
+
+        dead_url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+        sender, joiner = spawn(
+            _train_and_push, 2, (config, str(tiny_llama_path), urls, dead_url), timeout_s=480
+        )
+        expected = sender["weights"]
+        served = [asyncio.run(_served(url, {n: t.shape for n, t in expected.items()})) for url in urls]
+    assert sender["synced"][metrics.TIME_SYNC_WEIGHTS] > 0.0
+    assert joiner["synced"] == {}  # the joining rank gathered with the sender and sent nothing
+    assert sender["failure"] is not None
+    assert dead_url in sender["failure"]
+    assert joiner["failure"] is None
+    for engine, (weights, version) in enumerate(served):
+        assert version == sender["version"] == 1
+        for name, tensor in expected.items():
+            message = f"engine {engine}: {name}"
+            torch.testing.assert_close(weights[name], tensor.float(), rtol=0, atol=0, msg=message)
