@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from asyncrl_core.runner.liveness import ACTOR_WATCH_GROUP
 from asyncrl_core.runner.timeouts import CONTROL_TIMEOUT_S, TimeoutKey, timed_out, timeout_of
 from asyncrl_core.runner.workers import (
     ActorWorker,
@@ -191,7 +192,8 @@ class WorkerGroups:
         world_size = config.actor_data_parallel_size * config.actor.tensor_parallel_size
         per_rank = max(1, len(actor_devices) // world_size) if gpu else len(actor_devices)
         port = free_port()
-        actor_class = ray.remote(ActorWorker)
+        # A concurrency group of its own for `watch`, so its call pends beside the rank's serial calls.
+        actor_class = ray.remote(concurrency_groups={ACTOR_WATCH_GROUP: 1})(ActorWorker)  # pyright: ignore[reportCallIssue]
         for rank in range(world_size):
             share = actor_devices[rank * per_rank : (rank + 1) * per_rank] if gpu else actor_devices
             self.actors.append(
