@@ -53,6 +53,7 @@ def test_sglang_command_has_the_flags_an_rl_run_needs() -> None:
         devices=(4, 5),
         context_length=8192,
         api_key="secret",
+        random_seed=7,
         extra_args={
             "mem_fraction_static": 0.8,
             "disable_cuda_graph": True,
@@ -72,6 +73,7 @@ def test_sglang_command_has_the_flags_an_rl_run_needs() -> None:
         "--enable-metrics": None,
         "--context-length": "8192",
         "--api-key": "secret",
+        "--random-seed": "7",
         "--mem-fraction-static": "0.8",
         "--disable-cuda-graph": None,
     }
@@ -94,6 +96,9 @@ def test_sglang_command_refuses_a_device_count_that_does_not_match_tp() -> None:
 def test_builtin_command_runs_on_cuda_only_when_given_a_device() -> None:
     cpu = builtin_command(model_path="m", host="127.0.0.1", port=5, max_running_requests=3)
     assert cpu.argv[1:3] == ("-m", "asyncrl_sglang.builtin")
+    assert "--random-seed" not in cpu.argv  # the engine's default
+    seeded = builtin_command(model_path="m", host="127.0.0.1", port=5, max_running_requests=3, random_seed=9)
+    assert flags(seeded.argv)["--random-seed"] == "9"
     assert flags(cpu.argv)["--device"] == "cpu"
     assert flags(cpu.argv)["--max-running-requests"] == "3"
     assert "--enable-metrics" in cpu.argv
@@ -281,8 +286,10 @@ async def test_builtin_launch_from_the_rollout_config(tiny_llama_path: Path, tmp
             "sglang": {"launch": "builtin", "base_port": free_port()},
         }
     )
-    with launch_engines(config, run_dir=tmp_path, health_timeout_s=240) as launched:
+    with launch_engines(config, run_dir=tmp_path, health_timeout_s=240, random_seed=11) as launched:
         assert len(launched.urls) == 2
+        # `runner.seed` reaches every engine's sampling, each instance with a seed of its own.
+        assert [flags(p.command.argv)["--random-seed"] for p in launched.processes] == ["11", "12"]
         assert all((tmp_path / "engines" / f"engine-{index}.log").exists() for index in range(2))
         async with launched.pool() as pool:
             generations = [

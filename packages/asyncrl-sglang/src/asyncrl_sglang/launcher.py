@@ -98,13 +98,15 @@ def sglang_command(
     devices: Sequence[int] = (),
     context_length: int | None = None,
     api_key: str | None = None,
+    random_seed: int | None = None,
     extra_args: Mapping[str, ServerArgument] | None = None,
     python: str = sys.executable,
 ) -> EngineCommand:
     """The command line of one real SGLang server for RL rollouts.
 
     `devices` are the GPU ids of this instance (`tensor_parallel_size` of them; none: SGLang's default);
-    `extra_args` add or override flags (`mem_fraction_static: 0.8`).
+    `random_seed` seeds its sampling (`--random-seed`; none: SGLang's default); `extra_args` add or
+    override flags (`mem_fraction_static: 0.8`).
     """
     if devices and len(devices) != tensor_parallel_size:
         raise EngineControlError(
@@ -124,6 +126,8 @@ def sglang_command(
         arguments["context_length"] = context_length
     if api_key:
         arguments["api_key"] = api_key
+    if random_seed is not None:
+        arguments["random_seed"] = random_seed
     arguments.update(extra_args or {})
     env = {"CUDA_VISIBLE_DEVICES": ",".join(str(device) for device in devices)} if devices else {}
     return EngineCommand(
@@ -145,13 +149,15 @@ def builtin_command(
     api_key: str | None = None,
     enable_metrics: bool = True,
     grpc_port: int | None = None,
+    random_seed: int | None = None,
     extra_args: Mapping[str, ServerArgument] | None = None,
     python: str = sys.executable,
 ) -> EngineCommand:
     """The command line of one built-in engine (same flag names as SGLang's where they exist).
 
     `devices`: the GPU for the engine (`CUDA_VISIBLE_DEVICES`, and the engine runs on `cuda`); none runs
-    it on the CPU. `grpc_port`: also serve SGLang's gRPC scheduler service there.
+    it on the CPU. `grpc_port`: also serve SGLang's gRPC scheduler service there. `random_seed`: seed of
+    its sampling (`--random-seed`; none: the engine's default, 0).
     """
     if len(devices) > 1:
         raise EngineControlError(
@@ -172,6 +178,8 @@ def builtin_command(
         arguments["api_key"] = api_key
     if grpc_port is not None:
         arguments["grpc_port"] = grpc_port
+    if random_seed is not None:
+        arguments["random_seed"] = random_seed
     arguments.update(extra_args or {})
     env = {"CUDA_VISIBLE_DEVICES": ",".join(str(device) for device in devices)} if devices else {}
     return EngineCommand(
@@ -432,12 +440,14 @@ def launch_engines(
     devices: Sequence[int] = (),
     gpu: bool = False,
     health_timeout_s: float = 600.0,
+    random_seed: int | None = None,
 ) -> LaunchedEngines:
     """Start (or, for `external`, reach) the engines `rollout` describes and wait until they are healthy.
 
     `devices`: the rollout devices of the placement; instance `i` gets `devices[i*tp:(i+1)*tp]` (as
     `CUDA_VISIBLE_DEVICES` when `gpu`). The number of instances is `rollout.num_instances`, else
-    `len(devices) // tensor_parallel_size` (at least 1).
+    `len(devices) // tensor_parallel_size` (at least 1). `random_seed`: instance `i` samples with seed
+    `random_seed + i` (none: each engine's default).
     """
     sglang = rollout.sglang
     if sglang.launch == "external":
@@ -480,6 +490,7 @@ def launch_engines(
                     devices=share,
                     context_length=rollout.context_length,
                     api_key=sglang.api_key,
+                    random_seed=None if random_seed is None else random_seed + index,
                     extra_args=sglang.extra_args,
                 )
             )
@@ -494,6 +505,7 @@ def launch_engines(
                     context_length=rollout.context_length,
                     api_key=sglang.api_key,
                     grpc_port=grpc_ports[index],
+                    random_seed=None if random_seed is None else random_seed + index,
                 )
             )
     return start_engines(
