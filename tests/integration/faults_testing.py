@@ -178,7 +178,7 @@ class Injector(threading.Thread):
                 frame = frame.f_back
             if frame is None or frame is not seen[0]:
                 seen[:] = [frame, time.monotonic()]
-                return False
+                return frame is not None and for_s <= 0
             return time.monotonic() - seen[1] >= for_s
 
         wait_until(waiting, timeout_s, f"a wait of the driver in {function} of {for_s:.0f} s")

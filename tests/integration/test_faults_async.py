@@ -14,6 +14,7 @@ stops with an error naming the actor's rank, every prompt is accounted for (the 
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 from collections.abc import Iterator
@@ -62,14 +63,13 @@ def _faulted_config(
     save_every_steps: int | None,
     *,
     agentloop: dict[str, object],
-    engine_unresponsive_s: float = 10,
     **sections: dict[str, object],
 ) -> object:
     return run_config(
         tmp_path,
         model_path,
         runner={"num_steps": num_steps},
-        rollout={"engine_unresponsive_s": engine_unresponsive_s, "max_engine_restarts": 2},
+        rollout={"engine_unresponsive_s": 10, "max_engine_restarts": 2},
         agentloop={"max_worker_restarts": 1, **agentloop},
         checkpoint={"save_at_end": False, "save_every_steps": save_every_steps},
         **sections,
@@ -199,19 +199,21 @@ def test_no_process_of_the_recovered_run_is_left(
 
 
 def test_a_dead_actor_stops_the_run_naming_its_rank(tmp_path: Path, tiny_llama_path: Path) -> None:
-    # The actor dies while the driver waits for a batch that cannot come (the engine is frozen and is not
-    # declared dead for 600 s): the death must be named from that wait, not after it.
+    # The actor dies while the driver waits for a batch that cannot come (the agent-loop worker is frozen,
+    # so no group finishes): the death must be named from that wait, not after it.
     arith = {"task_name": "arith", "task_args": {"num_train": 64, "num_test": 4}}
-    config = _faulted_config(tmp_path, tiny_llama_path, 30, 1, agentloop=arith, engine_unresponsive_s=600)
+    config = _faulted_config(tmp_path, tiny_llama_path, 30, 1, agentloop=arith)
     run_dir = tmp_path / "run"
 
     def plan(injector: Injector) -> None:
         injector.after_steps(2)  # the checkpoint of step 1, with its ledger, is written
-        (engine,) = engine_pids(tiny_llama_path)
-        injector.signal(engine, signal.SIGSTOP, "engine 0")
+        (agent_loop,) = worker_pids("AgentLoopWorker")
+        injector.signal(agent_loop, signal.SIGSTOP, "agent-loop worker 0")
         injector.until_driver_waits_in("wait_batch", for_s=3.0)
         (actor,) = worker_pids("ActorWorker")
         injector.signal(actor, signal.SIGKILL, "actor rank 0")
+        injector.until_event("actor rank 0", "fatal")
+        os.kill(agent_loop, signal.SIGCONT)  # so that it stops with the run, without waiting to be killed
 
     injector = Injector(run_dir, plan)
     injector.start()

@@ -48,7 +48,7 @@ def test_a_dead_agent_loop_worker_is_restarted_in_sync_mode(tmp_path: Path, tiny
 
     def plan(injector: Injector) -> None:
         injector.after_steps(1)
-        injector.until_driver_waits_in("run_groups", for_s=0.5)  # the rollout of a batch is under way
+        injector.until_driver_waits_in("run_groups", for_s=0.0)  # the rollout of a batch is under way
         (agent_loop,) = worker_pids("AgentLoopWorker")
         injector.signal(agent_loop, signal.SIGKILL, "agent-loop worker 0")
 
