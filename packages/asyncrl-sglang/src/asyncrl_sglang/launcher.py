@@ -16,12 +16,18 @@ detokenizer processes included), then SIGKILL after a grace period. Processes ar
 while engines run, when no other handler is installed) and, on Linux, when the launching thread dies
 (`PR_SET_PDEATHSIG`), so a crash of the parent leaves no engine behind. An engine that dies before it is
 healthy fails the launch with the tail of its log.
+
+Ports are picked free, then bound by the engine later; another run's engine may take one in between. An
+engine counts as healthy only once its own process listens on its port (`port_owner`), and a launch whose
+engine lost its port to another process starts again on other ports (`PORT_ATTEMPTS`), so two launches that
+race for a port each end up with their own engine.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import signal
 import socket
 import sys
@@ -41,6 +47,9 @@ from asyncrl_core.server_process import ServerProcess
 from asyncrl_sglang.client import ClientTimeouts, SGLangClient
 from asyncrl_sglang.grpc_client import GrpcSGLangClient, grpc_health_check
 from asyncrl_sglang.pool import EnginePool
+from asyncrl_sglang.port_owner import holds_port
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from asyncrl_core.config.models import RolloutConfig
@@ -306,7 +315,11 @@ def _wait_healthy(
     grpc_targets: Sequence[str | None] = (),
 ) -> None:
     """Poll `/health` of every engine until all answer 200, and then the gRPC `HealthCheck` of those with a
-    gRPC target until it answers healthy; fail early when a started engine exits."""
+    gRPC target until it answers healthy; fail early when a started engine exits.
+
+    A started engine counts as healthy only once its own process (or a child) listens on its port: another
+    run's engine that took the port between the pick and the bind answers `/health` too, and is not ours.
+    When a started engine exits while another process holds its port, `EnginePortTakenError`."""
     deadline = time.monotonic() + timeout_s
     pending = set(range(len(urls)))
     grpc_pending = {index for index, target in enumerate(grpc_targets) if target is not None}
@@ -316,13 +329,18 @@ def _wait_healthy(
             for index in sorted(pending | grpc_pending):
                 process = processes[index]
                 if process is not None and (code := process.returncode()) is not None:
-                    raise EngineUnavailableError(
-                        f"engine {index} ({urls[index]}) exited with status {code} before it was healthy; "
+                    port = process.command.port
+                    error = EnginePortTakenError if not port_is_free(process.command.host, port) else None
+                    raise (error or EngineUnavailableError)(
+                        f"engine {index} ({urls[index]}) exited with status {code} before it was healthy"
+                        f"{f', and another process holds its port {port}' if error else ''}; "
                         f"the end of {process.log_path}:\n{process.log_tail()}"
                     )
                 if index in pending:
                     try:
-                        if http.get(f"{urls[index]}/health").status_code == 200:
+                        if http.get(f"{urls[index]}/health").status_code == 200 and (
+                            process is None or holds_port(process.pid, process.command.port)
+                        ):
                             pending.discard(index)
                     except httpx.HTTPError:
                         pass
@@ -342,6 +360,11 @@ def _wait_healthy(
                     f"{names}"
                 )
             time.sleep(0.25)
+
+
+class EnginePortTakenError(EngineUnavailableError):
+    """A started engine exited before it was healthy while another process holds its port: another run's
+    engine took the port between the launcher's pick and the engine's bind."""
 
 
 class LaunchedEngines:
@@ -467,49 +490,76 @@ def launch_engines(
     if rollout.model_path is None:
         raise EngineControlError("rollout.model_path is not set (it defaults to actor.model_path)")
     model_path = str(resolve_model_path(rollout.model_path, key="rollout.model_path"))
-    ports = pick_ports(sglang.host, num_instances, sglang.base_port)
-    grpc_ports: list[int | None] = [None] * num_instances
-    if sglang.transport == "grpc":
-        if sglang.launch == "sglang":
-            raise EngineControlError(
-                "rollout.sglang.transport grpc: the launcher starts SGLang's HTTP server only; use "
-                "launch: external with grpc_urls"
+    if sglang.transport == "grpc" and sglang.launch == "sglang":
+        raise EngineControlError(
+            "rollout.sglang.transport grpc: the launcher starts SGLang's HTTP server only; use "
+            "launch: external with grpc_urls"
+        )
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        ports = pick_ports(sglang.host, num_instances, sglang.base_port)
+        grpc_ports: list[int | None] = [None] * num_instances
+        if sglang.transport == "grpc":
+            grpc_ports = list(pick_ports(sglang.host, num_instances, sglang.grpc_base_port, taken=ports))
+        commands = [
+            _engine_command(
+                rollout,
+                model_path=model_path,
+                port=port,
+                grpc_port=grpc_ports[index],
+                devices=tuple(devices[index * tp : (index + 1) * tp]) if gpu else (),
+                random_seed=None if random_seed is None else random_seed + index,
             )
-        grpc_ports = list(pick_ports(sglang.host, num_instances, sglang.grpc_base_port, taken=ports))
-    commands: list[EngineCommand] = []
-    for index, port in enumerate(ports):
-        share = tuple(devices[index * tp : (index + 1) * tp]) if gpu else ()
-        if sglang.launch == "sglang":
-            commands.append(
-                sglang_command(
-                    model_path=model_path,
-                    host=sglang.host,
-                    port=port,
-                    tensor_parallel_size=tp,
-                    max_running_requests=rollout.max_running_requests,
-                    devices=share,
-                    context_length=rollout.context_length,
-                    api_key=sglang.api_key,
-                    random_seed=None if random_seed is None else random_seed + index,
-                    extra_args=sglang.extra_args,
-                )
+            for index, port in enumerate(ports)
+        ]
+        try:
+            log_dir = run_dir / "engines"
+            return start_engines(
+                commands, log_dir=log_dir, health_timeout_s=health_timeout_s, api_key=sglang.api_key
             )
-        else:
-            commands.append(
-                builtin_command(
-                    model_path=model_path,
-                    host=sglang.host,
-                    port=port,
-                    max_running_requests=rollout.max_running_requests,
-                    devices=share,
-                    context_length=rollout.context_length,
-                    api_key=sglang.api_key,
-                    grpc_port=grpc_ports[index],
-                    random_seed=None if random_seed is None else random_seed + index,
-                )
-            )
-    return start_engines(
-        commands, log_dir=run_dir / "engines", health_timeout_s=health_timeout_s, api_key=sglang.api_key
+        except EnginePortTakenError as error:
+            if attempt == PORT_ATTEMPTS:
+                raise
+            logger.warning("%s\nstarting the engines again on other ports", error)
+    raise AssertionError("unreachable")  # the last attempt returns or raises
+
+
+PORT_ATTEMPTS = 3
+"""Starts of a run's engines when a port is taken by another process between its pick and the bind."""
+
+
+def _engine_command(
+    rollout: RolloutConfig,
+    *,
+    model_path: str,
+    port: int,
+    grpc_port: int | None,
+    devices: tuple[int, ...],
+    random_seed: int | None,
+) -> EngineCommand:
+    sglang = rollout.sglang
+    if sglang.launch == "sglang":
+        return sglang_command(
+            model_path=model_path,
+            host=sglang.host,
+            port=port,
+            tensor_parallel_size=rollout.tensor_parallel_size,
+            max_running_requests=rollout.max_running_requests,
+            devices=devices,
+            context_length=rollout.context_length,
+            api_key=sglang.api_key,
+            random_seed=random_seed,
+            extra_args=sglang.extra_args,
+        )
+    return builtin_command(
+        model_path=model_path,
+        host=sglang.host,
+        port=port,
+        max_running_requests=rollout.max_running_requests,
+        devices=devices,
+        context_length=rollout.context_length,
+        api_key=sglang.api_key,
+        grpc_port=grpc_port,
+        random_seed=random_seed,
     )
 
 
