@@ -3,7 +3,8 @@ read what the run recorded (`metrics.jsonl`, `faults.jsonl`).
 
 The run's processes are found among the descendants of this process (the Ray instance a test module starts
 here, its workers, and the engines they start): Ray workers by their process title (`ray::<Class>...`),
-engines by their command line (`asyncrl_sglang.builtin` and the model folder).
+engines by their command line (`asyncrl_sglang.builtin` and the model folder) and a parent other than this
+process.
 """
 
 from __future__ import annotations
@@ -51,11 +52,19 @@ def worker_pids(class_name: str) -> list[int]:
 
 
 def engine_pids(model_path: Path) -> list[int]:
-    """Built-in engine processes serving `model_path` started under this process."""
+    """Built-in engine processes serving `model_path` that a run's workers started under this process.
+
+    Engines this process started itself (a session's contract engines serve the same model) are not a run's.
+    """
     found = []
     for process in _descendants():
         line = " ".join(_cmdline(process))
-        if ENGINE_MODULE in line and str(model_path) in line and process.status() != psutil.STATUS_ZOMBIE:
+        if (
+            ENGINE_MODULE in line
+            and str(model_path) in line
+            and process.ppid() != os.getpid()
+            and process.status() != psutil.STATUS_ZOMBIE
+        ):
             found.append(process.pid)
     return found
 

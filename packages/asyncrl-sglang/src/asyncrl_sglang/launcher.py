@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import logging
 import signal
 import socket
@@ -56,6 +57,8 @@ if TYPE_CHECKING:
 
 ServerArgument = str | int | float | bool
 
+LOOPBACK = "127.0.0.1"
+
 
 @dataclass(frozen=True, slots=True)
 class EngineCommand:
@@ -63,24 +66,31 @@ class EngineCommand:
 
     argv: tuple[str, ...]
     host: str
+    """The address the engine binds to."""
     port: int
     env: Mapping[str, str] = field(default_factory=dict[str, str])
     grpc_port: int | None = None
     """The port of the engine's gRPC scheduler service (None: the engine serves HTTP only)."""
+    advertise_host: str = LOOPBACK
+    """Where the engine is reached when `host` binds every interface (`0.0.0.0`, `::`): its node's address
+    in a cluster, loopback on one machine."""
+
+    @property
+    def reach_host(self) -> str:
+        """The host others reach the engine at: `host`, or `advertise_host` for a wildcard bind."""
+        return self.advertise_host if self.host in ("0.0.0.0", "::") else self.host
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        # A server bound to every interface is reached on loopback from here.
-        host = {"0.0.0.0": "127.0.0.1", "[::]": "[::1]"}.get(host, host)
-        return f"http://{host}:{self.port}"
+        host = self.reach_host
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
 
     @property
     def grpc_target(self) -> str | None:
-        """`host:port` of the gRPC service, reached on loopback when bound to every interface."""
+        """`host:port` of the gRPC service, at the same host as `url`."""
         if self.grpc_port is None:
             return None
-        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
+        host = self.reach_host
         return f"[{host}]:{self.grpc_port}" if ":" in host else f"{host}:{self.grpc_port}"
 
 
@@ -464,13 +474,16 @@ def launch_engines(
     gpu: bool = False,
     health_timeout_s: float = 600.0,
     random_seed: int | None = None,
+    advertise_host: str = LOOPBACK,
 ) -> LaunchedEngines:
     """Start (or, for `external`, reach) the engines `rollout` describes and wait until they are healthy.
 
     `devices`: the rollout devices of the placement; instance `i` gets `devices[i*tp:(i+1)*tp]` (as
     `CUDA_VISIBLE_DEVICES` when `gpu`). The number of instances is `rollout.num_instances`, else
-    `len(devices) // tensor_parallel_size` (at least 1). `random_seed`: instance `i` samples with seed
-    `random_seed + i` (none: each engine's default).
+    `len(devices) // tensor_parallel_size` (at least 1). The engines bind to `rollout.sglang.host`
+    (loopback when unset; the runner sets it per node), on ports picked free here; `advertise_host` is the
+    host of their URLs when they bind every interface (the node's address in a cluster). `random_seed`:
+    instance `i` samples with seed `random_seed + i` (none: each engine's default).
     """
     sglang = rollout.sglang
     if sglang.launch == "external":
@@ -495,15 +508,17 @@ def launch_engines(
             "rollout.sglang.transport grpc: the launcher starts SGLang's HTTP server only; use "
             "launch: external with grpc_urls"
         )
+    host = sglang.host or LOOPBACK
     for attempt in range(1, PORT_ATTEMPTS + 1):
-        ports = pick_ports(sglang.host, num_instances, sglang.base_port)
+        ports = pick_ports(host, num_instances, sglang.base_port)
         grpc_ports: list[int | None] = [None] * num_instances
         if sglang.transport == "grpc":
-            grpc_ports = list(pick_ports(sglang.host, num_instances, sglang.grpc_base_port, taken=ports))
+            grpc_ports = list(pick_ports(host, num_instances, sglang.grpc_base_port, taken=ports))
         commands = [
             _engine_command(
                 rollout,
                 model_path=model_path,
+                host=host,
                 port=port,
                 grpc_port=grpc_ports[index],
                 devices=tuple(devices[index * tp : (index + 1) * tp]) if gpu else (),
@@ -511,6 +526,7 @@ def launch_engines(
             )
             for index, port in enumerate(ports)
         ]
+        commands = [dataclasses.replace(command, advertise_host=advertise_host) for command in commands]
         try:
             log_dir = run_dir / "engines"
             return start_engines(
@@ -531,6 +547,7 @@ def _engine_command(
     rollout: RolloutConfig,
     *,
     model_path: str,
+    host: str,
     port: int,
     grpc_port: int | None,
     devices: tuple[int, ...],
@@ -540,7 +557,7 @@ def _engine_command(
     if sglang.launch == "sglang":
         return sglang_command(
             model_path=model_path,
-            host=sglang.host,
+            host=host,
             port=port,
             tensor_parallel_size=rollout.tensor_parallel_size,
             max_running_requests=rollout.max_running_requests,
@@ -552,7 +569,7 @@ def _engine_command(
         )
     return builtin_command(
         model_path=model_path,
-        host=sglang.host,
+        host=host,
         port=port,
         max_running_requests=rollout.max_running_requests,
         devices=devices,
