@@ -39,6 +39,7 @@ from asyncrl_core import metrics
 from asyncrl_core.runner import run
 from asyncrl_core.runner.ledger import audit_run
 from asyncrl_core.runner.workers import RunnerError
+from asyncrl_sglang.launcher import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -69,7 +70,13 @@ def _faulted_config(
         tmp_path,
         model_path,
         runner={"num_steps": num_steps},
-        rollout={"engine_unresponsive_s": 10, "max_engine_restarts": 2},
+        rollout={
+            "engine_unresponsive_s": 10,
+            "max_engine_restarts": 2,
+            # A port of its own: a restarted engine must get its address back, where other runs' engines
+            # on the default port could be.
+            "sglang": {"launch": "builtin", "base_port": free_port()},
+        },
         agentloop={"max_worker_restarts": 1, **agentloop},
         checkpoint={"save_at_end": False, "save_every_steps": save_every_steps},
         **sections,

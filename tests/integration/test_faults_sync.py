@@ -17,6 +17,7 @@ from runner_testing import read_metrics, read_summary, run_config
 from asyncrl_core import metrics
 from asyncrl_core.runner import run
 from asyncrl_core.runner.ledger import audit_run
+from asyncrl_sglang.launcher import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -41,6 +42,7 @@ def test_a_dead_agent_loop_worker_is_restarted_in_sync_mode(tmp_path: Path, tiny
         tiny_llama_path,
         runner={"async_mode": False, "num_steps": NUM_STEPS},
         data={"rollout_batch_size": BATCH},
+        rollout={"sglang": {"launch": "builtin", "base_port": free_port()}},
         agentloop={"max_worker_restarts": 1, "task_args": {"num_train": 64, "num_test": 4}},
         checkpoint={"save_at_end": False},
     )
