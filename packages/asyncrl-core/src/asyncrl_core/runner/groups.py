@@ -189,11 +189,13 @@ class WorkerGroups:
         self.nodes = {"actor": actor_node, "rollout": rollout_node}
         """The Ray node id each component runs on."""
         world_size = config.actor_data_parallel_size * config.actor.tensor_parallel_size
-        per_rank = max(1, len(actor_devices) // world_size) if gpu else len(actor_devices)
+        per_rank = max(1, len(actor_devices) // world_size)
+        # On a CPU the ranks split the actor's cores when there are enough, else each uses all of them.
+        split = gpu or len(actor_devices) >= world_size
         port = free_port()
         actor_class = ray.remote(ActorWorker)
         for rank in range(world_size):
-            share = actor_devices[rank * per_rank : (rank + 1) * per_rank] if gpu else actor_devices
+            share = actor_devices[rank * per_rank : (rank + 1) * per_rank] if split else actor_devices
             self.actors.append(
                 self._keep(
                     actor_class.options(**remote_options(config, actor_node, share)).remote(

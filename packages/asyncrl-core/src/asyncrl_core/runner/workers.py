@@ -643,13 +643,15 @@ class RolloutWorker:
         launch = cast(
             "Callable[..., Any]", plugins.load("asyncrl.rollout_backends", config.rollout.rollout_backend)
         )
+        sglang_update: dict[str, Any] = {"base_port": config.rollout.sglang.base_port + index}
+        if config.rollout.sglang.launch == "external":  # this worker's engine is the `index`-th server
+            sglang_update["urls"] = config.rollout.sglang.urls[index : index + 1]
+            sglang_update["grpc_urls"] = config.rollout.sglang.grpc_urls[index : index + 1]
         rollout = config.rollout.model_copy(
             update={
                 "model_path": model_path,
                 "num_instances": 1,
-                "sglang": config.rollout.sglang.model_copy(
-                    update={"base_port": config.rollout.sglang.base_port + index}
-                ),
+                "sglang": config.rollout.sglang.model_copy(update=sglang_update),
             }
         )
         self.index = index

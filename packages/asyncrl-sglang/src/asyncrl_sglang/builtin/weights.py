@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from asyncrl_sglang.builtin._http import json_model, read_model, update_failure
+from asyncrl_sglang.builtin._http import json_model, read_model, semantic_error, update_failure
 from asyncrl_sglang.builtin.engine import Engine, EngineBusyError
 from asyncrl_sglang.builtin.gate import AdmissionGate
 from asyncrl_sglang.builtin.model import ModelLoadError
@@ -23,6 +23,7 @@ from asyncrl_sglang.wire import (
     BeginWeightUpdateRequest,
     DestroyWeightsUpdateGroupRequest,
     EndWeightUpdateRequest,
+    GetWeightsByNameRequest,
     InitWeightsUpdateGroupRequest,
     UpdateResult,
     UpdateWeightsFromDiskRequest,
@@ -218,6 +219,21 @@ class WeightRoutes:
         return _result(
             UpdateResult(success=True, message=f"Weight version updated to {version}", new_version=version)
         )
+
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        """SGLang's verification route: the parameter's first `truncate_size` rows (or values) as float32
+        lists, read between scheduler steps so an update is never seen half-applied."""
+        body = await read_model(request, GetWeightsByNameRequest, required=True)
+        name, truncate_size = body.name, body.truncate_size
+
+        def read() -> list[Any] | None:
+            view = self.engine.model.named.get(name)
+            return None if view is None else view[:truncate_size].to(torch.float32).cpu().tolist()
+
+        values = await self._engine(read)
+        if values is None:
+            return semantic_error(f"Get parameter by name failed: the model has no parameter {name!r}")
+        return web.json_response(values)
 
     async def begin_weight_update(self, request: web.Request) -> web.Response:
         """Open an update session: outside a pause it holds the writer side until `/end_weight_update`, so
