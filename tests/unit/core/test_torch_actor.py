@@ -20,6 +20,7 @@ from asyncrl_core.config import AlgorithmConfig, TorchActorConfig
 from asyncrl_core.errors import AsyncRLError
 from asyncrl_core.models import tiny_llama
 from asyncrl_core.protocols import Actor
+from asyncrl_core.shares import split_batch
 from asyncrl_core.types import NO_VERSION, Group, Trajectory
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -352,6 +353,22 @@ def test_malformed_groups_leave_the_actor_unchanged(model_dir: Path) -> None:
         actor.train_step(groups)
     assert actor.version == 0
     assert_weights_close(before, weights_of(actor), rtol=0.0, atol=0.0)
+
+
+def test_a_share_trains_as_the_groups_it_was_cut_from(model_dir: Path) -> None:
+    # What the runner hands a rank (its `BatchShare`, by reference) and the groups themselves give the same
+    # step, bit for bit; a share cut for another rank is refused before anything changes.
+    from_groups, from_share = make_actor(model_dir, optimizer="sgd"), make_actor(model_dir, optimizer="sgd")
+    groups = make_groups(from_groups)
+    (share,) = split_batch(groups, 1, None, normalize_std=True)
+    assert from_share.train_step(share) == from_groups.train_step(groups)
+    assert_weights_close(weights_of(from_groups), weights_of(from_share), rtol=0.0, atol=0.0)
+    other = split_batch(groups, 2, None, normalize_std=True)[1]
+    before = weights_of(from_share)
+    with pytest.raises(BatchError, match="rank 0 of 1 was handed the share of rank 1 of 2"):
+        from_share.train_step(other)
+    assert from_share.version == 1
+    assert_weights_close(before, weights_of(from_share), rtol=0.0, atol=0.0)
 
 
 def test_export_streams_hugging_face_names_in_buckets(model_dir: Path) -> None:

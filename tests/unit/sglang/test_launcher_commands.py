@@ -3,6 +3,7 @@ it starts (health wait, early death, process-group stop, stop on exit)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -101,7 +102,12 @@ def test_builtin_command_runs_on_cuda_only_when_given_a_device() -> None:
     gpu = builtin_command(model_path="m", host="0.0.0.0", port=5, max_running_requests=3, devices=(2,))
     assert flags(gpu.argv)["--device"] == "cuda"
     assert gpu.env == {"CUDA_VISIBLE_DEVICES": "2"}
-    assert gpu.url == "http://127.0.0.1:5"  # a server on every interface is reached on loopback
+    assert gpu.url == "http://127.0.0.1:5"  # a server on every interface is reached on loopback here
+    # ... and at its node's address from other nodes.
+    advertised = dataclasses.replace(gpu, advertise_host="10.0.0.2", grpc_port=6)
+    assert (advertised.url, advertised.grpc_target) == ("http://10.0.0.2:5", "10.0.0.2:6")
+    bound = builtin_command(model_path="m", host="10.0.0.3", port=5, max_running_requests=3)
+    assert dataclasses.replace(bound, advertise_host="10.0.0.2").url == "http://10.0.0.3:5"
     with pytest.raises(EngineControlError, match="one device"):
         builtin_command(model_path="m", host="h", port=5, max_running_requests=3, devices=(0, 1))
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 from asyncrl_core.types import (
+    BatchShare,
     Demonstration,
     FinalAnswer,
     Generation,
@@ -30,6 +31,11 @@ if TYPE_CHECKING:
 
 NamedTensors = list[tuple[str, "torch.Tensor"]]
 """One bucket of weights under HuggingFace parameter names."""
+
+WeightExportRole = Literal["send", "join", "none"]
+"""What one rank of an actor does when the weights go to the engines: `send` consumes `export_weights` and
+pushes the buckets; `join` consumes it in step with the sender and drops the buckets (the export is a
+collective there: tensor-parallel shards are gathered); `none` takes no part."""
 
 
 @runtime_checkable
@@ -58,8 +64,10 @@ class Actor(Protocol):
         """The weight version of the current parameters; 0 before the first step."""
         ...
 
-    def train_step(self, groups: Sequence[Group]) -> dict[str, float]:
-        """One optimiser step on `groups` (advantages are computed per group); returns `train/...` metrics.
+    def train_step(self, batch: Sequence[Group] | BatchShare) -> dict[str, float]:
+        """One optimiser step on this data-parallel rank's share of a batch (`asyncrl_core.shares`), or on
+        the step's groups, which every rank is then given and cuts the same way (advantages are computed per
+        group); returns `train/...` metrics. A share cut for another rank raises `BatchError`.
 
         Increments `version` by one.
         """
@@ -70,6 +78,12 @@ class Actor(Protocol):
 
         Buckets are produced lazily, so a large model never needs a second full copy in memory.
         """
+        ...
+
+    @property
+    def weight_export_role(self) -> WeightExportRole:
+        """This rank's part in a weight sync: exactly one rank of the actor sends; every rank whose
+        `export_weights` is a collective with the sender's joins."""
         ...
 
     def save_checkpoint(self, path: str) -> None:

@@ -132,10 +132,10 @@ def spawn(
     results = context.Queue()
     collected = context.Event()
     port = free_port()
+    # Not daemonic: Megatron's checkpoint writer starts processes of its own, which a daemon may not. Every
+    # process is killed in the `finally` below whatever happens.
     processes = [
-        context.Process(
-            target=_spawned_main, args=(fn, rank, world_size, port, args, results, collected), daemon=True
-        )
+        context.Process(target=_spawned_main, args=(fn, rank, world_size, port, args, results, collected))
         for rank in range(world_size)
     ]
     values: dict[int, Any] = {}

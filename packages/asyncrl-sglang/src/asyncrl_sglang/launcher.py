@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import signal
 import socket
 import sys
@@ -47,6 +48,8 @@ if TYPE_CHECKING:
 
 ServerArgument = str | int | float | bool
 
+LOOPBACK = "127.0.0.1"
+
 
 @dataclass(frozen=True, slots=True)
 class EngineCommand:
@@ -54,24 +57,31 @@ class EngineCommand:
 
     argv: tuple[str, ...]
     host: str
+    """The address the engine binds to."""
     port: int
     env: Mapping[str, str] = field(default_factory=dict[str, str])
     grpc_port: int | None = None
     """The port of the engine's gRPC scheduler service (None: the engine serves HTTP only)."""
+    advertise_host: str = LOOPBACK
+    """Where the engine is reached when `host` binds every interface (`0.0.0.0`, `::`): its node's address
+    in a cluster, loopback on one machine."""
+
+    @property
+    def reach_host(self) -> str:
+        """The host others reach the engine at: `host`, or `advertise_host` for a wildcard bind."""
+        return self.advertise_host if self.host in ("0.0.0.0", "::") else self.host
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        # A server bound to every interface is reached on loopback from here.
-        host = {"0.0.0.0": "127.0.0.1", "[::]": "[::1]"}.get(host, host)
-        return f"http://{host}:{self.port}"
+        host = self.reach_host
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
 
     @property
     def grpc_target(self) -> str | None:
-        """`host:port` of the gRPC service, reached on loopback when bound to every interface."""
+        """`host:port` of the gRPC service, at the same host as `url`."""
         if self.grpc_port is None:
             return None
-        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
+        host = self.reach_host
         return f"[{host}]:{self.grpc_port}" if ":" in host else f"{host}:{self.grpc_port}"
 
 
@@ -432,12 +442,15 @@ def launch_engines(
     devices: Sequence[int] = (),
     gpu: bool = False,
     health_timeout_s: float = 600.0,
+    advertise_host: str = LOOPBACK,
 ) -> LaunchedEngines:
     """Start (or, for `external`, reach) the engines `rollout` describes and wait until they are healthy.
 
     `devices`: the rollout devices of the placement; instance `i` gets `devices[i*tp:(i+1)*tp]` (as
     `CUDA_VISIBLE_DEVICES` when `gpu`). The number of instances is `rollout.num_instances`, else
-    `len(devices) // tensor_parallel_size` (at least 1).
+    `len(devices) // tensor_parallel_size` (at least 1). The engines bind to `rollout.sglang.host`
+    (loopback when unset; the runner sets it per node), on ports picked free here; `advertise_host` is the
+    host of their URLs when they bind every interface (the node's address in a cluster).
     """
     sglang = rollout.sglang
     if sglang.launch == "external":
@@ -457,7 +470,8 @@ def launch_engines(
     if rollout.model_path is None:
         raise EngineControlError("rollout.model_path is not set (it defaults to actor.model_path)")
     model_path = str(resolve_model_path(rollout.model_path, key="rollout.model_path"))
-    ports = pick_ports(sglang.host, num_instances, sglang.base_port)
+    host = sglang.host or LOOPBACK
+    ports = pick_ports(host, num_instances, sglang.base_port)
     grpc_ports: list[int | None] = [None] * num_instances
     if sglang.transport == "grpc":
         if sglang.launch == "sglang":
@@ -465,7 +479,7 @@ def launch_engines(
                 "rollout.sglang.transport grpc: the launcher starts SGLang's HTTP server only; use "
                 "launch: external with grpc_urls"
             )
-        grpc_ports = list(pick_ports(sglang.host, num_instances, sglang.grpc_base_port, taken=ports))
+        grpc_ports = list(pick_ports(host, num_instances, sglang.grpc_base_port, taken=ports))
     commands: list[EngineCommand] = []
     for index, port in enumerate(ports):
         share = tuple(devices[index * tp : (index + 1) * tp]) if gpu else ()
@@ -473,7 +487,7 @@ def launch_engines(
             commands.append(
                 sglang_command(
                     model_path=model_path,
-                    host=sglang.host,
+                    host=host,
                     port=port,
                     tensor_parallel_size=tp,
                     max_running_requests=rollout.max_running_requests,
@@ -487,7 +501,7 @@ def launch_engines(
             commands.append(
                 builtin_command(
                     model_path=model_path,
-                    host=sglang.host,
+                    host=host,
                     port=port,
                     max_running_requests=rollout.max_running_requests,
                     devices=share,
@@ -496,6 +510,7 @@ def launch_engines(
                     grpc_port=grpc_ports[index],
                 )
             )
+    commands = [dataclasses.replace(command, advertise_host=advertise_host) for command in commands]
     return start_engines(
         commands, log_dir=run_dir / "engines", health_timeout_s=health_timeout_s, api_key=sglang.api_key
     )

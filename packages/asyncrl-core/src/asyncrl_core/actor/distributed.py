@@ -1,8 +1,9 @@
 """Data parallelism for the torch actor: one process per device, joined by `torch.distributed`.
 
-Every rank builds the same `TorchActor` and is given the same groups at every step; each trains on its share
-of the rows, and DDP averages the gradients (gloo on CPU, NCCL on GPU). Whoever starts the ranks (the actor
-group, or a test) calls `init_process_group` in each of them first and `destroy_process_group` at the end.
+Every rank builds the same `TorchActor` and is given its share of the step's rows (or the step's groups,
+which it cuts the same way: `asyncrl_core.shares`), and DDP averages the gradients (gloo on CPU, NCCL on
+GPU). Whoever starts the ranks (the actor group, or a test) calls `init_process_group` in each of them first
+and `destroy_process_group` at the end.
 """
 
 from __future__ import annotations

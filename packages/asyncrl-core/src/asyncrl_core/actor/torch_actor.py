@@ -1,12 +1,12 @@
 """The PyTorch actor: trains a HuggingFace causal LM on buffered groups, data parallel over its devices.
 
 A step (`train_step`) makes `actor.ppo_epochs` passes over the step's groups cut into mini-batches of
-`actor.ppo_mini_batch_size` groups (`asyncrl_core.algorithms.pack_mini_batches`), one optimiser update per
-mini-batch and pass, and bumps the weight version once; by default, one update per step. Within an update,
-the mini-batch's rows are sorted by length and dealt to the data-parallel ranks, and each rank runs its rows
-in micro-batches of `actor.micro_batch_size`, accumulating gradients. The per-token loss weights are fixed for
-the whole mini-batch, so the accumulated gradient equals the mini-batch gradient whatever the split. DDP
-averages gradients over the ranks, so each rank scales its loss by the world size.
+`actor.ppo_mini_batch_size` groups, one optimiser update per mini-batch and pass, and bumps the weight
+version once; by default, one update per step. Within an update, the mini-batch's rows are sorted by length
+and dealt to the data-parallel ranks (`asyncrl_core.shares`: the runner hands each rank its share), and each
+rank runs its rows in micro-batches of `actor.micro_batch_size`, accumulating gradients. The per-token loss
+weights are fixed for the whole mini-batch, so the accumulated gradient equals the mini-batch gradient
+whatever the split. DDP averages gradients over the ranks, so each rank scales its loss by the world size.
 
 Precision. Parameters and optimiser state are float32 (the master weights). `actor.dtype: bfloat16` runs the
 forward and backward passes under bfloat16 autocast where the device supports it (CUDA with bf16, a CPU
@@ -51,8 +51,8 @@ from asyncrl_core.actor.rng import load_rng, rng_file, save_rng, seed_all, set_r
 from asyncrl_core.algorithms import (
     LossSettings,
     PackedBatch,
-    pack_mini_batches,
     policy_loss,
+    rank_plan,
     token_entropy,
     token_logprobs,
 )
@@ -66,8 +66,8 @@ from asyncrl_core.metrics import (
     TRAIN_NUM_TRAJECTORIES,
     TRAIN_NUM_UPDATES,
 )
-from asyncrl_core.protocols import NamedTensors
-from asyncrl_core.types import Group
+from asyncrl_core.protocols import NamedTensors, WeightExportRole
+from asyncrl_core.types import BatchShare, Group
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -146,10 +146,10 @@ class TorchActor:
     """The `asyncrl_core.protocols.Actor` on PyTorch and HuggingFace `transformers`.
 
     Build one per data-parallel rank, after `asyncrl_core.actor.distributed.init_process_group` when there
-    is more than one; every rank must then get the same groups in `train_step`. Everything comes from the
-    configuration's `actor` and `algorithm` sections: `actor.temperature` (the engines' sampling temperature,
-    derived from `rollout.sampling.temperature`), and `actor.ppo_mini_batch_size` and `actor.ppo_epochs`,
-    which set the optimiser updates of a step.
+    is more than one; every rank must then get its own share of the step, or the same groups, in
+    `train_step`. Everything comes from the configuration's `actor` and `algorithm` sections:
+    `actor.temperature` (the engines' sampling temperature, derived from `rollout.sampling.temperature`),
+    and `actor.ppo_mini_batch_size` and `actor.ppo_epochs`, which set the optimiser updates of a step.
     """
 
     def __init__(
@@ -265,33 +265,41 @@ class TorchActor:
         return self._version
 
     @property
+    def weight_export_role(self) -> WeightExportRole:
+        """Rank 0 sends; every rank holds the whole model, so the others take no part."""
+        return "send" if self.rank == 0 else "none"
+
+    @property
     def reference(self) -> PreTrainedModel | None:
         """The frozen reference model of the KL term, loaded only when `algorithm.kl_coef > 0`."""
         return None if self._reference_logits is None else self._reference_logits.causal_lm
 
-    def train_step(self, groups: Sequence[Group]) -> dict[str, float]:
-        """One training step on `groups`: `actor.ppo_epochs` passes over mini-batches of
-        `actor.ppo_mini_batch_size` groups, one optimiser update each; the version goes up by one.
+    def train_step(self, batch: Sequence[Group] | BatchShare) -> dict[str, float]:
+        """One training step: `actor.ppo_epochs` passes over mini-batches of `actor.ppo_mini_batch_size`
+        groups, one optimiser update each; the version goes up by one.
+
+        `batch` is this rank's `BatchShare` (as the runner hands it over), or the step's groups, which every
+        rank is then given and cuts the same way (`asyncrl_core.algorithms.rank_plan`).
 
         Returns the step's `train/...` metrics, equal on every rank: `policy_loss`'s metrics and
         `train/grad_norm` (before clipping) as means over the updates (each update's own metrics are in
         `update_metrics`), `train/lr`, `train/num_updates`, and the step's `train/num_trajectories`,
         `train/num_tokens` (prompt and response, all ranks) and `train/num_loss_tokens`. Raises `BatchError`
-        for malformed groups (nothing is changed) and `ActorError` for a non-finite gradient: in the first
-        update, the weights, the optimiser and the version are unchanged; in a later one, the updates before
-        it are kept and the version goes up by one, as the error says.
+        for malformed groups or another rank's share (nothing is changed) and `ActorError` for a non-finite
+        gradient: in the first update, the weights, the optimiser and the version are unchanged; in a later
+        one, the updates before it are kept and the version goes up by one, as the error says.
         """
-        batches = pack_mini_batches(
-            groups,
+        plan = rank_plan(
+            batch,
+            self.rank,
+            self.world_size,
             self.pad_id,
-            self.config.ppo_mini_batch_size,
+            mini_batch_size=self.config.ppo_mini_batch_size,
+            micro_batch_size=self.config.micro_batch_size,
             normalize_std=self.settings.normalize_advantage_std,
             aggregation=self.settings.loss_aggregation,
         )
-        plans = [
-            batch.rank_micro_batches(self.rank, self.world_size, self.config.micro_batch_size)
-            for batch in batches
-        ]
+        plans = plan.micro_batches
         num_updates = self.config.ppo_epochs * len(plans)
         # The proximal policy of the decoupled correction is the policy before the step's first update, for
         # every update of the step: taken once, here, so that the clip acts from the second update on. A
@@ -323,9 +331,9 @@ class TorchActor:
         }
         result[TRAIN_LR] = float(self.optimizer.param_groups[0]["lr"])
         result[TRAIN_NUM_UPDATES] = float(num_updates)
-        result[TRAIN_NUM_TRAJECTORIES] = float(sum(batch.num_rows for batch in batches))
-        result[TRAIN_NUM_TOKENS] = float(sum(batch.num_tokens for batch in batches))
-        result[TRAIN_NUM_LOSS_TOKENS] = float(sum(batch.num_loss_tokens for batch in batches))
+        result[TRAIN_NUM_TRAJECTORIES] = float(plan.num_rows)
+        result[TRAIN_NUM_TOKENS] = float(plan.num_tokens)
+        result[TRAIN_NUM_LOSS_TOKENS] = float(plan.num_loss_tokens)
         return result
 
     def export_weights(

@@ -407,8 +407,11 @@ class SGLangConfig(Section):
     only."""
     api_key: str | None = None
     """Bearer token the servers expect, if any."""
-    host: str = "127.0.0.1"
-    """Address launched servers bind to. Loopback unless the engines must be reached from other nodes."""
+    host: Annotated[str, Field(min_length=1)] | None = None
+    """Address launched servers bind to (`0.0.0.0`: every interface). Unset: loopback (`127.0.0.1`) when the
+    Ray cluster has one node, and each engine's node address when it has several, so the actor and the
+    agent loops on other nodes reach it. An engine's URL carries the address it binds, or its node's address
+    when it binds every interface."""
     base_port: Annotated[int, Field(ge=1024, le=65535)] = 30000
     """First port of launched servers; instance `i` listens on `base_port + i` (or the next free port)."""
     extra_args: dict[str, ServerArgument] = Field(default_factory=dict[str, ServerArgument])
@@ -666,7 +669,7 @@ class ActorCommon(Section):
     tensor_parallel_size: PositiveInt = 1
     """Devices a layer is split over (Megatron only; the torch actor needs 1)."""
     pipeline_parallel_size: PositiveInt = 1
-    """Pipeline stages (Megatron only; the torch actor needs 1)."""
+    """Pipeline stages: must be 1 (neither actor is pipeline parallel; `--dry-run` refuses another value)."""
     data_parallel_size: PositiveInt | None = None
     """Data-parallel ranks of the actor, one process each (times the tensor and pipeline parallel size).
     Derived: on GPUs, the actor devices divided by `tensor_parallel_size x pipeline_parallel_size` (another
@@ -776,30 +779,42 @@ class TorchActorConfig(ActorCommon):
 
 
 class MegatronActorConfig(ActorCommon):
-    """The Megatron-Core actor (asyncrl_megatron): tensor, pipeline and data parallel, GPUs only."""
+    """The Megatron-Core actor (asyncrl_megatron): tensor and data parallel. Built for GPUs; on CPU cores it
+    runs with gloo, one process per tensor-parallel rank sharing the actor's cores (for tests)."""
 
     backend: Literal["megatron"] = "megatron"
     """Training backend."""
     sequence_parallel: bool = False
-    """Split layer norms and dropout over the tensor-parallel group (needs `tensor_parallel_size > 1`)."""
+    """Split layer norms and dropout over the tensor-parallel group (needs `tensor_parallel_size > 1` and
+    GPUs)."""
     use_distributed_optimizer: bool = True
-    """Shard optimiser state over the data-parallel group."""
+    """Shard optimiser state over the data-parallel group (GPUs)."""
 
     def check(self, root: AsyncRLConfig, found: Validation) -> None:
         super().check(root, found)
-        if root.cluster.device_type == "cpu":
-            found.error("actor.backend", "Megatron needs GPUs; write `torch` to train on CPU")
+        if self.pipeline_parallel_size != 1:
+            found.error(
+                "actor.pipeline_parallel_size",
+                "the Megatron actor is tensor and data parallel, not pipeline parallel; write 1 and split "
+                "the model over more devices with `actor.tensor_parallel_size`",
+            )
+        gpu = root.cluster.device_type == "gpu"
         model_parallel = self.tensor_parallel_size * self.pipeline_parallel_size
         num_devices = len(root.cluster.devices_of("actor")) if root.cluster.placement() else 0
-        if num_devices and num_devices % model_parallel:
+        # On CPU cores every rank runs on all of the actor's cores: no count to divide.
+        if gpu and num_devices and num_devices % model_parallel:
             found.error(
                 "actor.tensor_parallel_size",
                 f"tensor_parallel_size {self.tensor_parallel_size} x pipeline_parallel_size "
                 f"{self.pipeline_parallel_size} = {model_parallel} does not divide the {num_devices} actor "
                 f"devices; their product must be one of {divisors(num_devices)}",
             )
-        if self.sequence_parallel and self.tensor_parallel_size == 1:
-            found.error("actor.sequence_parallel", "needs `actor.tensor_parallel_size` above 1; write false")
+        if self.sequence_parallel and (self.tensor_parallel_size == 1 or not gpu):
+            found.error(
+                "actor.sequence_parallel",
+                "needs `actor.tensor_parallel_size` above 1 and GPUs (gloo cannot reduce-scatter); write "
+                "false",
+            )
 
 
 class PluginActorConfig(ActorCommon):

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from asyncrl_core import metrics
 from asyncrl_core.runner import checkpoint
+from asyncrl_core.runner.handoff import Handoff, train_calls
 from asyncrl_core.runner.ledger import LEDGER_FILE, write_json
 from asyncrl_core.runner.liveness import Liveness
 from asyncrl_core.runner.timeouts import TimeoutKey, timed_out, timeout_of
@@ -60,17 +61,18 @@ class RunContext:
         base, extra = divmod(self.config.data.rollout_batch_size, len(loops))
         return [(loop, base + (index < extra)) for index, loop in enumerate(loops) if base + (index < extra)]
 
-    def train(self, batch: Any) -> dict[str, float]:
-        """One step of every actor rank on `batch` (a Ray reference or a `Batch`); rank 0's metrics. A rank
-        that dies stops the run at once with its rank and error (the others may wait for it forever)."""
+    def train(self, handoff: Handoff) -> dict[str, float]:
+        """One step of every actor rank, each on its own data-parallel share of the batch `handoff` points
+        to (`asyncrl_core.runner.handoff`); rank 0's metrics with the batch's rollout metrics. A rank that
+        dies stops the run at once with its rank and error (the others may wait for it forever)."""
         results = self.wait_all(
-            [actor.train.remote(batch) for actor in self.workers.actors],
+            train_calls(self.workers.actors, handoff, self.config.actor.tensor_parallel_size),
             "training",
             "actor rank",
             "actor.train_timeout_s",
         )
         self.version += 1
-        return results[0]
+        return {**results[0], **handoff.metrics}
 
     def wait_all(self, refs: Sequence[Any], what: str, part: str, key: TimeoutKey) -> list[Any]:
         """The results of calls `refs` (in order), one per worker of a kind (`part`: `actor rank`,
@@ -100,10 +102,10 @@ class RunContext:
                 raise self.liveness.fatal(f"{part} {index}", f"died during {what}: {error}") from error
         return self.workers.get(list(refs), what, key)
 
-    def wait_batch(self, take: Callable[[], Any]) -> Any:
-        """Poll `take()` (a hand-off that waits up to a second) until it yields a batch, while the engines
-        and agent loops are watched (a failed one is restarted, or its error raised); `RunnerError` after
-        `rollout.request_timeout_s` without data."""
+    def wait_batch(self, take: Callable[[], Any]) -> Handoff:
+        """Poll `take()` (a hand-off that waits up to a second) until it yields a batch's `Handoff`, while
+        the engines and agent loops are watched (a failed one is restarted, or its error raised);
+        `RunnerError` after `rollout.request_timeout_s` without data."""
         import ray
 
         deadline = time.monotonic() + self.timeout_s

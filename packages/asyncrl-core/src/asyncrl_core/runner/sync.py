@@ -23,7 +23,7 @@ def run_sync(ctx: RunContext) -> None:
             "rollout.request_timeout_s",
         )
         rollout_s = time.perf_counter() - started
-        batch = ctx.wait_batch(lambda: workers.buffer.take_batch.remote(batch_size, ctx.version, 1.0))
+        batch = ctx.wait_batch(lambda: workers.buffer.hand_off.remote(batch_size, ctx.version, 1.0))
         train_metrics = ctx.train(batch)
         sync_metrics = liveness.sync_weights(ctx.config.rollout.pause_mode)
         buffer_metrics = workers.get(workers.buffer.end_step.remote(), "buffer statistics")

@@ -6,6 +6,7 @@ gate's writer side (unless a pause or a session already excludes generation), lo
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any
@@ -44,6 +45,8 @@ _TORCH_DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float64": torch.float64,
 }
+
+logger = logging.getLogger(__name__)
 
 
 class WeightRoutes:
@@ -148,6 +151,15 @@ class WeightRoutes:
             group = await asyncio.to_thread(join)
         except Exception as error:
             return update_failure(f"Failed to init the weight update group: {error}")
+        logger.info(
+            "joined the weight update group %r at %s:%d as rank %d of %d (%s)",
+            group_name,
+            address,
+            port,
+            rank_offset,
+            world_size,
+            backend,
+        )
         self._group = group
         self._group_name = group_name
         self._group_device = self.engine.model.device if backend == "nccl" else torch.device("cpu")
