@@ -202,7 +202,7 @@ class TorchActor:
 
             # Buffers (rotary tables) are equal on every rank and never trained: not synchronised at each
             # forward pass. torch 2.15 renamed the option; the old name warns there.
-            buffers = (
+            buffers: dict[str, Any] = (
                 {"forward_sync_buffers": False}
                 if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
                 else {"broadcast_buffers": False}
