@@ -48,7 +48,13 @@ def _ray_command() -> list[str]:
 
 def _start(nodes: RayNodes, arguments: list[str], name: str) -> None:
     log = nodes.temp_dir / f"{name}.log"
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
+    env = {
+        **os.environ,
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
+        # A node drains for Ray Serve on SIGTERM (30 s by default); nothing here serves.
+        "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+    }
     with open(log, "wb") as output:
         process = subprocess.Popen(
             [*_ray_command(), "start", "--block", "--disable-usage-stats", *arguments],

@@ -533,8 +533,8 @@ class RolloutConfig(Section):
     """The rollout engines: backend, model, number of instances, and how they pause for weight syncs."""
 
     rollout_backend: Annotated[str, Field(min_length=1)] = "sglang"
-    """Engine family: `sglang` (built in), a name in the entry-point group `asyncrl.rollout_backends`, or
-    `module:attr`."""
+    """Engine family: a name in the entry-point group `asyncrl.rollout_backends` (`sglang`, declared by
+    asyncrl-sglang), or `module:attr` of a backend factory (`asyncrl_core.protocols.RolloutBackend`)."""
     sglang: SGLangConfig = Field(default_factory=SGLangConfig)
     """Settings of the `sglang` backend."""
     backend_args: dict[str, JsonValue] = Field(default_factory=dict[str, JsonValue])

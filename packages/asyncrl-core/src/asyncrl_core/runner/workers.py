@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 import urllib.parse
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -35,21 +35,17 @@ from asyncrl_core.errors import AsyncRLError, GenerationError, PromptTooLongErro
 from asyncrl_core.runner.dataloader import LoaderState, PromptLoader, Ticket
 from asyncrl_core.runner.handoff import Handoff, ShareCutter
 from asyncrl_core.runner.ledger import STALE, PromptLedger
+from asyncrl_core.runner.rollout_backend import rollout_backend, weight_group
 from asyncrl_core.types import BatchShare, Group, SamplingParams
 
 if TYPE_CHECKING:
     from asyncrl_core.config import AsyncRLConfig
-    from asyncrl_core.protocols import Actor, GenerationClient, NamedTensors, Task
+    from asyncrl_core.protocols import Actor, EngineClient, NamedTensors, Task
 
 logger = logging.getLogger(__name__)
 
 AGENT_LOOP_TARGET = "asyncrl_agents.loop:AgentLoopWorker"
 """The agent loop the runner drives (asyncrl-agents'), loaded when an `AgentLoopWorker` starts."""
-CONNECT_TARGET = "asyncrl_sglang.launcher:connect_engines"
-"""Clients of running SGLang-protocol engines, as one `GenerationClient` with the drain gate."""
-WEIGHT_SYNC_TARGET = "asyncrl_sglang.weight_sync:sync_weights"
-TENSOR_TRANSPORT_TARGET = "asyncrl_sglang.weight_sync:TensorTransport"
-DISTRIBUTED_TRANSPORT_TARGET = "asyncrl_sglang.weight_sync:DistributedTransport"
 
 
 LOAD_TASK_TARGET = "asyncrl_agents.tasks:load_task"
@@ -612,15 +608,10 @@ class AgentLoopWorker:
         await self.client.aclose()
 
 
-def _connect_engines(config: AsyncRLConfig, endpoints: Sequence[EngineEndpoint]) -> Any:
-    """A `GenerationClient` over every engine: control over HTTP, generation by `rollout.sglang.transport`."""
-    connect = cast("Callable[..., GenerationClient]", load_target(CONNECT_TARGET))
-    rollout = config.rollout
-    return connect(
-        [endpoint.url for endpoint in endpoints],
-        grpc_targets=[endpoint.grpc_target for endpoint in endpoints],
-        api_key=rollout.sglang.api_key,
-        request_timeout_s=rollout.request_timeout_s,
+def _connect_engines(config: AsyncRLConfig, endpoints: Sequence[EngineEndpoint]) -> EngineClient:
+    """One client over every engine, through the rollout backend."""
+    return rollout_backend(config).connect(
+        [endpoint.url for endpoint in endpoints], [endpoint.grpc_target for endpoint in endpoints]
     )
 
 
@@ -656,9 +647,7 @@ class RolloutWorker:
         gpu = config.cluster.device_type == "gpu"
         if not gpu:
             pin_to_cores(devices)
-        launch = cast(
-            "Callable[..., Any]", plugins.load("asyncrl.rollout_backends", config.rollout.rollout_backend)
-        )
+        backend = rollout_backend(config)
         sglang = config.rollout.sglang
         # An external engine: this worker watches the one at its own index of the URLs.
         own = {"urls": sglang.urls[index : index + 1]} if sglang.urls else {}
@@ -681,7 +670,7 @@ class RolloutWorker:
 
         def start(base_port: int) -> Any:
             sglang = rollout.sglang.model_copy(update={"base_port": base_port})
-            return launch(
+            return backend.launch(
                 rollout.model_copy(update={"sglang": sglang}),
                 run_dir=run_dir / f"rollout-{index}",
                 devices=tuple(devices),
@@ -863,43 +852,20 @@ async def _push_weights(
 ) -> dict[str, float]:
     # A module function, not a method: a Ray actor class with a coroutine method becomes an asyncio actor,
     # and the actor worker must stay a plain threaded one (training blocks).
-    sync = cast("Callable[..., Awaitable[Any]]", load_target(WEIGHT_SYNC_TARGET))
-    client = _connect_engines(config, endpoints)
+    backend = rollout_backend(config)
+    client = backend.connect([endpoint.url for endpoint in endpoints], [e.grpc_target for e in endpoints])
     try:
-        if config.rollout.sglang.weight_transport == "distributed":
-            await transport.connect(client)
-        result = await sync(client, buckets, version, mode=mode, transport=transport)
+        return await backend.sync_weights(client, buckets, version, mode=mode, transport=transport)
     finally:
         await client.aclose()
         # Buckets left by a failure midway are still taken: the ranks that join the export wait in its
         # collectives until the sender has gone through every bucket.
         for _ in buckets:
             pass
-    return cast("dict[str, float]", result.metrics())
 
 
 def weight_transport(config: AsyncRLConfig) -> Any:
-    """The transport `rollout.sglang.weight_transport` names: request bodies, or a process group that the
-    trainer (rank 0 of the actor) forms with the engines at the first sync and keeps, meeting at the
-    trainer's node address on a port picked there."""
-    num_ranks = config.rollout.tensor_parallel_size
-    if config.rollout.sglang.weight_transport == "tensor":
-        return cast("Callable[..., Any]", load_target(TENSOR_TRANSPORT_TARGET))(num_ranks)
-    from asyncrl_core.runner.placement import free_port_on, node_address
-
-    # The trainer hosts the group's store on its own node; the engines connect to it from theirs.
-    master_address = node_address()
-    cluster = config.cluster
-    shared = set(cluster.devices_of("actor")) & set(cluster.devices_of("rollout"))
-    # NCCL forms no group with two ranks on one GPU: a trainer sharing its GPU with the engines goes
-    # through gloo, staging each bucket in host memory.
-    nccl = cluster.device_type == "gpu" and not shared
-    distributed = cast("Callable[..., Any]", load_target(DISTRIBUTED_TRANSPORT_TARGET))
-    return distributed(
-        master_address=master_address,
-        master_port=free_port_on(master_address),
-        backend="nccl" if nccl else "gloo",
-        num_ranks=num_ranks,
-        device="cuda" if nccl else "cpu",
-        timeout_s=config.actor.train_timeout_s,
-    )
+    """The rollout backend's transport for this run (by `rollout.sglang.weight_transport` for `sglang`):
+    request bodies, or a process group that the trainer (rank 0 of the actor) forms with the engines at the
+    first sync and keeps, hosted at the trainer's node address on a port picked there (`weight_group`)."""
+    return rollout_backend(config).weight_transport(weight_group(config))
