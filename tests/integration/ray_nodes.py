@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+
+from asyncrl_core.server_process import free_port
 
 STOP_GRACE_S = 60.0
 """How long a node gets to drain and stop after SIGTERM before what is left of it is killed."""
@@ -67,12 +68,6 @@ def _start(nodes: RayNodes, arguments: list[str], name: str) -> None:
     nodes.logs.append(log)
 
 
-def _free_port(address: str) -> int:
-    with socket.socket() as probe:
-        probe.bind((address, 0))
-        return int(probe.getsockname()[1])
-
-
 def _wait_for_nodes(nodes: RayNodes, count: int) -> None:
     """Until `ray status`-like polling through the GCS sees `count` alive nodes."""
     import ray
@@ -98,7 +93,7 @@ def ray_nodes(
     import ray
 
     temp_dir = Path(tempfile.mkdtemp(prefix="rn", dir="/tmp"))  # Ray's socket paths must stay short
-    port = _free_port(addresses[0])
+    port = free_port(addresses[0])
     nodes = RayNodes(f"{addresses[0]}:{port}", temp_dir)
     try:
         for index, address in enumerate(addresses):

@@ -14,6 +14,7 @@ import torch
 
 from asyncrl_core.algorithms import LossSettings
 from asyncrl_core.errors import AsyncRLError
+from asyncrl_core.metrics import TRAIN_KL
 from asyncrl_core.models import tiny_llama
 from asyncrl_core.types import NO_VERSION, Group, Trajectory
 from asyncrl_megatron import parallel
@@ -59,14 +60,16 @@ def _weights(actor: MegatronActor) -> dict[str, torch.Tensor]:
     return {name: t.clone() for bucket in actor.export_weights(1 << 20) for name, t in bucket}
 
 
-def test_checkpoint_resumes_the_same_training(model_dir: Path, tmp_path: Path) -> None:
-    actor = _actor(model_dir)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_checkpoint_resumes_the_same_training(model_dir: Path, tmp_path: Path, dtype: str) -> None:
+    # In bfloat16 the optimizer steps float32 master weights: they are saved too, or the next step differs.
+    actor = _actor(model_dir, dtype=dtype)
     actor.train_step(_groups(0))
     actor.save_checkpoint(str(tmp_path / "ckpt"))
     actor.train_step(_groups(1))
     expected = _weights(actor)
 
-    resumed = _actor(model_dir)
+    resumed = _actor(model_dir, dtype=dtype)
     resumed.load_checkpoint(str(tmp_path / "ckpt"))
     assert resumed.version == 1
     resumed.train_step(_groups(1))
@@ -110,6 +113,22 @@ def test_a_checkpoint_saved_at_tp2_resumes_at_tp1(model_dir: Path, tmp_path: Pat
     continued = _weights(resumed)
     for name, tensor in first["continued"].items():
         torch.testing.assert_close(continued[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_first_step_has_no_kl_to_the_starting_policy(model_dir: Path, dtype: str) -> None:
+    actor = MegatronActor(
+        MegatronActorSettings(model_path=str(model_dir), temperature=1.0, dtype=dtype, lr=1e-2),  # pyright: ignore[reportArgumentType]
+        # The groups' advantages move the policy; the entropy bonus moves it even where they are 0.
+        LossSettings(kl_coef=0.1, entropy_coef=0.01),
+    )
+    assert {p.dtype for p in actor.module.parameters()} == {getattr(torch, dtype)}
+    assert actor.reference is not None
+    assert {p.dtype for p in actor.reference.parameters()} == {getattr(torch, dtype)}
+    # The reference is the starting policy, computed the same way: the KL is 0, not merely small.
+    assert actor.train_step(_groups(0))[TRAIN_KL] == 0.0
+    # Once the policy has moved the metric is live (and would show any difference of the two passes).
+    assert actor.train_step(_groups(0))[TRAIN_KL] > 1e-6
 
 
 def test_bad_checkpoints_are_refused_without_change(model_dir: Path, tmp_path: Path) -> None:

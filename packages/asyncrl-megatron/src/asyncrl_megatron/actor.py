@@ -102,7 +102,8 @@ class MegatronActorSettings:
     """The engines' sampling temperature: logprobs are taken under `softmax(logits / temperature)`
     (`actor.temperature`, derived from `rollout.sampling.temperature`)."""
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    """Parameter dtype on a GPU (float32 master weights in the optimizer); a CPU always uses float32."""
+    """Parameter dtype; bfloat16 parameters get float32 master weights in the optimizer (Megatron's on a GPU,
+    `torch.optim` over master copies on a CPU)."""
     micro_batch_size: int = 1
     """Rows per forward/backward pass."""
     optimizer: Literal["adamw", "sgd"] = "adamw"
@@ -196,9 +197,7 @@ class MegatronActor:
         """The metrics of each optimizer update of the last `train_step`, in order."""
         self.model_path = models.resolve_model_path(settings.model_path, key="actor.model_path")
         self.arch = Architecture.from_pretrained(self.model_path)
-        self.dtype = torch.bfloat16 if settings.dtype == "bfloat16" and on_gpu else torch.float32
-        if settings.dtype == "bfloat16" and not on_gpu:
-            logger.warning("no GPU: the Megatron actor trains in float32 on the CPU")
+        self.dtype = torch.bfloat16 if settings.dtype == "bfloat16" else torch.float32
 
         parallel.initialize(settings.tensor_parallel_size, seed=settings.seed)
         from megatron.core import parallel_state
@@ -230,6 +229,7 @@ class MegatronActor:
             self.reference.requires_grad_(False)
         self._megatron_optimizer: Any = None
         self._torch_optimizer: torch.optim.Optimizer | None = None
+        self._master_parameters: list[torch.nn.Parameter] | None = None
         if on_gpu:
             self._megatron_optimizer = self._build_megatron_optimizer()
         else:
@@ -440,7 +440,9 @@ class MegatronActor:
                 self._megatron_optimizer.load_state_dict(loaded["optimizer"])
             else:
                 assert self._torch_optimizer is not None
-                checkpoint.load_torch_optimizer_state(self._torch_optimizer, loaded["optimizer"])
+                checkpoint.load_torch_optimizer_state(
+                    self._torch_optimizer, self._master_parameters, loaded["optimizer"]
+                )
         self._version = int(description["version"])
         if generators is not None:
             set_rng_state(generators[0])
@@ -467,7 +469,13 @@ class MegatronActor:
             )
         else:
             assert self._torch_optimizer is not None
-            optimizer = checkpoint.torch_optimizer_state(self._torch_optimizer, model, is_loading=is_loading)
+            optimizer = checkpoint.torch_optimizer_state(
+                self._torch_optimizer,
+                model,
+                [p for p in self.module.parameters() if p.requires_grad],
+                self._master_parameters,
+                is_loading=is_loading,
+            )
         return {"model": model, "optimizer": optimizer}
 
     def _save_hf_copy(self, hf_folder: Path) -> None:
@@ -553,8 +561,13 @@ class MegatronActor:
         return get_megatron_optimizer(config, [self.model])
 
     def _build_torch_optimizer(self) -> torch.optim.Optimizer:
+        """`torch.optim` over the float32 parameters, or over float32 master copies of bfloat16 ones (as
+        Megatron's optimizer keeps them), copied back into the model after each step."""
         s = self.settings
-        parameters = [p for p in self.module.parameters() if p.requires_grad]
+        parameters: list[torch.nn.Parameter] = [p for p in self.module.parameters() if p.requires_grad]
+        if self.dtype != torch.float32:
+            self._master_parameters = [torch.nn.Parameter(p.detach().float()) for p in parameters]
+            parameters = self._master_parameters
         if s.optimizer == "adamw":
             return torch.optim.AdamW(
                 parameters,
@@ -583,17 +596,22 @@ class MegatronActor:
             return float(grad_norm or 0.0)
         assert self._torch_optimizer is not None
         parameters = [p for p in self.module.parameters() if p.requires_grad]
-        for parameter in parameters:
-            # Megatron's gradient buffers hold the (averaged) gradient; torch.optim reads `.grad`.
-            parameter.grad = parameter.main_grad  # pyright: ignore[reportAttributeAccessIssue]
         grad_norm = self._global_grad_norm(parameters)
+        stepped = self._master_parameters or parameters
+        for target, parameter in zip(stepped, parameters, strict=True):
+            # Megatron's gradient buffers hold the (averaged) float32 gradient; torch.optim reads `.grad`.
+            target.grad = parameter.main_grad  # pyright: ignore[reportAttributeAccessIssue]
         if self.settings.grad_clip > 0 and grad_norm > self.settings.grad_clip:
             scale = self.settings.grad_clip / (grad_norm + 1e-6)
-            for parameter in parameters:
-                assert parameter.grad is not None
-                parameter.grad.mul_(scale)
+            for target in stepped:
+                assert target.grad is not None
+                target.grad.mul_(scale)
         self._torch_optimizer.step()
         self._torch_optimizer.zero_grad(set_to_none=True)
+        if self._master_parameters is not None:
+            with torch.no_grad():
+                for parameter, master in zip(parameters, self._master_parameters, strict=True):
+                    parameter.copy_(master)
         return grad_norm
 
     def _gradients_finite(self) -> bool:
@@ -611,13 +629,15 @@ class MegatronActor:
         return flag.item() == 0.0
 
     def _global_grad_norm(self, parameters: list[torch.nn.Parameter]) -> float:
-        """L2 norm of the full model's gradient: sharded parameters summed over TP ranks, replicated once."""
+        """L2 norm of the full model's gradient (DDP's averaged `main_grad`s): sharded parameters summed over
+        TP ranks, replicated once."""
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
         squares = torch.zeros((), dtype=torch.float64, device=self.device)
         for parameter in parameters:
-            if parameter.grad is not None and param_is_not_tensor_parallel_duplicate(parameter):
-                squares += parameter.grad.detach().double().square().sum()
+            grad: torch.Tensor = parameter.main_grad  # pyright: ignore[reportAttributeAccessIssue]
+            if param_is_not_tensor_parallel_duplicate(parameter):
+                squares += grad.detach().double().square().sum()
         if self.tp_size > 1:
             dist.all_reduce(squares, group=self.tp_group)
         return float(squares.sqrt().item())

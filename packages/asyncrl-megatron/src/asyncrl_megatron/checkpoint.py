@@ -63,47 +63,71 @@ def _checkpoint_warnings_ignored() -> Generator[None]:
 
 
 def torch_optimizer_state(
-    optimizer: torch.optim.Optimizer, model_state: dict[str, Any], *, is_loading: bool
+    optimizer: torch.optim.Optimizer,
+    model_state: dict[str, Any],
+    parameters: list[torch.nn.Parameter],
+    masters: list[torch.nn.Parameter] | None,
+    *,
+    is_loading: bool,
 ) -> dict[str, Any]:
-    """The sharded state dict of a `torch.optim` optimizer over the model's parameters.
+    """The sharded state dict of a `torch.optim` optimizer over the model's trainable `parameters` (or over
+    their float32 `masters`, in the same order, when the model is in bfloat16).
 
-    Each per-parameter state tensor becomes a sharded tensor laid out like its parameter in `model_state`
-    (the model's sharded state dict); the step count, which every parameter shares, is a plain value. For
-    loading, AdamW's moments are described as zeros of each parameter's shape (the optimizer may have no
-    state yet) without touching the optimizer."""
+    Each per-parameter state tensor (and each master) becomes a sharded tensor laid out like its parameter
+    in `model_state` (the model's sharded state dict); the step count, which every parameter shares, is a
+    plain value. For loading, AdamW's moments are described as zeros of each parameter's shape (the
+    optimizer may have no state yet), without touching the optimizer."""
     with megatron_warnings_ignored():
         from megatron.core.dist_checkpointing.optimizer import (
             get_param_id_to_sharded_param_map,
+            make_sharded_optimizer_tensor,
             optim_state_to_sharding_state,
         )
 
-    parameters = [p for group in optimizer.param_groups for p in group["params"]]
     state = optimizer.state_dict()
     # Copies of the per-parameter dicts: `state_dict()` shares them with the optimizer.
     per_parameter: dict[int, dict[str, Any]] = {
         index: dict(values) for index, values in state["state"].items()
     }
+    stepped = masters if masters is not None else parameters
     if is_loading and isinstance(optimizer, torch.optim.AdamW):
         per_parameter = {
             index: {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
-            for index, p in enumerate(parameters)
+            for index, p in enumerate(stepped)
         }
     steps = {float(values.pop("step")) for values in per_parameter.values() if "step" in values}
     if len(steps) > 1:
         raise CheckpointError(f"the optimizer's parameters are at different steps {sorted(steps)}")
     state["state"] = per_parameter
+    # Ids are positions in the optimizer's order, which is the parameters' order (masters included).
     by_id: Any = get_param_id_to_sharded_param_map(model_state, parameters)  # factories are handled too
     optim_state_to_sharding_state(state, by_id)
-    return {"torch": state, "step": steps.pop() if steps else 0.0}
+    result: dict[str, Any] = {"torch": state, "step": steps.pop() if steps else 0.0}
+    if masters is not None:
+        result["masters"] = {
+            index: make_sharded_optimizer_tensor(
+                by_id[index],
+                torch.zeros_like(master) if is_loading else master.detach(),
+                prefix="optimizer.state.fp32_param",
+            )
+            for index, master in enumerate(masters)
+        }
+    return result
 
 
-def load_torch_optimizer_state(optimizer: torch.optim.Optimizer, loaded: dict[str, Any]) -> None:
-    """Put what `torch_optimizer_state` described, once loaded, into `optimizer`."""
+def load_torch_optimizer_state(
+    optimizer: torch.optim.Optimizer, masters: list[torch.nn.Parameter] | None, loaded: dict[str, Any]
+) -> None:
+    """Put what `torch_optimizer_state` described, once loaded, into `optimizer` (and the masters)."""
     state = loaded["torch"]
     if isinstance(optimizer, torch.optim.AdamW):
         for values in state["state"].values():
             values["step"] = torch.tensor(float(loaded["step"]))
     optimizer.load_state_dict(state)
+    if masters is not None:
+        with torch.no_grad():
+            for index, master in enumerate(masters):
+                master.copy_(loaded["masters"][index])
 
 
 def detached(state: Any) -> Any:

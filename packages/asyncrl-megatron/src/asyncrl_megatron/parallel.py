@@ -10,7 +10,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -20,17 +19,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from asyncrl_core.server_process import free_port
 from asyncrl_megatron import _cpu
 from asyncrl_megatron.model import megatron_warnings_ignored
 
 DEFAULT_TIMEOUT_S = 600.0
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def initialize(tensor_parallel_size: int = 1, *, seed: int = 0, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:

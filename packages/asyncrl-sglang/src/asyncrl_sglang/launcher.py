@@ -39,6 +39,7 @@ import httpx
 from asyncrl_core.errors import EngineControlError, EngineUnavailableError
 from asyncrl_core.models import resolve_model_path
 from asyncrl_core.server_process import ServerProcess
+from asyncrl_core.server_process import free_port as free_port  # re-exported
 from asyncrl_sglang.client import ClientTimeouts, SGLangClient
 from asyncrl_sglang.grpc_client import GrpcSGLangClient, grpc_health_check
 from asyncrl_sglang.pool import EnginePool
@@ -208,14 +209,6 @@ def port_is_free(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS reports free on `host` now (another process may still take it before it is bound)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])
 
 
 def pick_ports(host: str, count: int, base_port: int | None, *, taken: Sequence[int] = ()) -> list[int]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
@@ -19,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl_core.errors import AsyncRLError
+from asyncrl_core.server_process import free_port as free_port  # re-exported
 
 DeviceType = Literal["cpu", "cuda"]
 
@@ -33,14 +33,6 @@ class ProcessGroupSettings:
     address: str = "127.0.0.1"
     timeout_s: float = 300.0
     """Longest wait for all ranks to join, and for any collective operation afterwards."""
-
-
-def free_port(address: str = "127.0.0.1") -> int:
-    """A TCP port that is free on `address` right now (for a store that is started right after)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((address, 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 def backend_for(device_type: DeviceType) -> str:

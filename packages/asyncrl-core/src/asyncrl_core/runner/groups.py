@@ -118,6 +118,8 @@ class WorkerGroups:
         for index in range(num_instances):
             share = rollout_devices[index * tp : (index + 1) * tp] if gpu else rollout_devices
             # An external engine has no devices: its rollout worker only watches it, from the head node.
+            if config.rollout.sglang.launch == "external":
+                share = ()
             slot = placement.slot(share, f"engine {index}") if share else placement.head_slot()
             self.rollout_slots.append(slot)
             # The engine binds where the cluster's other nodes can reach it (placement.engine_bind_host).

@@ -312,16 +312,8 @@ def node_address() -> str:
     return str(ray.util.get_node_ip_address())
 
 
-def free_port_on(address: str) -> int:
-    """A TCP port free on `address` now (IPv4 or IPv6), for a store bound right after."""
-    import socket
-
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.bind((address, 0))
-        return int(probe.getsockname()[1])
-
-
 def _node_address_and_port() -> tuple[str, int]:
+    from asyncrl_core.server_process import free_port
+
     address = node_address()
-    return address, free_port_on(address)
+    return address, free_port(address)
