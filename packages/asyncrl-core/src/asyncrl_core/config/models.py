@@ -164,9 +164,10 @@ class RunnerConfig(Section):
     num_steps: PositiveInt
     """Training steps (actor optimiser steps) to run."""
     seed: Annotated[int, Field(ge=0, le=2**32 - 1)] = 0
-    """Seed of the run: the dataloader's shuffle (`data.seed`, derived from it), the warm start, and the
-    torch actor's generators (Python's, numpy's and torch's, on every rank; saved in checkpoints). Not yet
-    derived from it: the Megatron actor's seed (0) and the engines' sampling (each engine's own seed)."""
+    """Seed of the run, from which every generator derives: the dataloader's shuffle (`data.seed`, derived
+    from it), the warm start, the actor's generators (Python's, numpy's and torch's on every rank, saved in
+    the torch actor's checkpoints; Megatron's model-parallel generators), and the engines' sampling (engine
+    `i` started with `--random-seed seed + i`). An `external` engine keeps its own seed."""
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=200)] = "asyncrl"
     """Name of the run: letters, digits, `.`, `_` and `-`; names the run folder unless `run_dir` is set."""
     run_dir: Annotated[str, Field(min_length=1)] | None = None

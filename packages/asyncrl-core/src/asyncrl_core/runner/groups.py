@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from asyncrl_core.runner.liveness import ACTOR_WATCH_GROUP
 from asyncrl_core.runner.placement import Placement, Slot
 from asyncrl_core.runner.timeouts import CONTROL_TIMEOUT_S, TimeoutKey, timed_out, timeout_of
 from asyncrl_core.runner.workers import (
@@ -169,7 +170,8 @@ class WorkerGroups:
         }
         """Where the run's parts are: the node address of each actor rank and engine, and where the actor
         ranks meet (written to `summary.json`, with the engines' URLs once they started)."""
-        actor_class = ray.remote(ActorWorker)
+        # A concurrency group of its own for `watch`, so its call pends beside the rank's serial calls.
+        actor_class = ray.remote(concurrency_groups={ACTOR_WATCH_GROUP: 1})(ActorWorker)  # pyright: ignore[reportCallIssue]
         for rank, slot in enumerate(actor_slots):
             self.actors.append(
                 self._keep(
