@@ -149,10 +149,12 @@ class WorkerGroups:
 
         actor_devices = config.cluster.devices_of("actor")
         world_size = config.actor_data_parallel_size * config.actor.tensor_parallel_size
-        per_rank = max(1, len(actor_devices) // world_size) if gpu else len(actor_devices)
+        per_rank = max(1, len(actor_devices) // world_size)
+        # On a CPU the ranks split the actor's cores when there are enough, else each uses all of them.
+        split = gpu or len(actor_devices) >= world_size
         actor_slots = [
             placement.slot(
-                actor_devices[rank * per_rank : (rank + 1) * per_rank] if gpu else actor_devices,
+                actor_devices[rank * per_rank : (rank + 1) * per_rank] if split else actor_devices,
                 f"actor rank {rank}",
             )
             for rank in range(world_size)
