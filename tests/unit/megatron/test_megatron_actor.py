@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import random
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -276,3 +278,13 @@ def test_the_clip_acts_on_the_later_updates_of_a_step(model_dir: Path) -> None:
     assert first["train/ppo_ratio/mean"] == pytest.approx(1.0, abs=1e-5)
     assert all(update["train/clip_frac"] > 0.0 for update in later[1:])  # the epoch over moved weights
     assert later[0]["train/ppo_ratio/mean"] != pytest.approx(1.0, abs=1e-4)  # group 2 after group 1's update
+
+
+def test_the_actor_seeds_every_generator_from_its_seed(model_dir: Path) -> None:
+    # `runner.seed` reaches the Megatron actor as its settings' seed (`from_run_config`).
+    draws: list[tuple[float, float, float]] = []
+    for seed in (5, 5, 6):
+        _actor(model_dir, seed=seed)
+        draws.append((random.random(), float(np.random.rand()), float(torch.rand(1))))
+    assert draws[0] == draws[1]
+    assert all(a != b for a, b in zip(draws[0], draws[2], strict=True))

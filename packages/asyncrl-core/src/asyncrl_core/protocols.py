@@ -132,11 +132,13 @@ class RolloutBackend(Protocol):
         gpu: bool,
         health_timeout_s: float,
         advertise_host: str,
+        random_seed: int,
     ) -> RunningEngines:
         """Start the engines of `rollout` (one per rollout worker: `num_instances` is 1) on `devices` (GPU
         ids when `gpu`, else nothing to place) and return once they answer. They bind to
         `rollout.sglang.host`, which the runner resolves per node; `advertise_host` is their node's address,
-        for URLs of engines bound to every interface."""
+        for URLs of engines bound to every interface. They sample with `random_seed` (`runner.seed` plus the
+        engine's index)."""
         ...
 
     def connect(self, urls: Sequence[str], grpc_targets: Sequence[str | None]) -> EngineClient:

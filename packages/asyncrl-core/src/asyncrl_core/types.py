@@ -306,3 +306,16 @@ class ToolResult:
     text: str
     error: str | None = None
     latency_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ToolHealth:
+    """A tool went down or came back, as an agent loop saw its calls: the first failure after a success
+    (`failing`), or the first success after failures. The run records it in `faults.jsonl`."""
+
+    tool: str
+    failing: bool
+    message: str
+    """The failure (`search failed: ...`), or how many calls failed in a row before it answered again."""
+    at: float
+    """Unix time of the call that changed the tool's state."""

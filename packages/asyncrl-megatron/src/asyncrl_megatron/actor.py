@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl_core import models
-from asyncrl_core.actor.rng import rng_state, set_rng_state
+from asyncrl_core.actor.rng import rng_state, seed_all, set_rng_state
 from asyncrl_core.algorithms import (
     LossSettings,
     PackedBatch,
@@ -129,11 +129,13 @@ class MegatronActorSettings:
     ppo_epochs: int = 1
     """Passes over a step's mini-batches."""
     seed: int = 0
+    """Seed of Python's, numpy's and torch's generators and of Megatron's model-parallel ones (`runner.seed`
+    in a run)."""
 
     @classmethod
-    def from_config(cls, actor: MegatronActorConfig) -> MegatronActorSettings:
+    def from_config(cls, actor: MegatronActorConfig, *, seed: int = 0) -> MegatronActorSettings:
         """The settings of the configuration's `actor` section (`backend: megatron`), which must be resolved
-        (`actor.temperature` set, as a validated `AsyncRLConfig` derives it)."""
+        (`actor.temperature` set, as a validated `AsyncRLConfig` derives it), with `seed` (`runner.seed`)."""
         if actor.temperature is None:
             raise MegatronActorError(
                 "actor.temperature is unset: pass the `actor` section of a validated AsyncRLConfig (which "
@@ -159,6 +161,7 @@ class MegatronActorSettings:
             use_distributed_optimizer=actor.use_distributed_optimizer,
             gradient_checkpointing=actor.gradient_checkpointing,
             weight_export_bucket_mb=actor.weight_export_bucket_mb,
+            seed=seed,
         )
 
 
@@ -199,6 +202,7 @@ class MegatronActor:
         self.arch = Architecture.from_pretrained(self.model_path)
         self.dtype = torch.bfloat16 if settings.dtype == "bfloat16" else torch.float32
 
+        seed_all(settings.seed)  # Python's, numpy's and torch's; Megatron's own in `initialize`
         parallel.initialize(settings.tensor_parallel_size, seed=settings.seed)
         from megatron.core import parallel_state
 
@@ -236,9 +240,12 @@ class MegatronActor:
             self._torch_optimizer = self._build_torch_optimizer()
 
     @classmethod
-    def from_config(cls, actor: MegatronActorConfig, algorithm: AlgorithmConfig) -> MegatronActor:
-        """The actor for the configuration's `actor` (`backend: megatron`) and `algorithm` sections."""
-        return cls(MegatronActorSettings.from_config(actor), LossSettings.from_config(algorithm))
+    def from_config(
+        cls, actor: MegatronActorConfig, algorithm: AlgorithmConfig, *, seed: int = 0
+    ) -> MegatronActor:
+        """The actor for the configuration's `actor` (`backend: megatron`) and `algorithm` sections, its
+        generators seeded with `seed` (`runner.seed`)."""
+        return cls(MegatronActorSettings.from_config(actor, seed=seed), LossSettings.from_config(algorithm))
 
     @classmethod
     def from_run_config(cls, config: AsyncRLConfig, *, model_path: str, device: str) -> MegatronActor:
@@ -250,6 +257,7 @@ class MegatronActor:
         return cls.from_config(
             config.actor.model_copy(update={"model_path": model_path}),  # pyright: ignore[reportArgumentType]
             config.algorithm,
+            seed=config.runner.seed,
         )
 
     # --- the Actor protocol ---------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ class SGLangBackend:
         gpu: bool,
         health_timeout_s: float,
         advertise_host: str,
+        random_seed: int,
     ) -> LaunchedEngines:
         return launch_engines(
             rollout,
@@ -52,6 +53,7 @@ class SGLangBackend:
             gpu=gpu,
             health_timeout_s=health_timeout_s,
             advertise_host=advertise_host,
+            random_seed=random_seed,
         )
 
     def connect(self, urls: Sequence[str], grpc_targets: Sequence[str | None]) -> EnginePool:

@@ -39,7 +39,14 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from asyncrl_core import models
-from asyncrl_core.actor.distributed import all_reduce_sum, barrier, world
+from asyncrl_core.actor.distributed import (
+    all_reduce_sum,
+    barrier,
+    init_process_group,
+    ranks_disagree,
+    settings_from_environment,
+    world,
+)
 from asyncrl_core.actor.rng import load_rng, rng_file, save_rng, seed_all, set_rng_state
 from asyncrl_core.algorithms import (
     LossSettings,
@@ -193,11 +200,18 @@ class TorchActor:
         if self.world_size > 1:
             from torch.nn.parallel import DistributedDataParallel
 
+            # Buffers (rotary tables) are equal on every rank and never trained: not synchronised at each
+            # forward pass. torch 2.15 renamed the option; the old name warns there.
+            buffers: dict[str, Any] = (
+                {"forward_sync_buffers": False}
+                if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+                else {"broadcast_buffers": False}
+            )
             self._model = DistributedDataParallel(
                 self._logits_at,
                 device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                broadcast_buffers=False,
                 gradient_as_bucket_view=True,
+                **buffers,
             )
         self._reference_logits: LossPositionLogits | None = None
         if self.settings.needs_reference:
@@ -226,10 +240,17 @@ class TorchActor:
 
     @classmethod
     def from_run_config(cls, config: AsyncRLConfig, *, model_path: str, device: str) -> TorchActor:
-        """The actor plugin factory (`asyncrl.actors`): the run's actor on `model_path` and `device`."""
+        """The actor plugin factory (`asyncrl.actors`): the run's actor on `model_path` and `device`.
+
+        A process the runner started as one of several data-parallel ranks (`WORLD_SIZE` > 1 in its
+        environment) first joins their process group (gloo on a CPU, NCCL on GPUs), whose collectives may
+        wait up to `actor.train_timeout_s` for a rank."""
         actor = config.actor
         if not isinstance(actor, TorchActorConfig):
             raise ActorError(f"the torch actor cannot run actor.backend {actor.backend!r}")
+        settings = settings_from_environment(actor.train_timeout_s)
+        if settings is not None and not torch.distributed.is_initialized():
+            init_process_group(settings, "cuda" if torch.device(device).type == "cuda" else "cpu")
         return cls(
             actor.model_copy(update={"model_path": model_path}),
             config.algorithm,
@@ -335,10 +356,19 @@ class TorchActor:
         and each rank's random generators.
 
         `model.safetensors` holds the float32 master weights (so the folder loads with `from_pretrained`
-        and in the engines), `optimizer.safetensors` the optimiser state, `actor_state.json` the version,
-        `rng_state_rank<k>.json` rank k's generators (`asyncrl_core.actor.rng`). Each file is written under
-        a temporary name and renamed into place.
+        and in the engines), `optimizer.safetensors` the optimiser state, `actor_state.json` the version
+        and the number of data-parallel ranks, `rng_state_rank<k>.json` rank k's generators
+        (`asyncrl_core.actor.rng`). Each file is written under a temporary name and renamed into place.
+        Whole tensors, so any number of ranks loads them. With several ranks, every rank first checks that
+        its weights and optimiser state equal rank 0's and raises `ActorError`, writing nothing, if not.
         """
+        differing = ranks_disagree(self._state_tensors())
+        if differing:
+            raise ActorError(
+                f"the data-parallel ranks hold different weights or optimiser state at version "
+                f"{self._version} ({len(differing)} tensors, first {differing[:5]}): their updates diverged, "
+                "so no rank's copy stands for the others; nothing was written"
+            )
         folder = Path(path)
         folder.mkdir(parents=True, exist_ok=True)
         save_rng(folder, self.rank)
@@ -356,6 +386,7 @@ class TorchActor:
             state = {
                 "format": CHECKPOINT_FORMAT,
                 "version": self._version,
+                "data_parallel_size": self.world_size,
                 "optimizer": self.config.optimizer,
                 "model_path": str(self.config.model_path),
             }
@@ -429,6 +460,14 @@ class TorchActor:
         return output.logits[0].float()
 
     # --- internals ------------------------------------------------------------------------------------------
+
+    def _state_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Weights and optimiser state tensors, in the same order on every rank."""
+        yield from _unique_named_tensors(self.module)
+        for index, entry in sorted(self.optimizer.state_dict()["state"].items()):
+            for key, value in sorted(entry.items()):
+                if isinstance(value, torch.Tensor):
+                    yield f"optimizer.state.{index}.{key}", value
 
     def _no_sync(self) -> contextlib.AbstractContextManager[None]:
         no_sync = getattr(self._model, "no_sync", None)

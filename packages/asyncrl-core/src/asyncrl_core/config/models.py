@@ -164,9 +164,10 @@ class RunnerConfig(Section):
     num_steps: PositiveInt
     """Training steps (actor optimiser steps) to run."""
     seed: Annotated[int, Field(ge=0, le=2**32 - 1)] = 0
-    """Seed of the run: the dataloader's shuffle (`data.seed`, derived from it), the warm start, and the
-    torch actor's generators (Python's, numpy's and torch's, on every rank; saved in checkpoints). Not yet
-    derived from it: the Megatron actor's seed (0) and the engines' sampling (each engine's own seed)."""
+    """Seed of the run, from which every generator derives: the dataloader's shuffle (`data.seed`, derived
+    from it), the warm start, the actor's generators (Python's, numpy's and torch's on every rank, saved in
+    the torch actor's checkpoints; Megatron's model-parallel generators), and the engines' sampling (engine
+    `i` started with `--random-seed seed + i`). An `external` engine keeps its own seed."""
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=200)] = "asyncrl"
     """Name of the run: letters, digits, `.`, `_` and `-`; names the run folder unless `run_dir` is set."""
     run_dir: Annotated[str, Field(min_length=1)] | None = None
@@ -670,6 +671,12 @@ class ActorCommon(Section):
     """Devices a layer is split over (Megatron only; the torch actor needs 1)."""
     pipeline_parallel_size: PositiveInt = 1
     """Pipeline stages: must be 1 (neither actor is pipeline parallel; `--dry-run` refuses another value)."""
+    data_parallel_size: PositiveInt | None = None
+    """Data-parallel ranks of the actor, one process each (times the tensor and pipeline parallel size).
+    Derived: on GPUs, the actor devices divided by `tensor_parallel_size x pipeline_parallel_size` (another
+    value is refused); on a CPU 1, one process training with threads on all the actor's cores. On a CPU a
+    larger value starts that many processes joined over gloo, each pinned to its share of the actor's cores
+    (all of them when there are fewer cores than processes)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass, trading compute for memory."""
     weight_export_bucket_mb: PositiveInt = 512
@@ -694,6 +701,8 @@ class ActorCommon(Section):
     def derive(self, root: AsyncRLConfig, found: Validation) -> None:
         if self.temperature is None:
             found.derive("actor.temperature", root.rollout.sampling.logprob_temperature)
+        if self.data_parallel_size is None and root.cluster.placement() is not None:
+            found.derive("actor.data_parallel_size", root.data_parallel_size_from_placement())
         if self.ppo_mini_batch_size is None:
             found.derive("actor.ppo_mini_batch_size", root.data.rollout_batch_size)
 
@@ -718,6 +727,14 @@ class ActorCommon(Section):
             )
             return
         if root.cluster.placement() is None or not root.cluster.devices_of("actor"):
+            return
+        placed = root.data_parallel_size_from_placement()
+        if root.cluster.device_type == "gpu" and self.data_parallel_size not in (None, placed):
+            found.error(
+                "actor.data_parallel_size",
+                f"{self.data_parallel_size} disagrees with the actor's GPUs divided by tensor_parallel_size "
+                f"x pipeline_parallel_size, which give {placed}; remove the key (it is derived)",
+            )
             return
         trajectories = mini_batch * group_size
         data_parallel = root.actor_data_parallel_size
@@ -1115,8 +1132,14 @@ class AsyncRLConfig(Section):
 
     @property
     def actor_data_parallel_size(self) -> int:
-        """Data-parallel ranks of the actor: its devices over `tensor * pipeline` parallel size on GPUs;
-        1 on CPU, where one process trains with threads on all of its cores."""
+        """Data-parallel ranks of the actor: `actor.data_parallel_size`, or what the placement gives."""
+        if self.actor.data_parallel_size is not None:
+            return self.actor.data_parallel_size
+        return self.data_parallel_size_from_placement()
+
+    def data_parallel_size_from_placement(self) -> int:
+        """The actor's devices over `tensor * pipeline` parallel size on GPUs; 1 on a CPU, where one process
+        trains with threads on all of its cores unless `actor.data_parallel_size` asks for more."""
         if self.cluster.device_type == "cpu":
             return 1
         model_parallel = self.actor.tensor_parallel_size * self.actor.pipeline_parallel_size

@@ -55,11 +55,49 @@ class RunContext:
 
     # --- driver helpers --------------------------------------------------------------------------------
 
-    def shares(self) -> list[tuple[Any, int]]:
-        """`rollout_batch_size` groups split over the agent-loop workers (the first ones take the rest)."""
-        loops = self.workers.agent_loops
-        base, extra = divmod(self.config.data.rollout_batch_size, len(loops))
-        return [(loop, base + (index < extra)) for index, loop in enumerate(loops) if base + (index < extra)]
+    def shares(self, num_groups: int) -> list[tuple[int, int]]:
+        """`num_groups` split over the agent-loop workers (the first ones take the rest), as `(worker index,
+        groups)`."""
+        base, extra = divmod(num_groups, len(self.workers.agent_loops))
+        shares = [(index, base + (index < extra)) for index in range(len(self.workers.agent_loops))]
+        return [(index, num) for index, num in shares if num > 0]
+
+    def run_groups(self, start: Callable[[Any, int], Any]) -> None:
+        """Sync mode: `rollout_batch_size` groups run by the agent-loop workers, `start(worker, num_groups)`
+        being one worker's call, while engines, tools and actor ranks are watched. A worker that dies is
+        restarted (`Liveness.agent_loop_died`: its unfinished groups are handed back), and the groups the
+        batch still lacks once the others are done run again over the workers. `RunnerError` after
+        `rollout.request_timeout_s` of one round."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        wanted = self.config.data.rollout_batch_size
+        while wanted > 0:
+            deadline = time.monotonic() + self.timeout_s
+            loops = self.workers.agent_loops
+            pending = {start(loops[index], num): (index, loops[index]) for index, num in self.shares(wanted)}
+            died = False
+            while pending:
+                watched = self.liveness.refs()
+                ready, _ = ray.wait(
+                    [*pending, *watched], num_returns=1, timeout=max(0.0, deadline - time.monotonic())
+                )
+                if not ready:
+                    raise timed_out("the rollout of a batch", self.timeout_s, "rollout.request_timeout_s")
+                if ready[0] in watched:
+                    self.liveness.recover(ready[0], "the rollout of a batch")
+                    continue
+                index, loop = pending.pop(ready[0])
+                try:
+                    ray.get(ready[0], timeout=0)
+                except RayActorError as error:
+                    died = True
+                    if self.workers.agent_loops[index] is loop:  # not restarted through its other watch
+                        self.liveness.agent_loop_died(index, error)
+            if not died:
+                return
+            counts = self.workers.get(self.workers.buffer.counts.remote(), "the buffer's counts")
+            wanted = self.config.data.rollout_batch_size - int(counts["buffered"])
 
     def train(self, handoff: Handoff) -> dict[str, float]:
         """One step of every actor rank, each on its own data-parallel share of the batch `handoff` points
@@ -92,7 +130,7 @@ class RunContext:
             if not ready:
                 raise timed_out(what, timeout_s, key)
             if ready[0] in watched:
-                self.liveness.recover(ready[0])
+                self.liveness.recover(ready[0], what)
                 continue
             pending.remove(ready[0])
             try:
@@ -114,7 +152,7 @@ class RunContext:
             watched = self.liveness.refs()
             ready, _ = ray.wait([ref, *watched], num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if ready and ready[0] is not ref:
-                self.liveness.recover(ready[0])
+                self.liveness.recover(ready[0], "the wait for data")
                 continue
             batch = self.workers.get(ref, "the hand-off of a batch") if ready else None
             if batch is not None:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from asyncrl_core.runner.liveness import ACTOR_WATCH_GROUP
 from asyncrl_core.runner.placement import Placement, Slot
 from asyncrl_core.runner.timeouts import CONTROL_TIMEOUT_S, TimeoutKey, timed_out, timeout_of
 from asyncrl_core.runner.workers import (
@@ -148,10 +149,12 @@ class WorkerGroups:
 
         actor_devices = config.cluster.devices_of("actor")
         world_size = config.actor_data_parallel_size * config.actor.tensor_parallel_size
-        per_rank = max(1, len(actor_devices) // world_size) if gpu else len(actor_devices)
+        per_rank = max(1, len(actor_devices) // world_size)
+        # On a CPU the ranks split the actor's cores when there are enough, else each uses all of them.
+        split = gpu or len(actor_devices) >= world_size
         actor_slots = [
             placement.slot(
-                actor_devices[rank * per_rank : (rank + 1) * per_rank] if gpu else actor_devices,
+                actor_devices[rank * per_rank : (rank + 1) * per_rank] if split else actor_devices,
                 f"actor rank {rank}",
             )
             for rank in range(world_size)
@@ -167,7 +170,8 @@ class WorkerGroups:
         }
         """Where the run's parts are: the node address of each actor rank and engine, and where the actor
         ranks meet (written to `summary.json`, with the engines' URLs once they started)."""
-        actor_class = ray.remote(ActorWorker)
+        # A concurrency group of its own for `watch`, so its call pends beside the rank's serial calls.
+        actor_class = ray.remote(concurrency_groups={ACTOR_WATCH_GROUP: 1})(ActorWorker)  # pyright: ignore[reportCallIssue]
         for rank, slot in enumerate(actor_slots):
             self.actors.append(
                 self._keep(

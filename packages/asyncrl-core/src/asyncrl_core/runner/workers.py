@@ -36,7 +36,7 @@ from asyncrl_core.runner.dataloader import LoaderState, PromptLoader, Ticket
 from asyncrl_core.runner.handoff import Handoff, ShareCutter
 from asyncrl_core.runner.ledger import STALE, PromptLedger
 from asyncrl_core.runner.rollout_backend import rollout_backend, weight_group
-from asyncrl_core.types import BatchShare, Group, SamplingParams
+from asyncrl_core.types import BatchShare, Group, SamplingParams, ToolHealth
 
 if TYPE_CHECKING:
     from asyncrl_core.config import AsyncRLConfig
@@ -434,6 +434,9 @@ class AgentLoopWorker:
         pin_to_cores(cores)
         self.config = config
         self.worker_index = worker_index
+        self._tool_health: list[ToolHealth] = []
+        self._tool_health_told = asyncio.Event()
+        self._closed = False
         self.task = build_task(config, task_services)
         self.client = _connect_engines(config, endpoints)
         self.model_path = model_path
@@ -467,7 +470,21 @@ class AgentLoopWorker:
             context_len=config.rollout.context_length,
             max_turns=config.agentloop.max_turns,
             max_concurrent_groups=max_concurrent,
+            on_tool_health=self._tell_tool_health,
         )
+
+    def _tell_tool_health(self, event: ToolHealth) -> None:
+        self._tool_health.append(event)
+        self._tool_health_told.set()
+
+    async def watch_tools(self) -> list[ToolHealth]:
+        """Wait until a tool starts failing or answers again (`ToolHealth`, oldest first); empty once the
+        worker closes. The driver keeps one call pending beside the data (`runner.liveness`)."""
+        while not self._tool_health and not self._closed:
+            self._tool_health_told.clear()
+            await self._tool_health_told.wait()
+        events, self._tool_health = self._tool_health, []
+        return events
 
     def dataset_size(self, split: str = "train") -> int:
         return len(self.loop.dataset(split))
@@ -604,6 +621,8 @@ class AgentLoopWorker:
         self.client.open_admission()
 
     async def aclose(self) -> None:
+        self._closed = True
+        self._tool_health_told.set()
         await self.loop.aclose()  # closes the task, which the evaluation loop shares
         await self.client.aclose()
 
@@ -677,6 +696,8 @@ class RolloutWorker:
                 gpu=gpu,
                 health_timeout_s=config.runner.startup_timeout_s,
                 advertise_host=advertise_host,
+                # `runner.seed`: engine `index` samples with `seed + index`, its restarts too.
+                random_seed=config.runner.seed + index,
             )
 
         self._launch = start
@@ -797,6 +818,12 @@ class ActorWorker:
         factory = cast("Callable[..., Actor]", plugins.load("asyncrl.actors", config.actor.backend))
         self.actor = factory(config, model_path=model_path, device="cuda" if gpu else "cpu")
         self._transport: Any = None
+        self._watched = threading.Event()
+
+    def watch(self) -> None:
+        """Block while the rank lives: the driver keeps this call pending beside the data (on a
+        concurrency group of its own), so the rank's death is seen at once, whatever the driver waits for."""
+        self._watched.wait()
 
     @property
     def version(self) -> int:
