@@ -23,6 +23,7 @@ with torch's CUDA wheels. Without Triton (or on CPU) the engine keeps the masked
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -36,16 +37,38 @@ TARGET_PROGRAMS = 512
 SMs): a small batch over long contexts still spreads over the GPU."""
 MAX_SPLITS = 16
 
+logger = logging.getLogger(__name__)
+
 _kernel: Any = None
+_checked: dict[torch.device, bool] = {}
 
 
 def available(device: torch.device) -> bool:
-    """Whether the kernel can run on `device` (CUDA with Triton importable)."""
+    """Whether the kernel runs on `device`: CUDA, Triton importable, and a first launch there (compiled on
+    the spot) equal to SDPA. Checked once per device; a failure is logged and the engine keeps SDPA."""
     if device.type != "cuda":
         return False
+    if device not in _checked:
+        _checked[device] = _self_check(device)
+    return _checked[device]
+
+
+def _self_check(device: torch.device) -> bool:
     try:
         _load()
-    except ImportError:
+        generator = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(3, 2, 3, 64, device=device, generator=generator)
+        keys = torch.randn(3, 2, 100, 64, device=device, generator=generator)
+        values = torch.randn(3, 2, 100, 64, device=device, generator=generator)
+        lengths = torch.tensor([1, 64, 100], device=device)
+        mask = (torch.arange(100, device=device) < lengths.unsqueeze(1)).view(3, 1, 1, 100)
+        want = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        for splits in (1, 4):
+            got = decode_attention(q, keys, values, lengths, splits)
+            if not torch.allclose(got, want, atol=1e-4, rtol=1e-4):
+                raise RuntimeError(f"differs from SDPA by {(got - want).abs().max().item():.3g}")
+    except Exception as error:
+        logger.warning("the Triton decode kernel is unavailable on %s (%s): decode uses SDPA", device, error)
         return False
     return True
 
@@ -90,6 +113,8 @@ def decode_attention(
         GROUP_PAD=group_pad,
         HEAD_DIM=head_dim,
         BLOCK_N=BLOCK_N,
+        # float32 in IEEE precision (Triton's default for float32 dots is TF32), so float32 runs match SDPA.
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     if splits == 1:
         out = partial[:, :, 0] / denominator[:, :, 0].unsqueeze(-1)
@@ -144,6 +169,7 @@ def _build() -> Any:
         GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):
         row = tl.program_id(0)
         head = tl.program_id(1)
@@ -172,13 +198,14 @@ def _build() -> Any:
             valid = positions < end
             k = tl.load(k_base + positions[:, None] * stride_kt + d[None, :], mask=valid[:, None], other=0.0)
             v = tl.load(v_base + positions[:, None] * stride_vt + d[None, :], mask=valid[:, None], other=0.0)
-            scores = tl.dot(q, tl.trans(k)) * scale  # [GROUP_PAD, BLOCK_N], float32
+            # [GROUP_PAD, BLOCK_N], float32
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             scores = tl.where(valid[None, :], scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
             p = tl.exp(scores - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         out_base = out_ptr + row * stride_ob + head * stride_oh + split * stride_os
         tl.store(out_base + g[:, None] * stride_og + d[None, :], acc, mask=g[:, None] < GROUP)
