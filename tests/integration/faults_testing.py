@@ -3,7 +3,8 @@ read what the run recorded (`metrics.jsonl`, `faults.jsonl`).
 
 The run's processes are found among the descendants of this process (the Ray instance a test module starts
 here, its workers, and the engines they start): Ray workers by their process title (`ray::<Class>...`),
-engines by their command line (`asyncrl_sglang.builtin` and the model folder).
+engines by their command line (`asyncrl_sglang.builtin` and the model folder) and a parent other than this
+process.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -50,11 +52,19 @@ def worker_pids(class_name: str) -> list[int]:
 
 
 def engine_pids(model_path: Path) -> list[int]:
-    """Built-in engine processes serving `model_path` started under this process."""
+    """Built-in engine processes serving `model_path` that a run's workers started under this process.
+
+    Engines this process started itself (a session's contract engines serve the same model) are not a run's.
+    """
     found = []
     for process in _descendants():
         line = " ".join(_cmdline(process))
-        if ENGINE_MODULE in line and str(model_path) in line and process.status() != psutil.STATUS_ZOMBIE:
+        if (
+            ENGINE_MODULE in line
+            and str(model_path) in line
+            and process.ppid() != os.getpid()
+            and process.status() != psutil.STATUS_ZOMBIE
+        ):
             found.append(process.pid)
     return found
 
@@ -105,6 +115,8 @@ class Injected:
     part: str
     what: str
     at: float
+    step: int = 0
+    """Training steps logged when it was injected."""
 
 
 @dataclass(eq=False)
@@ -129,20 +141,56 @@ class Injector(threading.Thread):
         wait_until(lambda: steps_logged(self.run_dir) >= count, timeout_s, f"step {count}")
 
     def signal(self, pid: int, signum: signal.Signals, part: str) -> None:
-        self.injected.append(Injected(part, signum.name, time.time()))
+        self.injected.append(Injected(part, signum.name, time.time(), steps_logged(self.run_dir)))
         os.kill(pid, signum)
 
     def until_recovered(self, part: str, timeout_s: float = 120.0) -> None:
         """Wait for a `recovered` event of `part` after the last fault injected."""
+        self.until_event(part, "recovered", timeout_s)
+
+    def until_event(self, part: str, event: str, timeout_s: float = 120.0) -> None:
+        """Wait for an `event` (`failed`, `recovered`) of `part` after the last fault injected."""
         since = self.injected[-1].at
 
-        def recovered() -> bool:
+        def recorded() -> bool:
             return any(
-                event["part"] == part and event["event"] == "recovered" and event["time"] >= since
-                for event in fault_events(self.run_dir)
+                record["part"] == part and record["event"] == event and record["time"] >= since
+                for record in fault_events(self.run_dir)
             )
 
-        wait_until(recovered, timeout_s, f"the recovery of {part}")
+        wait_until(recorded, timeout_s, f"the {event} event of {part}")
+
+    def until_step(
+        self, condition: Callable[[dict[str, float]], bool], what: str, timeout_s: float = 120.0
+    ) -> None:
+        """Wait for a training step logged after the last fault was injected whose metrics meet
+        `condition`."""
+        since = self.injected[-1].step
+
+        def logged() -> bool:
+            return any(
+                metrics.TIME_STEP in record and record["step"] > since and condition(record)
+                for record in _jsonl(self.run_dir / "metrics.jsonl")
+            )
+
+        wait_until(logged, timeout_s, what)
+
+    def until_driver_waits_in(self, function: str, for_s: float = 2.0, timeout_s: float = 120.0) -> None:
+        """Wait until the run's driver (this process's main thread) has been inside one call of `function`
+        (`wait_batch`) for `for_s`: it waits there for something that does not come."""
+        main = threading.main_thread().ident
+        seen: list[Any] = [None, 0.0]
+
+        def waiting() -> bool:
+            frame = sys._current_frames().get(main) if main is not None else None
+            while frame is not None and frame.f_code.co_name != function:
+                frame = frame.f_back
+            if frame is None or frame is not seen[0]:
+                seen[:] = [frame, time.monotonic()]
+                return frame is not None and for_s <= 0
+            return time.monotonic() - seen[1] >= for_s
+
+        wait_until(waiting, timeout_s, f"a wait of the driver in {function} of {for_s:.0f} s")
 
 
 def first_event(run_dir: Path, fault: Injected, event: str) -> dict[str, Any]:

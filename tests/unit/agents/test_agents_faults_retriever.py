@@ -1,6 +1,7 @@
 """A retriever that goes down for a while and comes back, under the real agent loop: while it is down every
-search becomes an error observation, counted in the step's tool metrics and logged as a warning; once it is
-back on its port, searches succeed again without any restart of the loop."""
+search becomes an error observation, counted in the step's tool metrics, logged as a warning and told once
+to `on_tool_health` (naming the retriever); once it is back on its port, searches succeed again without any
+restart of the loop, and that is told too."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from asyncrl_agents.retrieval import RetrievalServer
 from asyncrl_agents.tasks.searchr1 import SearchR1MiniTask
 from asyncrl_core import metrics
 from asyncrl_core.runner.workers import group_metrics
-from asyncrl_core.types import SamplingParams
+from asyncrl_core.types import SamplingParams, ToolHealth
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -28,6 +29,7 @@ async def test_a_retriever_outage_shows_in_the_step_metrics_until_it_is_back(
     server = RetrievalServer(corpus)
     url = server.start()
     task = SearchR1MiniTask(retriever_url=f"{url}/retrieve", search_timeout_s=5.0)
+    told: list[ToolHealth] = []
     loop = AgentLoopWorker(
         task,
         ScriptedEngine(smollm2_tokenizer(), mini_reader),
@@ -36,6 +38,7 @@ async def test_a_retriever_outage_shows_in_the_step_metrics_until_it_is_back(
         sampling=SamplingParams(max_new_tokens=64),
         max_prompt_len=512,
         max_response_len=1024,
+        on_tool_health=told.append,
     )
 
     async def step() -> dict[str, float]:
@@ -47,14 +50,17 @@ async def test_a_retriever_outage_shows_in_the_step_metrics_until_it_is_back(
             assert before[metrics.TOOL_CALLS] > 0
             assert before[metrics.TOOL_ERRORS] == 0.0
 
-            assert server._server is not None
-            os.killpg(server._server.pid, signal.SIGKILL)  # the retriever dies
+            os.killpg(server.pid, signal.SIGKILL)  # the retriever dies
             server.stop()  # reaps it
             during = await step()
             assert during[metrics.TOOL_ERRORS] == during[metrics.TOOL_CALLS] > 0
             assert during[metrics.TOOL_ERROR_RATE] == 1.0
             assert "tool call search(" in caplog.text
             assert "failed (1 in a row)" in caplog.text
+            (down,) = told  # once, however many calls failed
+            assert down.tool == "search"
+            assert down.failing
+            assert f"retrieval server {url}/retrieve did not answer" in down.message
 
             server = RetrievalServer(corpus, port=int(url.rsplit(":", 1)[1]))
             assert server.start() == url  # back on its port
@@ -62,6 +68,10 @@ async def test_a_retriever_outage_shows_in_the_step_metrics_until_it_is_back(
             assert after[metrics.TOOL_CALLS] > 0
             assert after[metrics.TOOL_ERRORS] == 0.0
             assert "tool search answers again" in caplog.text
+            back = told[1]
+            assert (back.tool, back.failing) == ("search", False)
+            assert len(told) == 2
+            assert back.at >= down.at
     finally:
         server.stop()
         await loop.aclose()

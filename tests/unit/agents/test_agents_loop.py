@@ -207,7 +207,10 @@ async def test_tool_failure_becomes_an_observation_a_warning_and_a_step_metric(
         assert trajectory.finish_reason == "answer"
         assert trajectory.metrics["num_tool_errors"] == 1
         response = tokenizer.decode(trajectory.token_ids[trajectory.prompt_len :])
-        assert "<information>Search failed: search failed: ConnectError" in response
+        assert (
+            "<information>Search failed: search failed: AsyncRLError: retrieval server "
+            "http://127.0.0.1:9/retrieve did not answer: ConnectError"
+        ) in response
         assert "tool call search('anything') failed (1 in a row)" in caplog.text
         step = group_metrics([group])
         assert step[metrics.TOOL_CALLS] == step[metrics.TOOL_ERRORS] == 1

@@ -234,6 +234,9 @@ async def test_concurrent_searches_share_one_request_and_get_their_own_passages(
     failing = SearchTool("http://127.0.0.1:9", timeout_s=2.0)
     try:
         results = await asyncio.gather(failing("a"), failing("b"), return_exceptions=True)
-        assert all(isinstance(result, httpx.ConnectError) for result in results)
+        for result in results:  # the error names the retriever, and what the socket said
+            assert isinstance(result, AsyncRLError)
+            assert str(result).startswith("retrieval server http://127.0.0.1:9/retrieve did not answer")
+            assert isinstance(result.__cause__, httpx.ConnectError)
     finally:
         await failing.aclose()

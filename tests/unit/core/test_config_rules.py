@@ -321,7 +321,7 @@ def test_gpu_placement_without_a_gpu_is_a_warning(monkeypatch: pytest.MonkeyPatc
     assert message.startswith(
         "`gpu` is asked for, but this machine has no visible GPU, so a launch here fails"
     )
-    assert "device_type: cpu" not in message  # Megatron cannot train on CPU cores
+    assert "device_type: cpu" not in message  # Megatron on CPU cores is for tests, not a suggestion
     config = load_config(GPU, ["cluster.num_devices=null"])
     assert config.cluster.num_devices is None
     assert "set `cluster.num_devices` to check it" in warning_at("cluster.device_type", config)
@@ -370,8 +370,20 @@ def test_megatron_parallel_sizes_must_divide_the_actor_devices() -> None:
     assert "1, 2, 4" in message
 
 
-def test_megatron_needs_gpus() -> None:
-    assert "write `torch`" in problem_at("actor.backend", MINI, "actor.backend=megatron")
+def test_megatron_runs_on_cpu_cores_tensor_parallel_but_not_pipeline_parallel() -> None:
+    # On CPU cores every tensor-parallel rank shares the actor's cores: one core holds two ranks.
+    config = load_config(MINI, ["actor.backend=megatron", "actor.tensor_parallel_size=2"])
+    assert (config.actor.backend, config.actor.tensor_parallel_size) == ("megatron", 2)
+    message = problem_at("actor.pipeline_parallel_size", GPU, "actor.pipeline_parallel_size=2")
+    assert "not pipeline parallel; write 1" in message
+    message = problem_at(
+        "actor.sequence_parallel",
+        MINI,
+        "actor.backend=megatron",
+        "actor.tensor_parallel_size=2",
+        "actor.sequence_parallel=true",
+    )
+    assert "and GPUs" in message
 
 
 def test_torch_actor_is_data_parallel_only() -> None:

@@ -15,11 +15,12 @@ import torch
 
 from asyncrl_core.actor import ActorError, TorchActor
 from asyncrl_core.actor.torch_actor import LossPositionLogits, bfloat16_supported
-from asyncrl_core.algorithms import BatchError
+from asyncrl_core.algorithms import BatchError, pack_mini_batches
 from asyncrl_core.config import AlgorithmConfig, TorchActorConfig
 from asyncrl_core.errors import AsyncRLError
 from asyncrl_core.models import tiny_llama
 from asyncrl_core.protocols import Actor
+from asyncrl_core.shares import split_batch
 from asyncrl_core.types import NO_VERSION, Group, Trajectory
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -281,14 +282,47 @@ def test_adamw_steps_change_the_weights_and_count_versions(model_dir: Path) -> N
     assert any(not torch.equal(before[name], after[name]) for name in before)
 
 
-def test_kl_to_the_reference_is_zero_until_the_policy_moves(model_dir: Path) -> None:
-    actor = make_actor(model_dir, kl_coef=0.1, lr=1e-2)
+DTYPES = [
+    "float32",
+    pytest.param(
+        "bfloat16",
+        marks=pytest.mark.skipif(
+            not bfloat16_supported(torch.device("cpu")), reason="this CPU has no native bfloat16"
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_reference_forward_is_the_policy_forward(model_dir: Path, dtype: str) -> None:
+    """Before any update the reference is the policy, computed the same way: equal logprobs, bit for bit
+    (a bfloat16 copy of the reference, beside the policy's float32 weights under autocast, gave a first-step
+    `train/kl` of 1e-4 with k1 on a CPU, 6e-5 on an H200)."""
+    actor = make_actor(model_dir, kl_coef=0.1, dtype=dtype)
     assert actor.reference is not None
+    reference = actor._reference_logits
+    assert reference is not None
+    batches = pack_mini_batches(
+        make_groups(actor), actor.pad_id, 2, normalize_std=True, aggregation="token_mean"
+    )
+    for batch in batches:
+        for part in batch.rank_micro_batches(0, 1, 3):
+            first = actor._first_trained_column(part)
+            policy = actor._trained_logprobs(actor._logits_at, part, first)[0]
+            with torch.no_grad():
+                referenced = actor._trained_logprobs(reference, part, first)[0]
+            assert torch.equal(policy.detach(), referenced)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kl_to_the_reference_is_zero_until_the_policy_moves(model_dir: Path, dtype: str) -> None:
+    # k1 (the mean log-ratio) shows any difference at first order; k3 would square it away.
+    actor = make_actor(model_dir, kl_coef=0.1, kl_estimator="k1", lr=1e-2, dtype=dtype)
     groups = make_groups(actor)
     first = actor.train_step(groups)
     second = actor.train_step(groups)
-    assert first["train/kl"] == pytest.approx(0.0, abs=1e-6)
-    assert second["train/kl"] > 1e-6
+    assert first["train/kl"] == 0.0
+    assert abs(second["train/kl"]) > 1e-6
     assert make_actor(model_dir).reference is None
 
 
@@ -319,6 +353,22 @@ def test_malformed_groups_leave_the_actor_unchanged(model_dir: Path) -> None:
         actor.train_step(groups)
     assert actor.version == 0
     assert_weights_close(before, weights_of(actor), rtol=0.0, atol=0.0)
+
+
+def test_a_share_trains_as_the_groups_it_was_cut_from(model_dir: Path) -> None:
+    # What the runner hands a rank (its `BatchShare`, by reference) and the groups themselves give the same
+    # step, bit for bit; a share cut for another rank is refused before anything changes.
+    from_groups, from_share = make_actor(model_dir, optimizer="sgd"), make_actor(model_dir, optimizer="sgd")
+    groups = make_groups(from_groups)
+    (share,) = split_batch(groups, 1, None, normalize_std=True)
+    assert from_share.train_step(share) == from_groups.train_step(groups)
+    assert_weights_close(weights_of(from_groups), weights_of(from_share), rtol=0.0, atol=0.0)
+    other = split_batch(groups, 2, None, normalize_std=True)[1]
+    before = weights_of(from_share)
+    with pytest.raises(BatchError, match="rank 0 of 1 was handed the share of rank 1 of 2"):
+        from_share.train_step(other)
+    assert from_share.version == 1
+    assert_weights_close(before, weights_of(from_share), rtol=0.0, atol=0.0)
 
 
 def test_export_streams_hugging_face_names_in_buckets(model_dir: Path) -> None:

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from asyncrl_core.actor import ProcessGroupSettings, TorchActor, free_port
+from asyncrl_core.actor import ActorError, ProcessGroupSettings, TorchActor, free_port
 from asyncrl_core.actor.distributed import destroy_process_group, init_process_group
 from asyncrl_core.config import AlgorithmConfig, TorchActorConfig
 from asyncrl_core.models import tiny_llama
@@ -72,13 +72,22 @@ def parameters_of(actor: TorchActor) -> dict[str, torch.Tensor]:
 
 
 def run_rank(rank: int, world_size: int, port: int, model_dir: str, out: Path) -> None:
-    """One data-parallel rank: join the group, train one step, write weights and metrics."""
+    """One data-parallel rank: join the group, train one step, write weights and metrics; save a
+    checkpoint, then make rank 1's weights differ and try again (every rank must refuse)."""
     init_process_group(ProcessGroupSettings(rank, world_size, port, timeout_s=RANK_TIMEOUT_S), "cpu")
     try:
         actor = build_actor(model_dir)
         metrics = actor.train_step(make_groups())
         save_file(parameters_of(actor), str(out / f"weights-{rank}.safetensors"))
         (out / f"metrics-{rank}.json").write_text(json.dumps(metrics))
+        actor.save_checkpoint(str(out / "checkpoint"))
+        if rank == 1:
+            with torch.no_grad():
+                actor.module.get_parameter("model.norm.weight")[0] += 1e-3
+        try:
+            actor.save_checkpoint(str(out / "diverged"))
+        except ActorError as error:
+            (out / f"refused-{rank}.txt").write_text(str(error))
     finally:
         destroy_process_group()
 
@@ -124,6 +133,14 @@ def test_two_gloo_ranks_make_the_single_process_update(model_dir: Path, tmp_path
         for name, value in single_weights.items():
             torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6, msg=name)
     assert single_metrics["train/clip_frac"] > 0.0  # the batch exercises the clipped branch too
+    # The ranks' checkpoint: rank 0's files, each rank's generators, and the number of ranks.
+    state = json.loads((tmp_path / "checkpoint" / "actor_state.json").read_text())
+    assert state["data_parallel_size"] == 2
+    assert (tmp_path / "checkpoint" / "rng_state_rank1.json").is_file()
+    # Ranks whose weights differ refuse, all of them, and write nothing.
+    for rank in range(2):
+        assert "model.norm.weight" in (tmp_path / f"refused-{rank}.txt").read_text()
+    assert not (tmp_path / "diverged" / "model.safetensors").exists()
 
 
 if __name__ == "__main__":

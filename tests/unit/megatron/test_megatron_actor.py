@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import json
 import os
+import random
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from asyncrl_core.algorithms import LossSettings
 from asyncrl_core.errors import AsyncRLError
+from asyncrl_core.metrics import TRAIN_KL
 from asyncrl_core.models import tiny_llama
 from asyncrl_core.types import NO_VERSION, Group, Trajectory
 from asyncrl_megatron import parallel
@@ -59,14 +62,16 @@ def _weights(actor: MegatronActor) -> dict[str, torch.Tensor]:
     return {name: t.clone() for bucket in actor.export_weights(1 << 20) for name, t in bucket}
 
 
-def test_checkpoint_resumes_the_same_training(model_dir: Path, tmp_path: Path) -> None:
-    actor = _actor(model_dir)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_checkpoint_resumes_the_same_training(model_dir: Path, tmp_path: Path, dtype: str) -> None:
+    # In bfloat16 the optimizer steps float32 master weights: they are saved too, or the next step differs.
+    actor = _actor(model_dir, dtype=dtype)
     actor.train_step(_groups(0))
     actor.save_checkpoint(str(tmp_path / "ckpt"))
     actor.train_step(_groups(1))
     expected = _weights(actor)
 
-    resumed = _actor(model_dir)
+    resumed = _actor(model_dir, dtype=dtype)
     resumed.load_checkpoint(str(tmp_path / "ckpt"))
     assert resumed.version == 1
     resumed.train_step(_groups(1))
@@ -77,6 +82,55 @@ def test_checkpoint_resumes_the_same_training(model_dir: Path, tmp_path: Path) -
     hf = tmp_path / "ckpt" / "hf"
     assert (hf / "config.json").is_file()
     assert (hf / "model.safetensors").is_file()
+
+
+def _train_save_and_continue(model_dir: str, folder: str) -> dict[str, dict[str, torch.Tensor]]:
+    """At TP = 2 (one of two spawned ranks): a step, a checkpoint, another step; the weights after each."""
+    try:
+        actor = _actor(Path(model_dir), tensor_parallel_size=2)
+        actor.train_step(_groups(0))
+        saved = _weights(actor)
+        actor.save_checkpoint(folder)
+        actor.train_step(_groups(1))
+        return {"saved": saved, "continued": _weights(actor)}
+    finally:
+        parallel.destroy()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_checkpoint_saved_at_tp2_resumes_at_tp1(model_dir: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "ckpt"
+    first, _ = parallel.spawn(_train_save_and_continue, 2, (str(model_dir), str(folder)), timeout_s=480)
+    resumed = _actor(model_dir)
+    resumed.load_checkpoint(str(folder))
+    assert resumed.version == 1
+    restored = _weights(resumed)
+    assert set(restored) == set(first["saved"])
+    for name, tensor in first["saved"].items():
+        torch.testing.assert_close(restored[name], tensor, rtol=0, atol=0, msg=name)
+    # AdamW's moments came back too: the next step at TP = 1 is the one TP = 2 made (the moments decide
+    # every update's size; zeros would make the step about lr per weight).
+    resumed.train_step(_groups(1))
+    continued = _weights(resumed)
+    for name, tensor in first["continued"].items():
+        torch.testing.assert_close(continued[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_first_step_has_no_kl_to_the_starting_policy(model_dir: Path, dtype: str) -> None:
+    actor = MegatronActor(
+        MegatronActorSettings(model_path=str(model_dir), temperature=1.0, dtype=dtype, lr=1e-2),  # pyright: ignore[reportArgumentType]
+        # The groups' advantages move the policy; the entropy bonus moves it even where they are 0.
+        LossSettings(kl_coef=0.1, entropy_coef=0.01),
+    )
+    assert {p.dtype for p in actor.module.parameters()} == {getattr(torch, dtype)}
+    assert actor.reference is not None
+    assert {p.dtype for p in actor.reference.parameters()} == {getattr(torch, dtype)}
+    # The reference is the starting policy, computed the same way: the KL is 0, not merely small.
+    assert actor.train_step(_groups(0))[TRAIN_KL] == 0.0
+    # Once the policy has moved the metric is live (and would show any difference of the two passes).
+    assert actor.train_step(_groups(0))[TRAIN_KL] > 1e-6
 
 
 def test_bad_checkpoints_are_refused_without_change(model_dir: Path, tmp_path: Path) -> None:
@@ -92,7 +146,7 @@ def test_bad_checkpoints_are_refused_without_change(model_dir: Path, tmp_path: P
         other.load_checkpoint(str(tmp_path / "missing"))
     state = json.loads((folder / "actor_state.json").read_text())
     (folder / "actor_state.json").write_text(json.dumps(state | {"format": "something-else"}))
-    with pytest.raises(MegatronActorError, match="is not a asyncrl-megatron-actor-1 checkpoint"):
+    with pytest.raises(MegatronActorError, match="is not a asyncrl-megatron-actor-2 checkpoint"):
         other.load_checkpoint(str(folder))
     assert other.version == 0
     for name, tensor in before.items():
@@ -224,3 +278,13 @@ def test_the_clip_acts_on_the_later_updates_of_a_step(model_dir: Path) -> None:
     assert first["train/ppo_ratio/mean"] == pytest.approx(1.0, abs=1e-5)
     assert all(update["train/clip_frac"] > 0.0 for update in later[1:])  # the epoch over moved weights
     assert later[0]["train/ppo_ratio/mean"] != pytest.approx(1.0, abs=1e-4)  # group 2 after group 1's update
+
+
+def test_the_actor_seeds_every_generator_from_its_seed(model_dir: Path) -> None:
+    # `runner.seed` reaches the Megatron actor as its settings' seed (`from_run_config`).
+    draws: list[tuple[float, float, float]] = []
+    for seed in (5, 5, 6):
+        _actor(model_dir, seed=seed)
+        draws.append((random.random(), float(np.random.rand()), float(torch.rand(1))))
+    assert draws[0] == draws[1]
+    assert all(a != b for a, b in zip(draws[0], draws[2], strict=True))

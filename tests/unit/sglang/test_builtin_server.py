@@ -570,3 +570,28 @@ async def test_metrics_gauges_follow_the_running_limit(make_client: Factory) -> 
     assert all("prompt_tokens" not in body["meta_info"] for body in waited)
     text = await (await client.get("/metrics")).text()
     assert 'sglang:num_running_reqs{model_name="tiny",engine_type="unified"} 0.0' in text
+
+
+async def test_get_weights_by_name_reads_back_what_the_engine_holds(
+    make_client: Factory, tiny_model: EngineModel
+) -> None:
+    from asyncrl_core.errors import EngineControlError
+    from asyncrl_sglang.client import SGLangClient
+
+    client, _ = await make_client()
+    # A row-split view of the fused qkv matrix, a vector, and the output layer tied to the embedding.
+    names = ("model.layers.0.self_attn.k_proj.weight", "model.norm.weight", "lm_head.weight")
+    async with SGLangClient(str(client.make_url("")).rstrip("/")) as engine:
+        for name in names:
+            held = tiny_model.named[name]
+            values = await engine.get_weights_by_name(name, truncate_size=held.shape[0])
+            assert torch.equal(torch.tensor(values, dtype=torch.float32), held.float()), name
+        assert len(await engine.get_weights_by_name("lm_head.weight")) == 100  # SGLang's default cut
+        with pytest.raises(EngineControlError, match=r"no parameter 'no\.such\.weight'"):
+            await engine.get_weights_by_name("no.such.weight")
+    # GET with a body works as on SGLang; a missing name is a schema error.
+    body = {"name": "model.norm.weight", "truncate_size": 2}
+    response = await client.get("/get_weights_by_name", json=body)
+    assert response.status == 200
+    assert len(await _json(response)) == 2
+    assert (await client.post("/get_weights_by_name", json={})).status == 400

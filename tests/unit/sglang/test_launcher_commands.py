@@ -3,13 +3,16 @@ it starts (health wait, early death, process-group stop, stop on exit)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+import urllib.parse
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,7 @@ from asyncrl_core.config.models import RolloutConfig
 from asyncrl_core.errors import AsyncRLError, EngineControlError, EngineUnavailableError
 from asyncrl_sglang.launcher import (
     EngineCommand,
+    LaunchedEngines,
     builtin_command,
     free_port,
     launch_engines,
@@ -53,6 +57,7 @@ def test_sglang_command_has_the_flags_an_rl_run_needs() -> None:
         devices=(4, 5),
         context_length=8192,
         api_key="secret",
+        random_seed=7,
         extra_args={
             "mem_fraction_static": 0.8,
             "disable_cuda_graph": True,
@@ -72,6 +77,7 @@ def test_sglang_command_has_the_flags_an_rl_run_needs() -> None:
         "--enable-metrics": None,
         "--context-length": "8192",
         "--api-key": "secret",
+        "--random-seed": "7",
         "--mem-fraction-static": "0.8",
         "--disable-cuda-graph": None,
     }
@@ -94,6 +100,9 @@ def test_sglang_command_refuses_a_device_count_that_does_not_match_tp() -> None:
 def test_builtin_command_runs_on_cuda_only_when_given_a_device() -> None:
     cpu = builtin_command(model_path="m", host="127.0.0.1", port=5, max_running_requests=3)
     assert cpu.argv[1:3] == ("-m", "asyncrl_sglang.builtin")
+    assert "--random-seed" not in cpu.argv  # the engine's default
+    seeded = builtin_command(model_path="m", host="127.0.0.1", port=5, max_running_requests=3, random_seed=9)
+    assert flags(seeded.argv)["--random-seed"] == "9"
     assert flags(cpu.argv)["--device"] == "cpu"
     assert flags(cpu.argv)["--max-running-requests"] == "3"
     assert "--enable-metrics" in cpu.argv
@@ -101,7 +110,12 @@ def test_builtin_command_runs_on_cuda_only_when_given_a_device() -> None:
     gpu = builtin_command(model_path="m", host="0.0.0.0", port=5, max_running_requests=3, devices=(2,))
     assert flags(gpu.argv)["--device"] == "cuda"
     assert gpu.env == {"CUDA_VISIBLE_DEVICES": "2"}
-    assert gpu.url == "http://127.0.0.1:5"  # a server on every interface is reached on loopback
+    assert gpu.url == "http://127.0.0.1:5"  # a server on every interface is reached on loopback here
+    # ... and at its node's address from other nodes.
+    advertised = dataclasses.replace(gpu, advertise_host="10.0.0.2", grpc_port=6)
+    assert (advertised.url, advertised.grpc_target) == ("http://10.0.0.2:5", "10.0.0.2:6")
+    bound = builtin_command(model_path="m", host="10.0.0.3", port=5, max_running_requests=3)
+    assert dataclasses.replace(bound, advertise_host="10.0.0.2").url == "http://10.0.0.3:5"
     with pytest.raises(EngineControlError, match="one device"):
         builtin_command(model_path="m", host="h", port=5, max_running_requests=3, devices=(0, 1))
 
@@ -281,8 +295,10 @@ async def test_builtin_launch_from_the_rollout_config(tiny_llama_path: Path, tmp
             "sglang": {"launch": "builtin", "base_port": free_port()},
         }
     )
-    with launch_engines(config, run_dir=tmp_path, health_timeout_s=240) as launched:
+    with launch_engines(config, run_dir=tmp_path, health_timeout_s=240, random_seed=11) as launched:
         assert len(launched.urls) == 2
+        # `runner.seed` reaches every engine's sampling, each instance with a seed of its own.
+        assert [flags(p.command.argv)["--random-seed"] for p in launched.processes] == ["11", "12"]
         assert all((tmp_path / "engines" / f"engine-{index}.log").exists() for index in range(2))
         async with launched.pool() as pool:
             generations = [
@@ -297,3 +313,51 @@ async def test_builtin_launch_from_the_rollout_config(tiny_llama_path: Path, tmp
             assert await pool.weight_versions() == [0, 0]
         processes = launched.processes
     assert all(process.returncode() is not None for process in processes)
+
+
+def test_two_launches_racing_for_one_port_each_get_their_own_engine(
+    tiny_llama_path: Path, tmp_path: Path
+) -> None:
+    # Both launches pick the same free port at once; one engine binds it, the other cannot. Each launch must
+    # end up with the engine it started (the loser starts again on another port), never with the other's.
+    from asyncrl_sglang.port_owner import holds_port
+
+    config = RolloutConfig.model_validate(
+        {
+            "model_path": str(tiny_llama_path),
+            "max_running_requests": 2,
+            "sglang": {"launch": "builtin", "base_port": free_port()},
+        }
+    )
+    launched: dict[str, LaunchedEngines] = {}
+    failures: list[BaseException] = []
+    done = threading.Event()
+
+    def launch(name: str) -> None:
+        # Engines die with the thread that started them (`PR_SET_PDEATHSIG`): it lives until the checks end.
+        try:
+            with launch_engines(config, run_dir=tmp_path / name, health_timeout_s=240) as engines:
+                launched[name] = engines
+                done.wait(300)
+        except BaseException as error:
+            failures.append(error)
+            raise
+
+    threads = [threading.Thread(target=launch, args=(name,), daemon=True) for name in ("a", "b")]
+    for thread in threads:
+        thread.start()
+    try:
+        deadline = time.monotonic() + 300
+        while len(launched) + len(failures) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not failures, failures
+        ports = [urllib.parse.urlsplit(engines.urls[0]).port for engines in launched.values()]
+        assert ports[0] != ports[1]
+        for engines, port in zip(launched.values(), ports, strict=True):
+            (process,) = engines.processes
+            assert port is not None
+            assert holds_port(process.pid, port)  # the URL reaches the engine this launch started
+    finally:
+        done.set()
+        for thread in threads:
+            thread.join(timeout=60)

@@ -30,7 +30,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -62,6 +62,7 @@ from asyncrl_core.types import (
     SamplingParams,
     TaskSample,
     ToolCall,
+    ToolHealth,
     ToolResult,
     Trajectory,
 )
@@ -168,6 +169,8 @@ class AgentLoopWorker:
         tool_timeout_s: longest a tool call may take before it counts as failed.
         num_demonstrations: the task's demonstrations to show before the question, as earlier chat turns.
         min_turn_tokens: the smallest model turn worth generating after an observation.
+        on_tool_health: told when a tool starts failing (its first failed call after a success) and when it
+            answers again, so that the runner can name a tool outage (a retriever that died) at once.
     """
 
     def __init__(
@@ -186,6 +189,7 @@ class AgentLoopWorker:
         tool_timeout_s: float = 30.0,
         num_demonstrations: int = 0,
         min_turn_tokens: int = 8,
+        on_tool_health: Callable[[ToolHealth], None] | None = None,
     ) -> None:
         for name, value in (
             ("group_size", group_size),
@@ -227,6 +231,7 @@ class AgentLoopWorker:
         self._dataset_cache: dict[str, Sequence[TaskSample]] = {}
         self._failing_tools: dict[str, int] = {}
         """Tool name -> calls that failed in a row (absent: the last call succeeded)."""
+        self._on_tool_health = on_tool_health
 
     def _end_ids(self, sampling: SamplingParams) -> frozenset[int]:
         ids: set[int] = set(sampling.stop_token_ids)
@@ -428,8 +433,9 @@ class AgentLoopWorker:
         except Exception as failure:  # a tool may fail in any way; the model reads the error instead
             error = f"{call.tool} failed: {type(failure).__name__}: {failure}"
         else:
-            if self._failing_tools.pop(call.tool, 0):
+            if failed := self._failing_tools.pop(call.tool, 0):
                 logger.warning("tool %s answers again", call.tool)
+                self._tool_health(call.tool, False, f"answers again after {failed} failed calls in a row")
             return ToolResult(text, None, time.perf_counter() - started)
         # A tool that goes down fails every call: say so once when it starts, then every 100 failures.
         failures = self._failing_tools[call.tool] = self._failing_tools.get(call.tool, 0) + 1
@@ -437,7 +443,13 @@ class AgentLoopWorker:
             logger.warning(
                 "tool call %s(%r) failed (%d in a row): %s", call.tool, call.arguments, failures, error
             )
+        if failures == 1:
+            self._tool_health(call.tool, True, error)
         return ToolResult("", error, time.perf_counter() - started)
+
+    def _tool_health(self, tool: str, failing: bool, message: str) -> None:
+        if self._on_tool_health is not None:
+            self._on_tool_health(ToolHealth(tool, failing, message, time.time()))
 
     async def aclose(self) -> None:
         """Release the task's resources in this process (HTTP connections of its tools)."""

@@ -7,8 +7,9 @@ A plugin is found by name in an entry-point group, so it can live in its own dis
 my-task = "my_package.task:MyTask"
 ```
 
-The backends that ship with asyncrl are listed in `BUILTINS` (an explicit table, no decorators), and a
-configuration may also name any object directly as `module:attr`. Listing reads only package metadata;
+asyncrl-core's own plugins are listed in `BUILTINS` (an explicit table, no decorators); asyncrl's other
+packages declare theirs as entry points, so core names none of them. A configuration may also name any
+object directly as `module:attr`. Listing reads only package metadata;
 loading imports the plugin's module, so a broken plugin is reported by `available()` and raised as a
 `PluginError` by `load()` only when it is selected.
 """
@@ -33,16 +34,12 @@ GROUPS: tuple[PluginGroup, ...] = ("asyncrl.tasks", "asyncrl.actors", "asyncrl.r
 
 BUILTINS: dict[PluginGroup, dict[str, str]] = {
     "asyncrl.tasks": {},
-    "asyncrl.actors": {
-        "torch": "asyncrl_core.actor:TorchActor.from_run_config",
-        "megatron": "asyncrl_megatron.actor:MegatronActor.from_run_config",
-    },
-    "asyncrl.rollout_backends": {
-        "sglang": "asyncrl_sglang.launcher:launch_engines",
-    },
+    "asyncrl.actors": {"torch": "asyncrl_core.actor:TorchActor.from_run_config"},
+    "asyncrl.rollout_backends": {},
 }
-"""Plugins that ship with asyncrl's own packages, as `module:attr` targets. Tasks ship as entry points of
-asyncrl-agents (`searchr1`, `searchr1-mini`) like any third-party task."""
+"""Plugins of asyncrl-core itself, as `module:attr` targets. asyncrl's other packages declare theirs as entry
+points like any third-party plugin: asyncrl-megatron the actor `megatron`, asyncrl-sglang the rollout backend
+`sglang`, asyncrl-agents the tasks `searchr1` and `searchr1-mini`."""
 
 BUILTIN_SOURCE = "asyncrl (built in)"
 

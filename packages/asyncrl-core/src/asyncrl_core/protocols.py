@@ -8,11 +8,14 @@ heavy.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 from asyncrl_core.types import (
+    BatchShare,
     Demonstration,
     FinalAnswer,
     Generation,
@@ -28,8 +31,16 @@ from asyncrl_core.types import (
 if TYPE_CHECKING:
     import torch
 
+    from asyncrl_core.config.models import RolloutConfig
+    from asyncrl_core.server_process import ServerProcess
+
 NamedTensors = list[tuple[str, "torch.Tensor"]]
 """One bucket of weights under HuggingFace parameter names."""
+
+WeightExportRole = Literal["send", "join", "none"]
+"""What one rank of an actor does when the weights go to the engines: `send` consumes `export_weights` and
+pushes the buckets; `join` consumes it in step with the sender and drops the buckets (the export is a
+collective there: tensor-parallel shards are gathered); `none` takes no part."""
 
 
 @runtime_checkable
@@ -49,6 +60,111 @@ class GenerationClient(Protocol):
         ...
 
 
+class EngineClient(GenerationClient, Protocol):
+    """A `GenerationClient` over every engine of a run, with the gate the `drain` pause mode closes."""
+
+    def close_admission(self) -> None:
+        """Hold new requests at this client (those in flight go on)."""
+        ...
+
+    def open_admission(self) -> None:
+        """Let the held requests through."""
+        ...
+
+    async def wait_idle(self, timeout_s: float) -> None:
+        """Return once no request sent through this client is in flight; raise after `timeout_s`."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+class RunningEngines(Protocol):
+    """The engines a rollout backend started (or reached), as `RolloutBackend.launch` returns them."""
+
+    @property
+    def urls(self) -> Sequence[str]:
+        """The HTTP base URL of each engine, at an address other nodes reach."""
+        ...
+
+    @property
+    def grpc_targets(self) -> Sequence[str | None]:
+        """Per engine, the gRPC address generation goes to, or None (HTTP)."""
+        ...
+
+    @property
+    def processes(self) -> Sequence[ServerProcess]:
+        """The processes started, one per engine (none for engines someone else runs)."""
+        ...
+
+    def stop(self) -> None:
+        """Stop every process started."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class WeightGroup:
+    """Where the trainer meets the engines for a weight sync by broadcast (a process group), and how.
+
+    The runner chooses it: the trainer (rank 0 of the actor) hosts the group's store at
+    `master_address:master_port`, its node's address and a port picked free there."""
+
+    master_address: str
+    master_port: int
+    backend: Literal["nccl", "gloo"]
+    """NCCL between separate GPUs; gloo on CPUs and where trainer and engines share a GPU."""
+    device: Literal["cuda", "cpu"]
+    """Where the trainer stages each tensor for the broadcast."""
+    timeout_s: float
+    """Longest wait for the group to form and for one broadcast."""
+
+
+class RolloutBackend(Protocol):
+    """An engine family, `rollout.rollout_backend`: how the runner starts engines, reaches them and pushes
+    weights into them. The plugin (entry-point group `asyncrl.rollout_backends`) is a factory called with
+    the run's `AsyncRLConfig`; asyncrl-sglang's is `asyncrl_sglang.backend:SGLangBackend`."""
+
+    def launch(
+        self,
+        rollout: RolloutConfig,
+        *,
+        run_dir: Path,
+        devices: Sequence[int],
+        gpu: bool,
+        health_timeout_s: float,
+        advertise_host: str,
+        random_seed: int,
+    ) -> RunningEngines:
+        """Start the engines of `rollout` (one per rollout worker: `num_instances` is 1) on `devices` (GPU
+        ids when `gpu`, else nothing to place) and return once they answer. They bind to
+        `rollout.sglang.host`, which the runner resolves per node; `advertise_host` is their node's address,
+        for URLs of engines bound to every interface. They sample with `random_seed` (`runner.seed` plus the
+        engine's index)."""
+        ...
+
+    def connect(self, urls: Sequence[str], grpc_targets: Sequence[str | None]) -> EngineClient:
+        """One client over the running engines at `urls` (from another process than the one that started
+        them)."""
+        ...
+
+    def weight_transport(self, group: WeightGroup) -> object:
+        """How this run's weights reach the engines (the trainer keeps it for every sync); `group` is used
+        when the transport broadcasts."""
+        ...
+
+    async def sync_weights(
+        self,
+        client: EngineClient,
+        buckets: Iterable[NamedTensors],
+        version: int,
+        *,
+        mode: str,
+        transport: object,
+    ) -> dict[str, float]:
+        """Push `buckets` into every engine of `client` as weight `version`, pausing them by `mode`
+        (`rollout.pause_mode`); returns the sync's step metrics (`time/sync_weights`, ...)."""
+        ...
+
+
 @runtime_checkable
 class Actor(Protocol):
     """A training backend: trains on groups, bumps its weight version, exports weights for the engines."""
@@ -58,8 +174,10 @@ class Actor(Protocol):
         """The weight version of the current parameters; 0 before the first step."""
         ...
 
-    def train_step(self, groups: Sequence[Group]) -> dict[str, float]:
-        """One optimiser step on `groups` (advantages are computed per group); returns `train/...` metrics.
+    def train_step(self, batch: Sequence[Group] | BatchShare) -> dict[str, float]:
+        """One optimiser step on this data-parallel rank's share of a batch (`asyncrl_core.shares`), or on
+        the step's groups, which every rank is then given and cuts the same way (advantages are computed per
+        group); returns `train/...` metrics. A share cut for another rank raises `BatchError`.
 
         Increments `version` by one.
         """
@@ -70,6 +188,12 @@ class Actor(Protocol):
 
         Buckets are produced lazily, so a large model never needs a second full copy in memory.
         """
+        ...
+
+    @property
+    def weight_export_role(self) -> WeightExportRole:
+        """This rank's part in a weight sync: exactly one rank of the actor sends; every rank whose
+        `export_weights` is a collective with the sender's joins."""
         ...
 
     def save_checkpoint(self, path: str) -> None:

@@ -17,6 +17,7 @@ import ctypes
 import errno
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -29,6 +30,15 @@ from typing import Protocol, cast
 from asyncrl_core.errors import AsyncRLError
 
 POLL_S = 0.1
+
+
+def free_port(address: str = "127.0.0.1") -> int:
+    """A TCP port free on `address` (IPv4 or IPv6) now, for a store or server that binds it right after:
+    another process may take it first. A server that can bind port 0 and report its port should."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.bind((address, 0))
+        return int(probe.getsockname()[1])
 
 
 class ServerStartError(AsyncRLError):

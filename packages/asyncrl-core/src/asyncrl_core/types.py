@@ -8,7 +8,11 @@ and tool/observation tokens alike, in the order they appear in `Trajectory.token
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    import numpy as np
+    from numpy.typing import NDArray
 
 FinishReason = Literal["stop", "length", "abort"]
 """Why a generation ended: a stop string or token, `max_new_tokens` or the context, or an abort."""
@@ -148,6 +152,71 @@ class Group:
         return self.earliest_version, self.latest_version
 
 
+# The actor side: a step's batch as each data-parallel rank of the actor receives it
+# (`asyncrl_core.shares` cuts it; NumPy arrays, so Ray's object store hands them over without copies).
+
+
+@dataclass(frozen=True, slots=True)
+class MiniBatchShare:
+    """One data-parallel rank's rows of one mini-batch (one optimiser update), in the order the rank trains
+    them, with the counts of the whole mini-batch that fix each token's share of the loss.
+
+    Per-token arrays hold the rows one after the other and are aligned with `token_ids`: row `r` is
+    `token_ids[row_offsets[r]:row_offsets[r + 1]]`, its prompt included (where `loss_mask` is 0,
+    `rollout_logprobs` 0.0 and `versions` `NO_VERSION`, as on tool and observation tokens).
+    """
+
+    token_ids: NDArray[np.int32]
+    """Prompt and response tokens of every row, concatenated."""
+    row_offsets: NDArray[np.int64]
+    """`[R + 1]`: where each of the `R` rows starts in the per-token arrays, then their total length."""
+    loss_mask: NDArray[np.int8]
+    """1 on tokens the model sampled (trained on), 0 on prompt, tool and observation tokens."""
+    rollout_logprobs: NDArray[np.float32]
+    """The engine's log-probability of each trained token; 0.0 elsewhere."""
+    versions: NDArray[np.int32]
+    """The weight version that sampled each trained token; `NO_VERSION` elsewhere."""
+    advantages: NDArray[np.float32]
+    """`[R]`: each row's group-relative advantage (computed over its whole group, on every rank)."""
+    row_ids: NDArray[np.int64]
+    """`[R, 2]`: `(group_id, index of the trajectory in its group)` of each row."""
+    num_rows: int
+    """Rows of the whole mini-batch, over all ranks."""
+    num_tokens: int
+    """Prompt and response tokens of the whole mini-batch."""
+    num_loss_tokens: int
+    """Trained tokens of the whole mini-batch (the `token_mean` loss divides by it)."""
+    num_trained_rows: int
+    """Rows of the whole mini-batch with at least one trained token (the `sequence_mean` loss divides by
+    it)."""
+
+    @property
+    def num_share_rows(self) -> int:
+        """Rows of this share."""
+        return len(self.row_offsets) - 1
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the share's arrays."""
+        arrays = (self.token_ids, self.row_offsets, self.loss_mask, self.rollout_logprobs, self.versions)
+        return sum(array.nbytes for array in (*arrays, self.advantages, self.row_ids))
+
+
+@dataclass(frozen=True, slots=True)
+class BatchShare:
+    """What data-parallel rank `rank` of `num_ranks` trains on in one step: its rows of each mini-batch."""
+
+    rank: int
+    num_ranks: int
+    mini_batches: tuple[MiniBatchShare, ...]
+    """One per optimiser update of a pass over the step, in order."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the share's arrays."""
+        return sum(mini_batch.nbytes for mini_batch in self.mini_batches)
+
+
 # The task side: what a task plugin (`asyncrl_core.protocols.Task`) hands the agent loop and gets back.
 
 
@@ -237,3 +306,16 @@ class ToolResult:
     text: str
     error: str | None = None
     latency_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ToolHealth:
+    """A tool went down or came back, as an agent loop saw its calls: the first failure after a success
+    (`failing`), or the first success after failures. The run records it in `faults.jsonl`."""
+
+    tool: str
+    failing: bool
+    message: str
+    """The failure (`search failed: ...`), or how many calls failed in a row before it answered again."""
+    at: float
+    """Unix time of the call that changed the tool's state."""

@@ -13,6 +13,8 @@ false; on a GPU it does nothing, so GPU runs execute Megatron unmodified.
   tensor-parallel regions differs across ranks. On the CPU the tracked states are CPU generator states:
   `_get_cuda_rng_state` / `_set_cuda_rng_state` read and write the CPU default generator, and
   `CudaRNGStatesTracker.add` seeds a CPU generator, so `model_parallel_cuda_manual_seed` works unchanged.
+- `torch.cuda.synchronize()` does nothing instead of raising: `dist_checkpointing`'s save strategy calls it
+  before it copies the shards to host memory, where there is nothing to wait for.
 
 The patches are process-wide and irreversible by design: they are applied in worker processes that own
 Megatron, before the model is built.
@@ -66,7 +68,11 @@ def enable() -> bool:
         self.seeds_.add(seed)
         self.states_[name] = torch.Generator().manual_seed(seed).get_state()
 
+    def synchronize(device: object = None) -> None:
+        del device
+
     torch.cuda.current_device = current_device
+    torch.cuda.synchronize = synchronize
     fused_softmax.get_default_causal_mask = default_causal_mask
     megatron_random._get_cuda_rng_state = get_rng_state  # pyright: ignore[reportPrivateUsage]
     megatron_random._set_cuda_rng_state = set_rng_state  # pyright: ignore[reportPrivateUsage]

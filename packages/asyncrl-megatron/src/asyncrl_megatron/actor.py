@@ -43,12 +43,12 @@ import torch
 import torch.distributed as dist
 
 from asyncrl_core import models
-from asyncrl_core.actor.rng import rng_state, set_rng_state
+from asyncrl_core.actor.rng import rng_state, seed_all, set_rng_state
 from asyncrl_core.algorithms import (
     LossSettings,
     PackedBatch,
-    pack_mini_batches,
     policy_loss,
+    rank_plan,
     token_entropy,
     token_logprobs,
     token_logprobs_and_entropy,
@@ -62,9 +62,9 @@ from asyncrl_core.metrics import (
     TRAIN_NUM_TRAJECTORIES,
     TRAIN_NUM_UPDATES,
 )
-from asyncrl_core.protocols import NamedTensors
-from asyncrl_core.types import Group
-from asyncrl_megatron import parallel
+from asyncrl_core.protocols import NamedTensors, WeightExportRole
+from asyncrl_core.types import BatchShare, Group
+from asyncrl_megatron import checkpoint, parallel
 from asyncrl_megatron.mapping import SafetensorsReader, export_hf_weights, load_hf_weights
 from asyncrl_megatron.model import Architecture, build_gpt_model, megatron_warnings_ignored, padded_vocab_size
 
@@ -76,9 +76,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_FORMAT = "asyncrl-megatron-actor-1"
-STATE_FILE = "actor_state.json"
-HF_FOLDER = "hf"
 _HF_COPIED_FILES = (
     "config.json",
     "generation_config.json",
@@ -105,7 +102,8 @@ class MegatronActorSettings:
     """The engines' sampling temperature: logprobs are taken under `softmax(logits / temperature)`
     (`actor.temperature`, derived from `rollout.sampling.temperature`)."""
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    """Parameter dtype on a GPU (float32 master weights in the optimizer); a CPU always uses float32."""
+    """Parameter dtype; bfloat16 parameters get float32 master weights in the optimizer (Megatron's on a GPU,
+    `torch.optim` over master copies on a CPU)."""
     micro_batch_size: int = 1
     """Rows per forward/backward pass."""
     optimizer: Literal["adamw", "sgd"] = "adamw"
@@ -131,11 +129,13 @@ class MegatronActorSettings:
     ppo_epochs: int = 1
     """Passes over a step's mini-batches."""
     seed: int = 0
+    """Seed of Python's, numpy's and torch's generators and of Megatron's model-parallel ones (`runner.seed`
+    in a run)."""
 
     @classmethod
-    def from_config(cls, actor: MegatronActorConfig) -> MegatronActorSettings:
+    def from_config(cls, actor: MegatronActorConfig, *, seed: int = 0) -> MegatronActorSettings:
         """The settings of the configuration's `actor` section (`backend: megatron`), which must be resolved
-        (`actor.temperature` set, as a validated `AsyncRLConfig` derives it)."""
+        (`actor.temperature` set, as a validated `AsyncRLConfig` derives it), with `seed` (`runner.seed`)."""
         if actor.temperature is None:
             raise MegatronActorError(
                 "actor.temperature is unset: pass the `actor` section of a validated AsyncRLConfig (which "
@@ -161,6 +161,7 @@ class MegatronActorSettings:
             use_distributed_optimizer=actor.use_distributed_optimizer,
             gradient_checkpointing=actor.gradient_checkpointing,
             weight_export_bucket_mb=actor.weight_export_bucket_mb,
+            seed=seed,
         )
 
 
@@ -199,10 +200,9 @@ class MegatronActor:
         """The metrics of each optimizer update of the last `train_step`, in order."""
         self.model_path = models.resolve_model_path(settings.model_path, key="actor.model_path")
         self.arch = Architecture.from_pretrained(self.model_path)
-        self.dtype = torch.bfloat16 if settings.dtype == "bfloat16" and on_gpu else torch.float32
-        if settings.dtype == "bfloat16" and not on_gpu:
-            logger.warning("no GPU: the Megatron actor trains in float32 on the CPU")
+        self.dtype = torch.bfloat16 if settings.dtype == "bfloat16" else torch.float32
 
+        seed_all(settings.seed)  # Python's, numpy's and torch's; Megatron's own in `initialize`
         parallel.initialize(settings.tensor_parallel_size, seed=settings.seed)
         from megatron.core import parallel_state
 
@@ -233,15 +233,19 @@ class MegatronActor:
             self.reference.requires_grad_(False)
         self._megatron_optimizer: Any = None
         self._torch_optimizer: torch.optim.Optimizer | None = None
+        self._master_parameters: list[torch.nn.Parameter] | None = None
         if on_gpu:
             self._megatron_optimizer = self._build_megatron_optimizer()
         else:
             self._torch_optimizer = self._build_torch_optimizer()
 
     @classmethod
-    def from_config(cls, actor: MegatronActorConfig, algorithm: AlgorithmConfig) -> MegatronActor:
-        """The actor for the configuration's `actor` (`backend: megatron`) and `algorithm` sections."""
-        return cls(MegatronActorSettings.from_config(actor), LossSettings.from_config(algorithm))
+    def from_config(
+        cls, actor: MegatronActorConfig, algorithm: AlgorithmConfig, *, seed: int = 0
+    ) -> MegatronActor:
+        """The actor for the configuration's `actor` (`backend: megatron`) and `algorithm` sections, its
+        generators seeded with `seed` (`runner.seed`)."""
+        return cls(MegatronActorSettings.from_config(actor, seed=seed), LossSettings.from_config(algorithm))
 
     @classmethod
     def from_run_config(cls, config: AsyncRLConfig, *, model_path: str, device: str) -> MegatronActor:
@@ -253,6 +257,7 @@ class MegatronActor:
         return cls.from_config(
             config.actor.model_copy(update={"model_path": model_path}),  # pyright: ignore[reportArgumentType]
             config.algorithm,
+            seed=config.runner.seed,
         )
 
     # --- the Actor protocol ---------------------------------------------------------------------------------
@@ -261,37 +266,48 @@ class MegatronActor:
     def version(self) -> int:
         return self._version
 
-    def train_step(self, groups: Sequence[Group]) -> dict[str, float]:
-        """One training step on `groups`: `ppo_epochs` passes over mini-batches of `ppo_mini_batch_size`
-        groups, one optimizer update each; the version goes up by one.
+    @property
+    def weight_export_role(self) -> WeightExportRole:
+        """The first tensor-parallel group (data-parallel rank 0) gathers the weights, and its tensor-parallel
+        rank 0 (global rank 0) sends them; the other data-parallel replicas take no part."""
+        if self.dp_rank != 0:
+            return "none"
+        return "send" if self.tp_rank == 0 else "join"
+
+    def train_step(self, batch: Sequence[Group] | BatchShare) -> dict[str, float]:
+        """One training step: `ppo_epochs` passes over mini-batches of `ppo_mini_batch_size` groups, one
+        optimizer update each; the version goes up by one.
+
+        `batch` is this data-parallel rank's `BatchShare` (as the runner hands it over; the tensor-parallel
+        ranks of one data-parallel rank get the same share), or the step's groups, which every rank is then
+        given and cuts the same way (`asyncrl_core.algorithms.rank_plan`).
 
         Returns the step's `train/...` metrics, equal on every rank: `policy_loss`'s metrics and
         `train/grad_norm` (before clipping; 0 when clipping is off on a GPU, where Megatron does not compute
         it) as means over the updates (each update's own metrics are in `update_metrics`), `train/lr`,
         `train/num_updates`, and the step's `train/num_trajectories`, `train/num_tokens` and
-        `train/num_loss_tokens`. Raises `BatchError` for malformed groups (nothing is changed) and
-        `MegatronActorError` for a non-finite gradient: in the first update, the weights, the optimizer and
-        the version are unchanged; in a later one, the updates before it are kept and the version goes up
-        by one, as the error says.
+        `train/num_loss_tokens`. Raises `BatchError` for malformed groups or another rank's share (nothing
+        is changed) and `MegatronActorError` for a non-finite gradient: in the first update, the weights,
+        the optimizer and the version are unchanged; in a later one, the updates before it are kept and the
+        version goes up by one, as the error says.
         """
         with megatron_warnings_ignored():
-            return self._train_step(groups)
+            return self._train_step(batch)
 
-    def _train_step(self, groups: Sequence[Group]) -> dict[str, float]:
-        batches = pack_mini_batches(
-            groups,
+    def _train_step(self, batch: Sequence[Group] | BatchShare) -> dict[str, float]:
+        plan = rank_plan(
+            batch,
+            self.dp_rank,
+            self.dp_size,
             self.pad_id,
-            self.settings.ppo_mini_batch_size,
+            mini_batch_size=self.settings.ppo_mini_batch_size,
+            micro_batch_size=self.settings.micro_batch_size,
             normalize_std=self.loss_settings.normalize_advantage_std,
             aggregation=self.loss_settings.loss_aggregation,
         )
-        # Every micro-batch is cut and copied to the device before the first forward pass, so no host work
-        # or host-to-device copy waits between the micro-batches' kernels.
-        size = self.settings.micro_batch_size
-        plans = [
-            [part.to(self.device) for part in batch.rank_micro_batches(self.dp_rank, self.dp_size, size)]
-            for batch in batches
-        ]
+        # Every micro-batch is copied to the device before the first forward pass, so no host work or
+        # host-to-device copy waits between the micro-batches' kernels.
+        plans = [[part.to(self.device) for part in parts] for parts in plan.micro_batches]
         num_updates = self.settings.ppo_epochs * len(plans)
         # The proximal policy is the policy before the step's first update, for every update of the step
         # (so the clip acts from the second update on); a single update takes it from its own forward pass.
@@ -337,9 +353,9 @@ class MegatronActor:
         }
         result[TRAIN_LR] = self.settings.lr
         result[TRAIN_NUM_UPDATES] = float(num_updates)
-        result[TRAIN_NUM_TRAJECTORIES] = float(sum(batch.num_rows for batch in batches))
-        result[TRAIN_NUM_TOKENS] = float(sum(batch.num_tokens for batch in batches))
-        result[TRAIN_NUM_LOSS_TOKENS] = float(sum(batch.num_loss_tokens for batch in batches))
+        result[TRAIN_NUM_TRAJECTORIES] = float(plan.num_rows)
+        result[TRAIN_NUM_TOKENS] = float(plan.num_tokens)
+        result[TRAIN_NUM_LOSS_TOKENS] = float(plan.num_loss_tokens)
         return result
 
     def _accumulate_gradients(
@@ -373,117 +389,123 @@ class MegatronActor:
             yield from export_hf_weights(self.module, self.arch, bucket_bytes, dtype)
 
     def save_checkpoint(self, path: str) -> None:
-        """Write the model shards, optimizer state and version under `path`, plus a HuggingFace copy.
+        """Write the model, the optimizer state, the random generators and the version under `path`, plus
+        a HuggingFace copy of the weights (`asyncrl_megatron.checkpoint` describes the folder).
 
-        Each rank writes `rank-<tp>-<dp>.pt` (its parameter shards, optimizer state and random generators,
-        Megatron's tensor-parallel tracker included, read back only by
-        `load_checkpoint`); with the distributed optimizer, its parameter state goes to
-        `optimizer-params.pt`. Rank 0 writes `hf/` (a HuggingFace folder loadable by the engines) and
-        `actor_state.json`. Files appear under their final names only when complete.
+        Collective over the whole world. The model and optimizer go through Megatron's distributed
+        checkpointing, so `load_checkpoint` reads them at any tensor- and data-parallel sizes.
         """
         folder = Path(path)
         folder.mkdir(parents=True, exist_ok=True)
-        rank_file = folder / f"rank-{self.tp_rank}-{self.dp_rank}.pt"
-        state = {
-            "model": {name: p.detach().cpu() for name, p in self.module.named_parameters()},
-            "optimizer": self._optimizer().state_dict(),
-            # The rank's random generators: Python, numpy, torch, and Megatron's tensor-parallel tracker.
-            "rng": rng_state(),
-            "rng_tracker": _rng_tracker().get_states(),
-        }
-        _atomic_torch_save(state, rank_file)
-        if self._megatron_optimizer is not None and self.settings.use_distributed_optimizer:
-            # Collective over the data-parallel group; data-parallel rank 0 writes the file.
-            self._megatron_optimizer.save_parameter_state(
-                str(folder / f"optimizer-params-tp{self.tp_rank}.pt")
-            )
-        hf_folder = folder / HF_FOLDER
-        weights: dict[str, torch.Tensor] = {}
-        for bucket in self.export_weights(self.settings.weight_export_bucket_mb << 20):
-            if dist.get_rank() == 0:
-                weights.update((name, tensor.detach().cpu().contiguous()) for name, tensor in bucket)
+        with megatron_warnings_ignored():
+            checkpoint.save_sharded(self._sharded_state(is_loading=False), folder / checkpoint.DIST_FOLDER)
+        checkpoint.write_rng(folder, dist.get_rank(), rng_state(), _rng_tracker().get_states())
+        self._save_hf_copy(folder / checkpoint.HF_FOLDER)
         if dist.get_rank() == 0:
-            from safetensors.torch import save_file
-
-            hf_folder.mkdir(exist_ok=True)
-            temporary = hf_folder / "model.safetensors.tmp"
-            save_file(weights, str(temporary), metadata={"format": "pt"})
-            os.replace(temporary, hf_folder / "model.safetensors")
-            for name in _HF_COPIED_FILES:
-                if (self.model_path / name).is_file():
-                    shutil.copyfile(self.model_path / name, hf_folder / name)
-            description = {
-                "format": CHECKPOINT_FORMAT,
-                "version": self._version,
-                "optimizer": self.settings.optimizer,
-                "tensor_parallel_size": self.tp_size,
-                "data_parallel_size": self.dp_size,
-                "model_path": self.settings.model_path,
-            }
-            temporary = folder / (STATE_FILE + ".tmp")
-            temporary.write_text(json.dumps(description, indent=2) + "\n")
-            os.replace(temporary, folder / STATE_FILE)
-        del weights
+            checkpoint.write_description(
+                folder,
+                {
+                    "version": self._version,
+                    "optimizer": self.settings.optimizer,
+                    "world_size": dist.get_world_size(),
+                    "tensor_parallel_size": self.tp_size,
+                    "data_parallel_size": self.dp_size,
+                    "model_path": self.settings.model_path,
+                },
+            )
         dist.barrier()
 
     def load_checkpoint(self, path: str) -> None:
-        """Restore what `save_checkpoint` wrote, with the same tensor- and data-parallel sizes.
+        """Restore what `save_checkpoint` wrote, at these tensor- and data-parallel sizes whatever sizes it
+        was saved at (Megatron reshards the model and the optimizer state).
 
-        The description, this rank's file and every shard's name and shape are checked before anything
-        changes; a mismatch raises `MegatronActorError` and leaves the actor as it was.
+        The random generators come back only when the layout is the one they were saved with (they mean
+        nothing in another); otherwise they stay as seeded and a warning says so. Everything is read and
+        checked before anything changes: a checkpoint of another format, optimizer or model raises
+        `MegatronActorError` and leaves the actor as it was.
         """
         folder = Path(path)
         try:
-            description = json.loads((folder / STATE_FILE).read_text())
-        except (OSError, ValueError) as error:
-            raise MegatronActorError(
-                f"{folder} holds no readable Megatron actor checkpoint: {error}"
-            ) from error
-        if not isinstance(description, dict) or description.get("format") != CHECKPOINT_FORMAT:  # pyright: ignore[reportUnknownMemberType]
-            raise MegatronActorError(f"{folder / STATE_FILE} is not a {CHECKPOINT_FORMAT} checkpoint")
-        expected = {"optimizer": self.settings.optimizer, "tensor_parallel_size": self.tp_size,
-                    "data_parallel_size": self.dp_size}  # fmt: skip
-        for key, value in expected.items():
-            if description.get(key) != value:
-                raise MegatronActorError(
-                    f"the checkpoint in {folder} has {key} {description.get(key)!r}, this actor {value!r}"
+            description = checkpoint.read_description(folder)
+            if description.get("optimizer") != self.settings.optimizer:
+                raise checkpoint.CheckpointError(
+                    f"the checkpoint in {folder} has optimizer {description.get('optimizer')!r}, this actor "
+                    f"{self.settings.optimizer!r}"
                 )
-        version = description.get("version")
-        if not isinstance(version, int) or version < 0:
-            raise MegatronActorError(f"{folder / STATE_FILE} has no valid version")
-        rank_file = folder / f"rank-{self.tp_rank}-{self.dp_rank}.pt"
-        try:
-            # Our own file, written by `save_checkpoint` on this machine's storage (optimizer state is nested
-            # Python data, as Megatron itself stores it).
-            state = torch.load(rank_file, map_location="cpu", weights_only=False)
-        except (OSError, RuntimeError) as error:
-            raise MegatronActorError(f"cannot read {rank_file}: {error}") from error
-        parameters = dict(self.module.named_parameters())
-        shards: dict[str, torch.Tensor] = state["model"]
-        problems = [f"missing {name}" for name in parameters if name not in shards]
-        problems += [f"unexpected {name}" for name in shards if name not in parameters]
-        problems += [
-            f"{name} has shape {tuple(shards[name].shape)}, the model {tuple(p.shape)}"
-            for name, p in parameters.items()
-            if name in shards and shards[name].shape != p.shape
-        ]
-        if problems:
-            raise MegatronActorError(
-                f"the checkpoint in {folder} does not fit the model: " + "; ".join(problems)
+            same_layout = (description.get("world_size"), description.get("tensor_parallel_size")) == (
+                dist.get_world_size(),
+                self.tp_size,
             )
-        with torch.no_grad():
-            for name, parameter in parameters.items():
-                parameter.copy_(shards[name])
-        self._optimizer().load_state_dict(state["optimizer"])
-        if self._megatron_optimizer is not None and self.settings.use_distributed_optimizer:
-            self._megatron_optimizer.load_parameter_state(
-                str(folder / f"optimizer-params-tp{self.tp_rank}.pt")
+            generators = checkpoint.read_rng(folder, dist.get_rank()) if same_layout else None
+            with megatron_warnings_ignored():
+                state = checkpoint.detached(self._sharded_state(is_loading=True))
+                loaded = checkpoint.load_sharded(state, folder / checkpoint.DIST_FOLDER)
+        except checkpoint.CheckpointError as error:
+            raise MegatronActorError(str(error)) from error
+        with megatron_warnings_ignored():
+            self.module.load_state_dict(loaded["model"])
+            if self._megatron_optimizer is not None:
+                self._megatron_optimizer.load_state_dict(loaded["optimizer"])
+            else:
+                assert self._torch_optimizer is not None
+                checkpoint.load_torch_optimizer_state(
+                    self._torch_optimizer, self._master_parameters, loaded["optimizer"]
+                )
+        self._version = int(description["version"])
+        if generators is not None:
+            set_rng_state(generators[0])
+            _rng_tracker().set_states(generators[1])
+        else:
+            logger.warning(
+                "the checkpoint in %s was saved by %s ranks at tensor parallelism %s, this actor has %d at "
+                "%d: the weights and optimizer state are resharded, the random generators stay as seeded",
+                folder,
+                description.get("world_size"),
+                description.get("tensor_parallel_size"),
+                dist.get_world_size(),
+                self.tp_size,
             )
-        self._version = version
-        if "rng" in state:  # checkpoints written before the generators were saved have none
-            set_rng_state(state["rng"])
-            _rng_tracker().set_states(state["rng_tracker"])
         dist.barrier()
+
+    def _sharded_state(self, *, is_loading: bool) -> dict[str, Any]:
+        """The model's and the optimizer's sharded state dict (`dist_checkpointing`'s description of which
+        slice of each global tensor this rank holds)."""
+        model = self.module.sharded_state_dict()
+        if self._megatron_optimizer is not None:
+            optimizer = self._megatron_optimizer.sharded_state_dict(
+                model, is_loading=is_loading, metadata=checkpoint.DISTRIBUTED_OPTIMIZER_SHARDING
+            )
+        else:
+            assert self._torch_optimizer is not None
+            optimizer = checkpoint.torch_optimizer_state(
+                self._torch_optimizer,
+                model,
+                [p for p in self.module.parameters() if p.requires_grad],
+                self._master_parameters,
+                is_loading=is_loading,
+            )
+        return {"model": model, "optimizer": optimizer}
+
+    def _save_hf_copy(self, hf_folder: Path) -> None:
+        """Rank 0 writes the exported weights and the model's config and tokenizer files to `hf_folder`
+        (collective: every rank of the first tensor-parallel group gathers)."""
+        weights: dict[str, torch.Tensor] = {}
+        role = self.weight_export_role
+        if role != "none":
+            for bucket in self.export_weights(self.settings.weight_export_bucket_mb << 20):
+                if role == "send":
+                    weights.update((name, tensor.detach().cpu().contiguous()) for name, tensor in bucket)
+        if role != "send":
+            return
+        from safetensors.torch import save_file
+
+        hf_folder.mkdir(exist_ok=True)
+        temporary = hf_folder / "model.safetensors.tmp"
+        save_file(weights, str(temporary), metadata={"format": "pt"})
+        os.replace(temporary, hf_folder / "model.safetensors")
+        for name in _HF_COPIED_FILES:
+            if (self.model_path / name).is_file():
+                shutil.copyfile(self.model_path / name, hf_folder / name)
 
     # --- beyond the protocol --------------------------------------------------------------------------------
 
@@ -547,8 +569,13 @@ class MegatronActor:
         return get_megatron_optimizer(config, [self.model])
 
     def _build_torch_optimizer(self) -> torch.optim.Optimizer:
+        """`torch.optim` over the float32 parameters, or over float32 master copies of bfloat16 ones (as
+        Megatron's optimizer keeps them), copied back into the model after each step."""
         s = self.settings
-        parameters = [p for p in self.module.parameters() if p.requires_grad]
+        parameters: list[torch.nn.Parameter] = [p for p in self.module.parameters() if p.requires_grad]
+        if self.dtype != torch.float32:
+            self._master_parameters = [torch.nn.Parameter(p.detach().float()) for p in parameters]
+            parameters = self._master_parameters
         if s.optimizer == "adamw":
             return torch.optim.AdamW(
                 parameters,
@@ -577,17 +604,22 @@ class MegatronActor:
             return float(grad_norm or 0.0)
         assert self._torch_optimizer is not None
         parameters = [p for p in self.module.parameters() if p.requires_grad]
-        for parameter in parameters:
-            # Megatron's gradient buffers hold the (averaged) gradient; torch.optim reads `.grad`.
-            parameter.grad = parameter.main_grad  # pyright: ignore[reportAttributeAccessIssue]
         grad_norm = self._global_grad_norm(parameters)
+        stepped = self._master_parameters or parameters
+        for target, parameter in zip(stepped, parameters, strict=True):
+            # Megatron's gradient buffers hold the (averaged) float32 gradient; torch.optim reads `.grad`.
+            target.grad = parameter.main_grad  # pyright: ignore[reportAttributeAccessIssue]
         if self.settings.grad_clip > 0 and grad_norm > self.settings.grad_clip:
             scale = self.settings.grad_clip / (grad_norm + 1e-6)
-            for parameter in parameters:
-                assert parameter.grad is not None
-                parameter.grad.mul_(scale)
+            for target in stepped:
+                assert target.grad is not None
+                target.grad.mul_(scale)
         self._torch_optimizer.step()
         self._torch_optimizer.zero_grad(set_to_none=True)
+        if self._master_parameters is not None:
+            with torch.no_grad():
+                for parameter, master in zip(parameters, self._master_parameters, strict=True):
+                    parameter.copy_(master)
         return grad_norm
 
     def _gradients_finite(self) -> bool:
@@ -605,13 +637,15 @@ class MegatronActor:
         return flag.item() == 0.0
 
     def _global_grad_norm(self, parameters: list[torch.nn.Parameter]) -> float:
-        """L2 norm of the full model's gradient: sharded parameters summed over TP ranks, replicated once."""
+        """L2 norm of the full model's gradient (DDP's averaged `main_grad`s): sharded parameters summed over
+        TP ranks, replicated once."""
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
         squares = torch.zeros((), dtype=torch.float64, device=self.device)
         for parameter in parameters:
-            if parameter.grad is not None and param_is_not_tensor_parallel_duplicate(parameter):
-                squares += parameter.grad.detach().double().square().sum()
+            grad: torch.Tensor = parameter.main_grad  # pyright: ignore[reportAttributeAccessIssue]
+            if param_is_not_tensor_parallel_duplicate(parameter):
+                squares += grad.detach().double().square().sum()
         if self.tp_size > 1:
             dist.all_reduce(squares, group=self.tp_group)
         return float(squares.sqrt().item())
@@ -712,9 +746,3 @@ def _rng_tracker() -> Any:
     if tracker is None:
         raise MegatronActorError("Megatron's random-generator tracker is not set up")
     return tracker
-
-
-def _atomic_torch_save(state: dict[str, Any], path: Path) -> None:
-    temporary = path.with_name(path.name + ".tmp")
-    torch.save(state, temporary)
-    os.replace(temporary, path)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -20,17 +19,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from asyncrl_core.server_process import free_port
 from asyncrl_megatron import _cpu
 from asyncrl_megatron.model import megatron_warnings_ignored
 
 DEFAULT_TIMEOUT_S = 600.0
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def initialize(tensor_parallel_size: int = 1, *, seed: int = 0, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
@@ -132,10 +125,10 @@ def spawn(
     results = context.Queue()
     collected = context.Event()
     port = free_port()
+    # Not daemonic: Megatron's checkpoint writer starts processes of its own, which a daemon may not. Every
+    # process is killed in the `finally` below whatever happens.
     processes = [
-        context.Process(
-            target=_spawned_main, args=(fn, rank, world_size, port, args, results, collected), daemon=True
-        )
+        context.Process(target=_spawned_main, args=(fn, rank, world_size, port, args, results, collected))
         for rank in range(world_size)
     ]
     values: dict[int, Any] = {}

@@ -48,12 +48,15 @@ from asyncrl_sglang.wire import (
 from asyncrl_sglang.wire import (
     DUPLICATE_RID,
     DestroyWeightsUpdateGroupRequest,
+    GetWeightsByNameRequest,
     InitWeightsUpdateGroupRequest,
     ModelInfo,
     UpdateResult,
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
     UpdateWeightVersionRequest,
+    WeightsReply,
+    WeightsReplyModel,
     WeightVersionReply,
     WireError,
     error_message,
@@ -562,6 +565,18 @@ class SGLangClient:
         request = UpdateWeightVersionRequest(new_version=version_label(version), abort_all_requests=False)
         await self._update("/update_weight_version", _body(request), idempotent=True)
         self._relabelled(version)
+
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> WeightsReply:
+        """The engine's parameter `name` (HuggingFace name), its first `truncate_size` rows (or values) as
+        float32 lists: for checking that a weight sync arrived, not for moving weights."""
+        request = GetWeightsByNameRequest(name=name, truncate_size=truncate_size)
+        response = await self._control("POST", "/get_weights_by_name", _body(request))
+        try:
+            return parse_json(WeightsReplyModel, response.content).root
+        except WireError as error:
+            raise EngineControlError(
+                f"{self.base_url}/get_weights_by_name answered an unexpected body: {error}"
+            ) from None
 
     def _relabelled(self, version: int) -> None:
         """The server took `version` as its weight version (an update that carried it, or

@@ -16,12 +16,19 @@ detokenizer processes included), then SIGKILL after a grace period. Processes ar
 while engines run, when no other handler is installed) and, on Linux, when the launching thread dies
 (`PR_SET_PDEATHSIG`), so a crash of the parent leaves no engine behind. An engine that dies before it is
 healthy fails the launch with the tail of its log.
+
+Ports are picked free, then bound by the engine later; another run's engine may take one in between. An
+engine counts as healthy only once its own process listens on its port (`port_owner`), and a launch whose
+engine lost its port to another process starts again on other ports (`PORT_ATTEMPTS`), so two launches that
+race for a port each end up with their own engine.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
+import logging
 import signal
 import socket
 import sys
@@ -38,14 +45,20 @@ import httpx
 from asyncrl_core.errors import EngineControlError, EngineUnavailableError
 from asyncrl_core.models import resolve_model_path
 from asyncrl_core.server_process import ServerProcess
+from asyncrl_core.server_process import free_port as free_port  # re-exported
 from asyncrl_sglang.client import ClientTimeouts, SGLangClient
 from asyncrl_sglang.grpc_client import GrpcSGLangClient, grpc_health_check
 from asyncrl_sglang.pool import EnginePool
+from asyncrl_sglang.port_owner import holds_port
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from asyncrl_core.config.models import RolloutConfig
 
 ServerArgument = str | int | float | bool
+
+LOOPBACK = "127.0.0.1"
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,24 +67,31 @@ class EngineCommand:
 
     argv: tuple[str, ...]
     host: str
+    """The address the engine binds to."""
     port: int
     env: Mapping[str, str] = field(default_factory=dict[str, str])
     grpc_port: int | None = None
     """The port of the engine's gRPC scheduler service (None: the engine serves HTTP only)."""
+    advertise_host: str = LOOPBACK
+    """Where the engine is reached when `host` binds every interface (`0.0.0.0`, `::`): its node's address
+    in a cluster, loopback on one machine."""
+
+    @property
+    def reach_host(self) -> str:
+        """The host others reach the engine at: `host`, or `advertise_host` for a wildcard bind."""
+        return self.advertise_host if self.host in ("0.0.0.0", "::") else self.host
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        # A server bound to every interface is reached on loopback from here.
-        host = {"0.0.0.0": "127.0.0.1", "[::]": "[::1]"}.get(host, host)
-        return f"http://{host}:{self.port}"
+        host = self.reach_host
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
 
     @property
     def grpc_target(self) -> str | None:
-        """`host:port` of the gRPC service, reached on loopback when bound to every interface."""
+        """`host:port` of the gRPC service, at the same host as `url`."""
         if self.grpc_port is None:
             return None
-        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
+        host = self.reach_host
         return f"[{host}]:{self.grpc_port}" if ":" in host else f"{host}:{self.grpc_port}"
 
 
@@ -98,13 +118,15 @@ def sglang_command(
     devices: Sequence[int] = (),
     context_length: int | None = None,
     api_key: str | None = None,
+    random_seed: int | None = None,
     extra_args: Mapping[str, ServerArgument] | None = None,
     python: str = sys.executable,
 ) -> EngineCommand:
     """The command line of one real SGLang server for RL rollouts.
 
     `devices` are the GPU ids of this instance (`tensor_parallel_size` of them; none: SGLang's default);
-    `extra_args` add or override flags (`mem_fraction_static: 0.8`).
+    `random_seed` seeds its sampling (`--random-seed`; none: SGLang's default); `extra_args` add or
+    override flags (`mem_fraction_static: 0.8`).
     """
     if devices and len(devices) != tensor_parallel_size:
         raise EngineControlError(
@@ -124,6 +146,8 @@ def sglang_command(
         arguments["context_length"] = context_length
     if api_key:
         arguments["api_key"] = api_key
+    if random_seed is not None:
+        arguments["random_seed"] = random_seed
     arguments.update(extra_args or {})
     env = {"CUDA_VISIBLE_DEVICES": ",".join(str(device) for device in devices)} if devices else {}
     return EngineCommand(
@@ -145,13 +169,15 @@ def builtin_command(
     api_key: str | None = None,
     enable_metrics: bool = True,
     grpc_port: int | None = None,
+    random_seed: int | None = None,
     extra_args: Mapping[str, ServerArgument] | None = None,
     python: str = sys.executable,
 ) -> EngineCommand:
     """The command line of one built-in engine (same flag names as SGLang's where they exist).
 
     `devices`: the GPU for the engine (`CUDA_VISIBLE_DEVICES`, and the engine runs on `cuda`); none runs
-    it on the CPU. `grpc_port`: also serve SGLang's gRPC scheduler service there.
+    it on the CPU. `grpc_port`: also serve SGLang's gRPC scheduler service there. `random_seed`: seed of
+    its sampling (`--random-seed`; none: the engine's default, 0).
     """
     if len(devices) > 1:
         raise EngineControlError(
@@ -172,6 +198,8 @@ def builtin_command(
         arguments["api_key"] = api_key
     if grpc_port is not None:
         arguments["grpc_port"] = grpc_port
+    if random_seed is not None:
+        arguments["random_seed"] = random_seed
     arguments.update(extra_args or {})
     env = {"CUDA_VISIBLE_DEVICES": ",".join(str(device) for device in devices)} if devices else {}
     return EngineCommand(
@@ -198,14 +226,6 @@ def port_is_free(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS reports free on `host` now (another process may still take it before it is bound)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])
 
 
 def pick_ports(host: str, count: int, base_port: int | None, *, taken: Sequence[int] = ()) -> list[int]:
@@ -298,7 +318,11 @@ def _wait_healthy(
     grpc_targets: Sequence[str | None] = (),
 ) -> None:
     """Poll `/health` of every engine until all answer 200, and then the gRPC `HealthCheck` of those with a
-    gRPC target until it answers healthy; fail early when a started engine exits."""
+    gRPC target until it answers healthy; fail early when a started engine exits.
+
+    A started engine counts as healthy only once its own process (or a child) listens on its port: another
+    run's engine that took the port between the pick and the bind answers `/health` too, and is not ours.
+    When a started engine exits while another process holds its port, `EnginePortTakenError`."""
     deadline = time.monotonic() + timeout_s
     pending = set(range(len(urls)))
     grpc_pending = {index for index, target in enumerate(grpc_targets) if target is not None}
@@ -308,13 +332,18 @@ def _wait_healthy(
             for index in sorted(pending | grpc_pending):
                 process = processes[index]
                 if process is not None and (code := process.returncode()) is not None:
-                    raise EngineUnavailableError(
-                        f"engine {index} ({urls[index]}) exited with status {code} before it was healthy; "
+                    port = process.command.port
+                    error = EnginePortTakenError if not port_is_free(process.command.host, port) else None
+                    raise (error or EngineUnavailableError)(
+                        f"engine {index} ({urls[index]}) exited with status {code} before it was healthy"
+                        f"{f', and another process holds its port {port}' if error else ''}; "
                         f"the end of {process.log_path}:\n{process.log_tail()}"
                     )
                 if index in pending:
                     try:
-                        if http.get(f"{urls[index]}/health").status_code == 200:
+                        if http.get(f"{urls[index]}/health").status_code == 200 and (
+                            process is None or holds_port(process.pid, process.command.port)
+                        ):
                             pending.discard(index)
                     except httpx.HTTPError:
                         pass
@@ -334,6 +363,11 @@ def _wait_healthy(
                     f"{names}"
                 )
             time.sleep(0.25)
+
+
+class EnginePortTakenError(EngineUnavailableError):
+    """A started engine exited before it was healthy while another process holds its port: another run's
+    engine took the port between the launcher's pick and the engine's bind."""
 
 
 class LaunchedEngines:
@@ -432,12 +466,17 @@ def launch_engines(
     devices: Sequence[int] = (),
     gpu: bool = False,
     health_timeout_s: float = 600.0,
+    random_seed: int | None = None,
+    advertise_host: str = LOOPBACK,
 ) -> LaunchedEngines:
     """Start (or, for `external`, reach) the engines `rollout` describes and wait until they are healthy.
 
     `devices`: the rollout devices of the placement; instance `i` gets `devices[i*tp:(i+1)*tp]` (as
     `CUDA_VISIBLE_DEVICES` when `gpu`). The number of instances is `rollout.num_instances`, else
-    `len(devices) // tensor_parallel_size` (at least 1).
+    `len(devices) // tensor_parallel_size` (at least 1). The engines bind to `rollout.sglang.host`
+    (loopback when unset; the runner sets it per node), on ports picked free here; `advertise_host` is the
+    host of their URLs when they bind every interface (the node's address in a cluster). `random_seed`:
+    instance `i` samples with seed `random_seed + i` (none: each engine's default).
     """
     sglang = rollout.sglang
     if sglang.launch == "external":
@@ -457,47 +496,80 @@ def launch_engines(
     if rollout.model_path is None:
         raise EngineControlError("rollout.model_path is not set (it defaults to actor.model_path)")
     model_path = str(resolve_model_path(rollout.model_path, key="rollout.model_path"))
-    ports = pick_ports(sglang.host, num_instances, sglang.base_port)
-    grpc_ports: list[int | None] = [None] * num_instances
-    if sglang.transport == "grpc":
-        if sglang.launch == "sglang":
-            raise EngineControlError(
-                "rollout.sglang.transport grpc: the launcher starts SGLang's HTTP server only; use "
-                "launch: external with grpc_urls"
+    if sglang.transport == "grpc" and sglang.launch == "sglang":
+        raise EngineControlError(
+            "rollout.sglang.transport grpc: the launcher starts SGLang's HTTP server only; use "
+            "launch: external with grpc_urls"
+        )
+    host = sglang.host or LOOPBACK
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        ports = pick_ports(host, num_instances, sglang.base_port)
+        grpc_ports: list[int | None] = [None] * num_instances
+        if sglang.transport == "grpc":
+            grpc_ports = list(pick_ports(host, num_instances, sglang.grpc_base_port, taken=ports))
+        commands = [
+            _engine_command(
+                rollout,
+                model_path=model_path,
+                host=host,
+                port=port,
+                grpc_port=grpc_ports[index],
+                devices=tuple(devices[index * tp : (index + 1) * tp]) if gpu else (),
+                random_seed=None if random_seed is None else random_seed + index,
             )
-        grpc_ports = list(pick_ports(sglang.host, num_instances, sglang.grpc_base_port, taken=ports))
-    commands: list[EngineCommand] = []
-    for index, port in enumerate(ports):
-        share = tuple(devices[index * tp : (index + 1) * tp]) if gpu else ()
-        if sglang.launch == "sglang":
-            commands.append(
-                sglang_command(
-                    model_path=model_path,
-                    host=sglang.host,
-                    port=port,
-                    tensor_parallel_size=tp,
-                    max_running_requests=rollout.max_running_requests,
-                    devices=share,
-                    context_length=rollout.context_length,
-                    api_key=sglang.api_key,
-                    extra_args=sglang.extra_args,
-                )
+            for index, port in enumerate(ports)
+        ]
+        commands = [dataclasses.replace(command, advertise_host=advertise_host) for command in commands]
+        try:
+            log_dir = run_dir / "engines"
+            return start_engines(
+                commands, log_dir=log_dir, health_timeout_s=health_timeout_s, api_key=sglang.api_key
             )
-        else:
-            commands.append(
-                builtin_command(
-                    model_path=model_path,
-                    host=sglang.host,
-                    port=port,
-                    max_running_requests=rollout.max_running_requests,
-                    devices=share,
-                    context_length=rollout.context_length,
-                    api_key=sglang.api_key,
-                    grpc_port=grpc_ports[index],
-                )
-            )
-    return start_engines(
-        commands, log_dir=run_dir / "engines", health_timeout_s=health_timeout_s, api_key=sglang.api_key
+        except EnginePortTakenError as error:
+            if attempt == PORT_ATTEMPTS:
+                raise
+            logger.warning("%s\nstarting the engines again on other ports", error)
+    raise AssertionError("unreachable")  # the last attempt returns or raises
+
+
+PORT_ATTEMPTS = 3
+"""Starts of a run's engines when a port is taken by another process between its pick and the bind."""
+
+
+def _engine_command(
+    rollout: RolloutConfig,
+    *,
+    model_path: str,
+    host: str,
+    port: int,
+    grpc_port: int | None,
+    devices: tuple[int, ...],
+    random_seed: int | None,
+) -> EngineCommand:
+    sglang = rollout.sglang
+    if sglang.launch == "sglang":
+        return sglang_command(
+            model_path=model_path,
+            host=host,
+            port=port,
+            tensor_parallel_size=rollout.tensor_parallel_size,
+            max_running_requests=rollout.max_running_requests,
+            devices=devices,
+            context_length=rollout.context_length,
+            api_key=sglang.api_key,
+            random_seed=random_seed,
+            extra_args=sglang.extra_args,
+        )
+    return builtin_command(
+        model_path=model_path,
+        host=host,
+        port=port,
+        max_running_requests=rollout.max_running_requests,
+        devices=devices,
+        context_length=rollout.context_length,
+        api_key=sglang.api_key,
+        grpc_port=grpc_port,
+        random_seed=random_seed,
     )
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, TypeVar
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, RootModel, ValidationError
 
 PauseMode = Literal["abort", "retract", "in_place"]
 """How `/pause_generation` treats in-flight requests: `abort` returns them partial, `retract` requeues them
@@ -224,6 +224,25 @@ class BeginWeightUpdateRequest(BaseModel):
 
 class EndWeightUpdateRequest(BaseModel):
     model_config = _REQUEST
+
+
+class GetWeightsByNameRequest(BaseModel):
+    """`/get_weights_by_name` (a debugging and verification route): one parameter by its HuggingFace name,
+    answered as a JSON list of its first `truncate_size` entries along the first dimension, in float32."""
+
+    model_config = _REQUEST
+    name: str
+    truncate_size: int = Field(default=100, ge=1)
+
+
+WeightsReply = list[float] | list[list[float]]
+"""The body of `/get_weights_by_name`: a 1-D parameter's values, or a matrix's rows."""
+
+
+class WeightsReplyModel(RootModel[WeightsReply]):
+    """`WeightsReply` as a model, to read the JSON body strictly."""
+
+    model_config = ConfigDict(strict=True)
 
 
 # =============================================================================================== responses

@@ -46,6 +46,13 @@ class RetrievalServer:
             raise AsyncRLError("the retrieval server is not running; call start() first")
         return self._url
 
+    @property
+    def pid(self) -> int:
+        """The server's process id (the leader of its process group)."""
+        if self._server is None:
+            raise AsyncRLError("the retrieval server is not running; call start() first")
+        return self._server.pid
+
     def start(self) -> str:
         """Start the server and wait until `/health` answers; returns `url`."""
         if self._server is not None:

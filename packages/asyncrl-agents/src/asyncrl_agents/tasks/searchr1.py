@@ -196,8 +196,15 @@ class SearchTool:
                 future.set_exception(error)
 
     async def _retrieve(self, queries: list[str]) -> list[list[object]]:
+        import httpx
+
         payload = {"queries": queries, "topk": self.topk, "return_scores": True}
-        response = await self._session().post(self.url, json=payload)
+        try:
+            response = await self._session().post(self.url, json=payload)
+        except httpx.HTTPError as error:  # the message names the retriever, not only the socket's error
+            raise AsyncRLError(
+                f"retrieval server {self.url} did not answer: {type(error).__name__}: {error}"
+            ) from error
         if response.status_code != 200:
             raise AsyncRLError(f"retrieval server answered {response.status_code}: {response.text[:200]}")
         body = _json_object(response.json())

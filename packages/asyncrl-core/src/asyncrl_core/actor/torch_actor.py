@@ -1,12 +1,12 @@
 """The PyTorch actor: trains a HuggingFace causal LM on buffered groups, data parallel over its devices.
 
 A step (`train_step`) makes `actor.ppo_epochs` passes over the step's groups cut into mini-batches of
-`actor.ppo_mini_batch_size` groups (`asyncrl_core.algorithms.pack_mini_batches`), one optimiser update per
-mini-batch and pass, and bumps the weight version once; by default, one update per step. Within an update,
-the mini-batch's rows are sorted by length and dealt to the data-parallel ranks, and each rank runs its rows
-in micro-batches of `actor.micro_batch_size`, accumulating gradients. The per-token loss weights are fixed for
-the whole mini-batch, so the accumulated gradient equals the mini-batch gradient whatever the split. DDP
-averages gradients over the ranks, so each rank scales its loss by the world size.
+`actor.ppo_mini_batch_size` groups, one optimiser update per mini-batch and pass, and bumps the weight
+version once; by default, one update per step. Within an update, the mini-batch's rows are sorted by length
+and dealt to the data-parallel ranks (`asyncrl_core.shares`: the runner hands each rank its share), and each
+rank runs its rows in micro-batches of `actor.micro_batch_size`, accumulating gradients. The per-token loss
+weights are fixed for the whole mini-batch, so the accumulated gradient equals the mini-batch gradient
+whatever the split. DDP averages gradients over the ranks, so each rank scales its loss by the world size.
 
 Precision. Parameters and optimiser state are float32 (the master weights). `actor.dtype: bfloat16` runs the
 forward and backward passes under bfloat16 autocast where the device supports it (CUDA with bf16, a CPU
@@ -39,13 +39,20 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from asyncrl_core import models
-from asyncrl_core.actor.distributed import all_reduce_sum, barrier, world
+from asyncrl_core.actor.distributed import (
+    all_reduce_sum,
+    barrier,
+    init_process_group,
+    ranks_disagree,
+    settings_from_environment,
+    world,
+)
 from asyncrl_core.actor.rng import load_rng, rng_file, save_rng, seed_all, set_rng_state
 from asyncrl_core.algorithms import (
     LossSettings,
     PackedBatch,
-    pack_mini_batches,
     policy_loss,
+    rank_plan,
     token_entropy,
     token_logprobs,
 )
@@ -59,8 +66,8 @@ from asyncrl_core.metrics import (
     TRAIN_NUM_TRAJECTORIES,
     TRAIN_NUM_UPDATES,
 )
-from asyncrl_core.protocols import NamedTensors
-from asyncrl_core.types import Group
+from asyncrl_core.protocols import NamedTensors, WeightExportRole
+from asyncrl_core.types import BatchShare, Group
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -139,10 +146,10 @@ class TorchActor:
     """The `asyncrl_core.protocols.Actor` on PyTorch and HuggingFace `transformers`.
 
     Build one per data-parallel rank, after `asyncrl_core.actor.distributed.init_process_group` when there
-    is more than one; every rank must then get the same groups in `train_step`. Everything comes from the
-    configuration's `actor` and `algorithm` sections: `actor.temperature` (the engines' sampling temperature,
-    derived from `rollout.sampling.temperature`), and `actor.ppo_mini_batch_size` and `actor.ppo_epochs`,
-    which set the optimiser updates of a step.
+    is more than one; every rank must then get its own share of the step, or the same groups, in
+    `train_step`. Everything comes from the configuration's `actor` and `algorithm` sections:
+    `actor.temperature` (the engines' sampling temperature, derived from `rollout.sampling.temperature`),
+    and `actor.ppo_mini_batch_size` and `actor.ppo_epochs`, which set the optimiser updates of a step.
     """
 
     def __init__(
@@ -193,15 +200,26 @@ class TorchActor:
         if self.world_size > 1:
             from torch.nn.parallel import DistributedDataParallel
 
+            # Buffers (rotary tables) are equal on every rank and never trained: not synchronised at each
+            # forward pass. torch 2.15 renamed the option; the old name warns there.
+            buffers: dict[str, Any] = (
+                {"forward_sync_buffers": False}
+                if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+                else {"broadcast_buffers": False}
+            )
             self._model = DistributedDataParallel(
                 self._logits_at,
                 device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                broadcast_buffers=False,
                 gradient_as_bucket_view=True,
+                **buffers,
             )
         self._reference_logits: LossPositionLogits | None = None
         if self.settings.needs_reference:
-            reference = load_causal_lm(self.model_path, self.device, self.compute_dtype).eval()
+            # The same computation as the policy's forward pass, so that the KL is 0 until the policy moves:
+            # float32 weights under the same autocast (bfloat16 weights would round the residual stream and
+            # the norms differently), the same mode (train, dropout off), the same logits module.
+            reference = load_causal_lm(self.model_path, self.device, torch.float32)
+            reference.train(self.module.training)
             reference.requires_grad_(False)
             self._reference_logits = LossPositionLogits(reference)
 
@@ -222,10 +240,17 @@ class TorchActor:
 
     @classmethod
     def from_run_config(cls, config: AsyncRLConfig, *, model_path: str, device: str) -> TorchActor:
-        """The actor plugin factory (`asyncrl.actors`): the run's actor on `model_path` and `device`."""
+        """The actor plugin factory (`asyncrl.actors`): the run's actor on `model_path` and `device`.
+
+        A process the runner started as one of several data-parallel ranks (`WORLD_SIZE` > 1 in its
+        environment) first joins their process group (gloo on a CPU, NCCL on GPUs), whose collectives may
+        wait up to `actor.train_timeout_s` for a rank."""
         actor = config.actor
         if not isinstance(actor, TorchActorConfig):
             raise ActorError(f"the torch actor cannot run actor.backend {actor.backend!r}")
+        settings = settings_from_environment(actor.train_timeout_s)
+        if settings is not None and not torch.distributed.is_initialized():
+            init_process_group(settings, "cuda" if torch.device(device).type == "cuda" else "cpu")
         return cls(
             actor.model_copy(update={"model_path": model_path}),
             config.algorithm,
@@ -240,33 +265,41 @@ class TorchActor:
         return self._version
 
     @property
+    def weight_export_role(self) -> WeightExportRole:
+        """Rank 0 sends; every rank holds the whole model, so the others take no part."""
+        return "send" if self.rank == 0 else "none"
+
+    @property
     def reference(self) -> PreTrainedModel | None:
         """The frozen reference model of the KL term, loaded only when `algorithm.kl_coef > 0`."""
         return None if self._reference_logits is None else self._reference_logits.causal_lm
 
-    def train_step(self, groups: Sequence[Group]) -> dict[str, float]:
-        """One training step on `groups`: `actor.ppo_epochs` passes over mini-batches of
-        `actor.ppo_mini_batch_size` groups, one optimiser update each; the version goes up by one.
+    def train_step(self, batch: Sequence[Group] | BatchShare) -> dict[str, float]:
+        """One training step: `actor.ppo_epochs` passes over mini-batches of `actor.ppo_mini_batch_size`
+        groups, one optimiser update each; the version goes up by one.
+
+        `batch` is this rank's `BatchShare` (as the runner hands it over), or the step's groups, which every
+        rank is then given and cuts the same way (`asyncrl_core.algorithms.rank_plan`).
 
         Returns the step's `train/...` metrics, equal on every rank: `policy_loss`'s metrics and
         `train/grad_norm` (before clipping) as means over the updates (each update's own metrics are in
         `update_metrics`), `train/lr`, `train/num_updates`, and the step's `train/num_trajectories`,
         `train/num_tokens` (prompt and response, all ranks) and `train/num_loss_tokens`. Raises `BatchError`
-        for malformed groups (nothing is changed) and `ActorError` for a non-finite gradient: in the first
-        update, the weights, the optimiser and the version are unchanged; in a later one, the updates before
-        it are kept and the version goes up by one, as the error says.
+        for malformed groups or another rank's share (nothing is changed) and `ActorError` for a non-finite
+        gradient: in the first update, the weights, the optimiser and the version are unchanged; in a later
+        one, the updates before it are kept and the version goes up by one, as the error says.
         """
-        batches = pack_mini_batches(
-            groups,
+        plan = rank_plan(
+            batch,
+            self.rank,
+            self.world_size,
             self.pad_id,
-            self.config.ppo_mini_batch_size,
+            mini_batch_size=self.config.ppo_mini_batch_size,
+            micro_batch_size=self.config.micro_batch_size,
             normalize_std=self.settings.normalize_advantage_std,
             aggregation=self.settings.loss_aggregation,
         )
-        plans = [
-            batch.rank_micro_batches(self.rank, self.world_size, self.config.micro_batch_size)
-            for batch in batches
-        ]
+        plans = plan.micro_batches
         num_updates = self.config.ppo_epochs * len(plans)
         # The proximal policy of the decoupled correction is the policy before the step's first update, for
         # every update of the step: taken once, here, so that the clip acts from the second update on. A
@@ -298,9 +331,9 @@ class TorchActor:
         }
         result[TRAIN_LR] = float(self.optimizer.param_groups[0]["lr"])
         result[TRAIN_NUM_UPDATES] = float(num_updates)
-        result[TRAIN_NUM_TRAJECTORIES] = float(sum(batch.num_rows for batch in batches))
-        result[TRAIN_NUM_TOKENS] = float(sum(batch.num_tokens for batch in batches))
-        result[TRAIN_NUM_LOSS_TOKENS] = float(sum(batch.num_loss_tokens for batch in batches))
+        result[TRAIN_NUM_TRAJECTORIES] = float(plan.num_rows)
+        result[TRAIN_NUM_TOKENS] = float(plan.num_tokens)
+        result[TRAIN_NUM_LOSS_TOKENS] = float(plan.num_loss_tokens)
         return result
 
     def export_weights(
@@ -323,10 +356,19 @@ class TorchActor:
         and each rank's random generators.
 
         `model.safetensors` holds the float32 master weights (so the folder loads with `from_pretrained`
-        and in the engines), `optimizer.safetensors` the optimiser state, `actor_state.json` the version,
-        `rng_state_rank<k>.json` rank k's generators (`asyncrl_core.actor.rng`). Each file is written under
-        a temporary name and renamed into place.
+        and in the engines), `optimizer.safetensors` the optimiser state, `actor_state.json` the version
+        and the number of data-parallel ranks, `rng_state_rank<k>.json` rank k's generators
+        (`asyncrl_core.actor.rng`). Each file is written under a temporary name and renamed into place.
+        Whole tensors, so any number of ranks loads them. With several ranks, every rank first checks that
+        its weights and optimiser state equal rank 0's and raises `ActorError`, writing nothing, if not.
         """
+        differing = ranks_disagree(self._state_tensors())
+        if differing:
+            raise ActorError(
+                f"the data-parallel ranks hold different weights or optimiser state at version "
+                f"{self._version} ({len(differing)} tensors, first {differing[:5]}): their updates diverged, "
+                "so no rank's copy stands for the others; nothing was written"
+            )
         folder = Path(path)
         folder.mkdir(parents=True, exist_ok=True)
         save_rng(folder, self.rank)
@@ -344,6 +386,7 @@ class TorchActor:
             state = {
                 "format": CHECKPOINT_FORMAT,
                 "version": self._version,
+                "data_parallel_size": self.world_size,
                 "optimizer": self.config.optimizer,
                 "model_path": str(self.config.model_path),
             }
@@ -417,6 +460,14 @@ class TorchActor:
         return output.logits[0].float()
 
     # --- internals ------------------------------------------------------------------------------------------
+
+    def _state_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Weights and optimiser state tensors, in the same order on every rank."""
+        yield from _unique_named_tensors(self.module)
+        for index, entry in sorted(self.optimizer.state_dict()["state"].items()):
+            for key, value in sorted(entry.items()):
+                if isinstance(value, torch.Tensor):
+                    yield f"optimizer.state.{index}.{key}", value
 
     def _no_sync(self) -> contextlib.AbstractContextManager[None]:
         no_sync = getattr(self._model, "no_sync", None)

@@ -4,10 +4,10 @@ clipped PPO loss with optional KL, entropy and decoupled off-policy correction.
 Importing this package imports torch; only actor workers do. The API, in the order a backend uses it:
 
     settings = LossSettings.from_config(config.algorithm)
-    batch = pack_groups(groups, pad_id, normalize_std=settings.normalize_advantage_std,
-                        aggregation=settings.loss_aggregation)   # or pack_mini_batches: one per update
-    for rows in micro_batches:                      # any split of the rows
-        part = batch.select(rows)
+    plan = rank_plan(share_or_groups, rank, num_ranks, pad_id, mini_batch_size=..., micro_batch_size=...,
+                     normalize_std=settings.normalize_advantage_std, aggregation=settings.loss_aggregation)
+    for parts in plan.micro_batches:                # one optimiser update per mini-batch
+      for part in parts:                            # this rank's micro-batches (a `PackedBatch` each)
         logits = model(part.input_ids, ...)         # [n, t, V]
         logprobs = token_logprobs(logits, part.target_ids, temperature)  # the engines'
         loss, metrics = policy_loss(logprobs, part.rollout_logprobs, part.advantages,
@@ -22,9 +22,13 @@ from asyncrl_core.algorithms.batch import (
     BatchError,
     LossAggregation,
     PackedBatch,
+    RankPlan,
     loss_weights,
+    micro_batches,
     pack_groups,
     pack_mini_batches,
+    pack_rows,
+    rank_plan,
 )
 from asyncrl_core.algorithms.losses import (
     KLEstimator,
@@ -44,13 +48,17 @@ __all__ = [
     "LossSettings",
     "OffPolicyCorrection",
     "PackedBatch",
+    "RankPlan",
     "group_advantages",
     "groups_advantages",
     "kl_penalty",
     "loss_weights",
+    "micro_batches",
     "pack_groups",
     "pack_mini_batches",
+    "pack_rows",
     "policy_loss",
+    "rank_plan",
     "token_entropy",
     "token_logprobs",
     "token_logprobs_and_entropy",

@@ -1,4 +1,8 @@
-"""Group-relative advantages (GRPO): a trajectory is scored against the other trajectories of its prompt."""
+"""Group-relative advantages (GRPO): a trajectory is scored against the other trajectories of its prompt.
+
+The rule itself is `asyncrl_core.shares.group_advantages` (NumPy: the buffer worker computes advantages when
+it cuts a batch for the ranks); these are its torch forms.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +10,11 @@ from collections.abc import Sequence
 
 import torch
 
+from asyncrl_core import shares
+from asyncrl_core.shares import ADVANTAGE_EPS
 from asyncrl_core.types import Group
 
-ADVANTAGE_EPS = 1e-6
-"""Added to the group's reward standard deviation before dividing, as GRPO implementations do."""
+__all__ = ["ADVANTAGE_EPS", "group_advantages", "groups_advantages"]
 
 
 def group_advantages(rewards: torch.Tensor, normalize_std: bool) -> torch.Tensor:
@@ -22,23 +27,15 @@ def group_advantages(rewards: torch.Tensor, normalize_std: bool) -> torch.Tensor
     """
     if rewards.dim() != 1 or rewards.numel() == 0:
         raise ValueError(f"rewards must be a non-empty 1-d tensor, got shape {tuple(rewards.shape)}")
-    values = rewards.detach().to(torch.float64)
-    if not bool(torch.isfinite(values).all()):
-        raise ValueError(f"rewards must be finite, got {values.tolist()}")
-    if values.numel() == 1 or bool((values == values[0]).all()):
-        return torch.zeros(values.shape, dtype=torch.float32)
-    centred = values - values.mean()
-    if normalize_std:
-        centred = centred / (values.std(unbiased=True) + ADVANTAGE_EPS)
-    return centred.to(torch.float32)
+    values = rewards.detach().to(device="cpu", dtype=torch.float64).numpy()
+    return torch.from_numpy(shares.group_advantages(values, normalize_std))
 
 
 def groups_advantages(groups: Sequence[Group], normalize_std: bool) -> list[torch.Tensor]:
     """`group_advantages` of every group: one `[len(group.trajectories)]` float32 tensor per group."""
     return [
-        group_advantages(
-            torch.tensor([trajectory.reward for trajectory in group.trajectories], dtype=torch.float64),
-            normalize_std,
+        torch.from_numpy(
+            shares.group_advantages([trajectory.reward for trajectory in group.trajectories], normalize_std)
         )
         for group in groups
     ]

@@ -19,22 +19,36 @@ the full-batch ones, for both aggregations:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Literal
 
+import numpy as np
 import torch
 
-from asyncrl_core.algorithms.advantages import groups_advantages
-from asyncrl_core.errors import AsyncRLError
-from asyncrl_core.types import Group, Trajectory
+from asyncrl_core.shares import (
+    BatchError,
+    deal_rows,
+    num_micro_batches,
+    split_batch,
+    whole_batch,
+)
+from asyncrl_core.types import BatchShare, Group, MiniBatchShare
 
 LossAggregation = Literal["token_mean", "sequence_mean"]
 
-
-class BatchError(AsyncRLError, ValueError):
-    """A group or trajectory cannot be trained on: inconsistent lengths, an empty prompt, no trajectories."""
+__all__ = [
+    "BatchError",
+    "LossAggregation",
+    "PackedBatch",
+    "RankPlan",
+    "loss_weights",
+    "micro_batches",
+    "pack_groups",
+    "pack_mini_batches",
+    "pack_rows",
+    "rank_plan",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,24 +110,15 @@ class PackedBatch:
     def rank_micro_batches(self, rank: int, world_size: int, micro_batch_size: int) -> list[PackedBatch]:
         """Rank `rank`'s rows of the batch, in micro-batches of at most `micro_batch_size` rows.
 
-        Rows are sorted by length (longest first) and dealt round-robin, so ranks get similar token counts
-        and a micro-batch holds rows of similar length (little padding). Every rank gets the same number of
-        micro-batches: a rank with fewer rows gets empty ones, made of one zero-weight row, so the ranks'
-        collectives still match.
+        Rows are dealt as `asyncrl_core.shares.deal_rows` deals them (sorted by length, round-robin), so ranks
+        get similar token counts and a micro-batch holds rows of similar length (little padding). Every rank
+        gets the same number of micro-batches: a rank with fewer rows gets empty ones, made of one
+        zero-weight row, so the ranks' collectives still match.
         """
-        lengths: list[int] = self.lengths.tolist()
-        order = sorted(range(self.num_rows), key=lambda row: -lengths[row])
-        mine = order[rank::world_size]
-        num_micro_batches = math.ceil(math.ceil(self.num_rows / world_size) / micro_batch_size)
-        parts: list[PackedBatch] = []
-        for index in range(num_micro_batches):
-            rows = mine[index * micro_batch_size : (index + 1) * micro_batch_size]
-            if rows:
-                parts.append(self.select(rows))
-            else:
-                empty = self.select([0])
-                parts.append(replace(empty, loss_weights=torch.zeros_like(empty.loss_weights)))
-        return parts
+        mine = deal_rows(self.lengths.tolist(), world_size)[rank]
+        return _cut_micro_batches(
+            self, mine, num_micro_batches(self.num_rows, world_size, micro_batch_size), micro_batch_size
+        )
 
     def to(self, device: torch.device | str) -> PackedBatch:
         """The same batch on `device` (the tensors are copied without blocking where possible)."""
@@ -135,23 +140,6 @@ def loss_weights(loss_mask: torch.Tensor, aggregation: LossAggregation) -> torch
     raise ValueError(f"loss_aggregation must be `token_mean` or `sequence_mean`, got {aggregation!r}")
 
 
-def _check_trajectory(group: Group, index: int, trajectory: Trajectory) -> None:
-    where = f"group {group.group_id} (prompt {group.prompt_index}), trajectory {index}"
-    response_len = trajectory.response_len
-    if trajectory.prompt_len < 1:
-        raise BatchError(f"{where}: prompt_len must be at least 1 to predict the first response token")
-    if response_len < 0:
-        raise BatchError(
-            f"{where}: prompt_len {trajectory.prompt_len} exceeds the {len(trajectory.token_ids)} token ids"
-        )
-    for name in ("loss_mask", "rollout_logprobs", "versions"):
-        length = len(getattr(trajectory, name))
-        if length != response_len:
-            raise BatchError(f"{where}: {name} has {length} entries for {response_len} response tokens")
-    if any(value not in (0, 1) for value in trajectory.loss_mask):
-        raise BatchError(f"{where}: loss_mask entries must be 0 or 1")
-
-
 def pack_groups(
     groups: Sequence[Group], pad_id: int, *, normalize_std: bool, aggregation: LossAggregation
 ) -> PackedBatch:
@@ -161,60 +149,157 @@ def pack_groups(
     trajectory, for a trajectory whose per-token lists do not match its response length, an empty prompt,
     or a group without trajectories; nothing is changed in that case.
     """
-    if not groups:
-        raise BatchError("cannot pack an empty list of groups")
-    for group in groups:
-        if not group.trajectories:
-            raise BatchError(f"group {group.group_id} (prompt {group.prompt_index}) has no trajectories")
-        for index, trajectory in enumerate(group.trajectories):
-            _check_trajectory(group, index, trajectory)
+    return pack_rows(whole_batch(groups, normalize_std=normalize_std), pad_id, aggregation)
 
-    advantages_per_group = groups_advantages(groups, normalize_std)
-    trajectories = [trajectory for group in groups for trajectory in group.trajectories]
-    row_advantages = torch.cat(advantages_per_group)
-    num_rows = len(trajectories)
-    width = max(len(trajectory.token_ids) for trajectory in trajectories)
 
-    input_ids = torch.full((num_rows, width), pad_id, dtype=torch.int64)
-    attention_mask = torch.zeros((num_rows, width), dtype=torch.int64)
-    loss_mask = torch.zeros((num_rows, width), dtype=torch.float32)
-    rollout_logprobs = torch.zeros((num_rows, width), dtype=torch.float32)
-    versions = torch.full((num_rows, width), -1, dtype=torch.int64)
-    lengths = torch.zeros(num_rows, dtype=torch.int64)
-    for row, trajectory in enumerate(trajectories):
-        length = len(trajectory.token_ids)
-        start = trajectory.prompt_len - 1  # logits position predicting the first response token
-        end = start + trajectory.response_len
-        input_ids[row, :length] = torch.tensor(trajectory.token_ids, dtype=torch.int64)
-        attention_mask[row, :length] = 1
-        lengths[row] = length
-        if trajectory.response_len:
-            mask = torch.tensor(trajectory.loss_mask, dtype=torch.float32)
-            loss_mask[row, start:end] = mask
-            # Logprobs and versions of tool tokens are meaningless whatever the producer wrote there.
-            rollout_logprobs[row, start:end] = torch.where(
-                mask > 0, torch.tensor(trajectory.rollout_logprobs, dtype=torch.float32), 0.0
-            )
-            versions[row, start:end] = torch.where(
-                mask > 0, torch.tensor(trajectory.versions, dtype=torch.int64), -1
-            )
+def pack_rows(rows: MiniBatchShare, pad_id: int, aggregation: LossAggregation) -> PackedBatch:
+    """The rows of a share as a `PackedBatch`, in the share's order; the loss weights are shares of the
+    whole mini-batch's loss (from the share's mini-batch totals), so the ranks' losses add up to it."""
+    lengths_np = np.diff(rows.row_offsets)
+    num_rows = len(lengths_np)
+    if num_rows == 0:
+        raise BatchError("cannot pack a share without rows")
+    width = max(int(lengths_np.max()), 1)
+    lengths = torch.from_numpy(lengths_np.astype(np.int64))
+    real = torch.arange(width, dtype=torch.int64).expand(num_rows, width) < lengths[:, None]
 
-    target_ids = torch.full_like(input_ids, pad_id)
-    target_ids[:, :-1] = input_ids[:, 1:]
-    position_ids = torch.arange(width, dtype=torch.int64).expand(num_rows, width).contiguous()
-    if not bool(torch.isfinite(rollout_logprobs).all()):
-        raise BatchError("rollout_logprobs of trained tokens must be finite")
+    def spread(values: np.ndarray, fill: float, dtype: torch.dtype) -> torch.Tensor:
+        # `real` is row-major, as the share's per-token arrays are; `astype` copies the (read-only,
+        # shared) array the object store handed over into memory torch may own.
+        out = torch.full((num_rows, width), fill, dtype=dtype)
+        out[real] = torch.from_numpy(values.astype(_NUMPY_OF[dtype]))
+        return out
+
+    def shifted(values: torch.Tensor, fill: float) -> torch.Tensor:
+        # Token-aligned to logits-aligned: position `t` describes the target `input_ids[:, t + 1]`.
+        out = torch.full_like(values, fill)
+        out[:, :-1] = values[:, 1:]
+        return out
+
+    input_ids = spread(rows.token_ids, pad_id, torch.int64)
+    loss_mask = shifted(spread(rows.loss_mask, 0, torch.float32), 0)
+    target_ids = shifted(input_ids, pad_id)
+    advantages = torch.from_numpy(rows.advantages.astype(np.float32))
     return PackedBatch(
         input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
+        attention_mask=real.to(torch.int64),
+        position_ids=torch.arange(width, dtype=torch.int64).expand(num_rows, width).contiguous(),
         target_ids=target_ids,
         loss_mask=loss_mask,
-        loss_weights=loss_weights(loss_mask, aggregation),
-        rollout_logprobs=rollout_logprobs,
-        advantages=row_advantages[:, None] * loss_mask,
-        versions=versions,
+        loss_weights=_share_weights(loss_mask, rows, aggregation),
+        rollout_logprobs=shifted(spread(rows.rollout_logprobs, 0.0, torch.float32), 0.0),
+        advantages=advantages[:, None] * loss_mask,
+        versions=shifted(spread(rows.versions, -1, torch.int64), -1),
         lengths=lengths,
+    )
+
+
+_NUMPY_OF: dict[torch.dtype, type[np.generic]] = {torch.int64: np.int64, torch.float32: np.float32}
+
+
+def _share_weights(
+    loss_mask: torch.Tensor, rows: MiniBatchShare, aggregation: LossAggregation
+) -> torch.Tensor:
+    """`loss_weights` of a share's rows, normalised by the whole mini-batch's counts (0-dim float32 tensors,
+    as `loss_weights` divides by, so both give the same float32 values)."""
+    if aggregation == "token_mean":
+        return loss_mask / torch.tensor(float(max(rows.num_loss_tokens, 1)), dtype=torch.float32)
+    if aggregation == "sequence_mean":
+        per_row = loss_mask.sum(dim=1, keepdim=True)
+        num_rows = torch.tensor(float(max(rows.num_trained_rows, 1)), dtype=torch.float32)
+        return loss_mask / per_row.clamp(min=1.0) / num_rows
+    raise ValueError(f"loss_aggregation must be `token_mean` or `sequence_mean`, got {aggregation!r}")
+
+
+def micro_batches(
+    rows: MiniBatchShare, num_ranks: int, pad_id: int, aggregation: LossAggregation, micro_batch_size: int
+) -> list[PackedBatch]:
+    """A rank's share of one mini-batch in micro-batches of at most `micro_batch_size` rows, in order; as
+    many as every rank runs (`num_micro_batches`), the missing ones made of one zero-weight row."""
+    count = num_micro_batches(rows.num_rows, num_ranks, micro_batch_size)
+    if rows.num_share_rows == 0:
+        return [_padding_row(pad_id)] * count
+    packed = pack_rows(rows, pad_id, aggregation)
+    return _cut_micro_batches(packed, list(range(packed.num_rows)), count, micro_batch_size)
+
+
+def _cut_micro_batches(batch: PackedBatch, mine: list[int], count: int, size: int) -> list[PackedBatch]:
+    parts: list[PackedBatch] = []
+    for index in range(count):
+        rows = mine[index * size : (index + 1) * size]
+        if rows:
+            parts.append(batch.select(rows))
+        else:
+            empty = batch.select([mine[0] if mine else 0])
+            parts.append(replace(empty, loss_weights=torch.zeros_like(empty.loss_weights)))
+    return parts
+
+
+def _padding_row(pad_id: int) -> PackedBatch:
+    """One row of one padding token that carries no loss (a rank without rows in a mini-batch still runs
+    its micro-batches, so the ranks' collectives match)."""
+    zeros_int = torch.zeros((1, 1), dtype=torch.int64)
+    zeros = torch.zeros((1, 1), dtype=torch.float32)
+    return PackedBatch(
+        input_ids=torch.full((1, 1), pad_id, dtype=torch.int64),
+        attention_mask=torch.ones((1, 1), dtype=torch.int64),
+        position_ids=zeros_int,
+        target_ids=torch.full((1, 1), pad_id, dtype=torch.int64),
+        loss_mask=zeros,
+        loss_weights=zeros,
+        rollout_logprobs=zeros,
+        advantages=zeros,
+        versions=torch.full((1, 1), -1, dtype=torch.int64),
+        lengths=torch.ones(1, dtype=torch.int64),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class RankPlan:
+    """What one data-parallel rank runs in a step: its micro-batches of each mini-batch, and the step's
+    totals over all ranks (for the `train/num_...` metrics)."""
+
+    micro_batches: list[list[PackedBatch]]
+    """Per mini-batch (one optimiser update), this rank's micro-batches."""
+    num_rows: int
+    num_tokens: int
+    num_loss_tokens: int
+
+
+def rank_plan(
+    batch: Sequence[Group] | BatchShare,
+    rank: int,
+    num_ranks: int,
+    pad_id: int,
+    *,
+    mini_batch_size: int | None,
+    micro_batch_size: int,
+    normalize_std: bool,
+    aggregation: LossAggregation,
+) -> RankPlan:
+    """Data-parallel rank `rank`'s part of a step: from its `BatchShare` (what the runner hands each rank),
+    or from the step's groups, which every rank is then given and cuts the same way
+    (`asyncrl_core.shares.split_batch`). A share cut for another rank, or for another number of ranks,
+    raises `BatchError`: a rank never trains on rows that are not its own."""
+    if isinstance(batch, BatchShare):
+        share = batch
+    else:
+        share = split_batch(batch, num_ranks, mini_batch_size, normalize_std=normalize_std)[rank]
+    if (share.rank, share.num_ranks) != (rank, num_ranks):
+        raise BatchError(
+            f"data-parallel rank {rank} of {num_ranks} was handed the share of rank {share.rank} of "
+            f"{share.num_ranks}: a rank trains on its own rows only"
+        )
+    if not share.mini_batches:
+        raise BatchError("the share holds no mini-batch")
+    return RankPlan(
+        micro_batches=[
+            micro_batches(rows, num_ranks, pad_id, aggregation, micro_batch_size)
+            for rows in share.mini_batches
+        ],
+        num_rows=sum(rows.num_rows for rows in share.mini_batches),
+        num_tokens=sum(rows.num_tokens for rows in share.mini_batches),
+        num_loss_tokens=sum(rows.num_loss_tokens for rows in share.mini_batches),
     )
 
 

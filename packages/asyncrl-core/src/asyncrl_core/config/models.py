@@ -164,9 +164,10 @@ class RunnerConfig(Section):
     num_steps: PositiveInt
     """Training steps (actor optimiser steps) to run."""
     seed: Annotated[int, Field(ge=0, le=2**32 - 1)] = 0
-    """Seed of the run: the dataloader's shuffle (`data.seed`, derived from it), the warm start, and the
-    torch actor's generators (Python's, numpy's and torch's, on every rank; saved in checkpoints). Not yet
-    derived from it: the Megatron actor's seed (0) and the engines' sampling (each engine's own seed)."""
+    """Seed of the run, from which every generator derives: the dataloader's shuffle (`data.seed`, derived
+    from it), the warm start, the actor's generators (Python's, numpy's and torch's on every rank, saved in
+    the torch actor's checkpoints; Megatron's model-parallel generators), and the engines' sampling (engine
+    `i` started with `--random-seed seed + i`). An `external` engine keeps its own seed."""
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=200)] = "asyncrl"
     """Name of the run: letters, digits, `.`, `_` and `-`; names the run folder unless `run_dir` is set."""
     run_dir: Annotated[str, Field(min_length=1)] | None = None
@@ -407,8 +408,11 @@ class SGLangConfig(Section):
     only."""
     api_key: str | None = None
     """Bearer token the servers expect, if any."""
-    host: str = "127.0.0.1"
-    """Address launched servers bind to. Loopback unless the engines must be reached from other nodes."""
+    host: Annotated[str, Field(min_length=1)] | None = None
+    """Address launched servers bind to (`0.0.0.0`: every interface). Unset: loopback (`127.0.0.1`) when the
+    Ray cluster has one node, and each engine's node address when it has several, so the actor and the
+    agent loops on other nodes reach it. An engine's URL carries the address it binds, or its node's address
+    when it binds every interface."""
     base_port: Annotated[int, Field(ge=1024, le=65535)] = 30000
     """First port of launched servers; instance `i` listens on `base_port + i` (or the next free port)."""
     extra_args: dict[str, ServerArgument] = Field(default_factory=dict[str, ServerArgument])
@@ -530,8 +534,8 @@ class RolloutConfig(Section):
     """The rollout engines: backend, model, number of instances, and how they pause for weight syncs."""
 
     rollout_backend: Annotated[str, Field(min_length=1)] = "sglang"
-    """Engine family: `sglang` (built in), a name in the entry-point group `asyncrl.rollout_backends`, or
-    `module:attr`."""
+    """Engine family: a name in the entry-point group `asyncrl.rollout_backends` (`sglang`, declared by
+    asyncrl-sglang), or `module:attr` of a backend factory (`asyncrl_core.protocols.RolloutBackend`)."""
     sglang: SGLangConfig = Field(default_factory=SGLangConfig)
     """Settings of the `sglang` backend."""
     backend_args: dict[str, JsonValue] = Field(default_factory=dict[str, JsonValue])
@@ -666,7 +670,13 @@ class ActorCommon(Section):
     tensor_parallel_size: PositiveInt = 1
     """Devices a layer is split over (Megatron only; the torch actor needs 1)."""
     pipeline_parallel_size: PositiveInt = 1
-    """Pipeline stages (Megatron only; the torch actor needs 1)."""
+    """Pipeline stages: must be 1 (neither actor is pipeline parallel; `--dry-run` refuses another value)."""
+    data_parallel_size: PositiveInt | None = None
+    """Data-parallel ranks of the actor, one process each (times the tensor and pipeline parallel size).
+    Derived: on GPUs, the actor devices divided by `tensor_parallel_size x pipeline_parallel_size` (another
+    value is refused); on a CPU 1, one process training with threads on all the actor's cores. On a CPU a
+    larger value starts that many processes joined over gloo, each pinned to its share of the actor's cores
+    (all of them when there are fewer cores than processes)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass, trading compute for memory."""
     weight_export_bucket_mb: PositiveInt = 512
@@ -691,6 +701,8 @@ class ActorCommon(Section):
     def derive(self, root: AsyncRLConfig, found: Validation) -> None:
         if self.temperature is None:
             found.derive("actor.temperature", root.rollout.sampling.logprob_temperature)
+        if self.data_parallel_size is None and root.cluster.placement() is not None:
+            found.derive("actor.data_parallel_size", root.data_parallel_size_from_placement())
         if self.ppo_mini_batch_size is None:
             found.derive("actor.ppo_mini_batch_size", root.data.rollout_batch_size)
 
@@ -715,6 +727,14 @@ class ActorCommon(Section):
             )
             return
         if root.cluster.placement() is None or not root.cluster.devices_of("actor"):
+            return
+        placed = root.data_parallel_size_from_placement()
+        if root.cluster.device_type == "gpu" and self.data_parallel_size not in (None, placed):
+            found.error(
+                "actor.data_parallel_size",
+                f"{self.data_parallel_size} disagrees with the actor's GPUs divided by tensor_parallel_size "
+                f"x pipeline_parallel_size, which give {placed}; remove the key (it is derived)",
+            )
             return
         trajectories = mini_batch * group_size
         data_parallel = root.actor_data_parallel_size
@@ -760,30 +780,42 @@ class TorchActorConfig(ActorCommon):
 
 
 class MegatronActorConfig(ActorCommon):
-    """The Megatron-Core actor (asyncrl_megatron): tensor, pipeline and data parallel, GPUs only."""
+    """The Megatron-Core actor (asyncrl_megatron): tensor and data parallel. Built for GPUs; on CPU cores it
+    runs with gloo, one process per tensor-parallel rank sharing the actor's cores (for tests)."""
 
     backend: Literal["megatron"] = "megatron"
     """Training backend."""
     sequence_parallel: bool = False
-    """Split layer norms and dropout over the tensor-parallel group (needs `tensor_parallel_size > 1`)."""
+    """Split layer norms and dropout over the tensor-parallel group (needs `tensor_parallel_size > 1` and
+    GPUs)."""
     use_distributed_optimizer: bool = True
-    """Shard optimiser state over the data-parallel group."""
+    """Shard optimiser state over the data-parallel group (GPUs)."""
 
     def check(self, root: AsyncRLConfig, found: Validation) -> None:
         super().check(root, found)
-        if root.cluster.device_type == "cpu":
-            found.error("actor.backend", "Megatron needs GPUs; write `torch` to train on CPU")
+        if self.pipeline_parallel_size != 1:
+            found.error(
+                "actor.pipeline_parallel_size",
+                "the Megatron actor is tensor and data parallel, not pipeline parallel; write 1 and split "
+                "the model over more devices with `actor.tensor_parallel_size`",
+            )
+        gpu = root.cluster.device_type == "gpu"
         model_parallel = self.tensor_parallel_size * self.pipeline_parallel_size
         num_devices = len(root.cluster.devices_of("actor")) if root.cluster.placement() else 0
-        if num_devices and num_devices % model_parallel:
+        # On CPU cores every rank runs on all of the actor's cores: no count to divide.
+        if gpu and num_devices and num_devices % model_parallel:
             found.error(
                 "actor.tensor_parallel_size",
                 f"tensor_parallel_size {self.tensor_parallel_size} x pipeline_parallel_size "
                 f"{self.pipeline_parallel_size} = {model_parallel} does not divide the {num_devices} actor "
                 f"devices; their product must be one of {divisors(num_devices)}",
             )
-        if self.sequence_parallel and self.tensor_parallel_size == 1:
-            found.error("actor.sequence_parallel", "needs `actor.tensor_parallel_size` above 1; write false")
+        if self.sequence_parallel and (self.tensor_parallel_size == 1 or not gpu):
+            found.error(
+                "actor.sequence_parallel",
+                "needs `actor.tensor_parallel_size` above 1 and GPUs (gloo cannot reduce-scatter); write "
+                "false",
+            )
 
 
 class PluginActorConfig(ActorCommon):
@@ -1100,8 +1132,14 @@ class AsyncRLConfig(Section):
 
     @property
     def actor_data_parallel_size(self) -> int:
-        """Data-parallel ranks of the actor: its devices over `tensor * pipeline` parallel size on GPUs;
-        1 on CPU, where one process trains with threads on all of its cores."""
+        """Data-parallel ranks of the actor: `actor.data_parallel_size`, or what the placement gives."""
+        if self.actor.data_parallel_size is not None:
+            return self.actor.data_parallel_size
+        return self.data_parallel_size_from_placement()
+
+    def data_parallel_size_from_placement(self) -> int:
+        """The actor's devices over `tensor * pipeline` parallel size on GPUs; 1 on a CPU, where one process
+        trains with threads on all of its cores unless `actor.data_parallel_size` asks for more."""
         if self.cluster.device_type == "cpu":
             return 1
         model_parallel = self.actor.tensor_parallel_size * self.actor.pipeline_parallel_size

@@ -21,7 +21,7 @@ def run_async(ctx: RunContext) -> None:
     liveness.serve()  # every agent loop's `serve.remote(buffer)`, watched beside the engines
     for step in range(ctx.start_step, ctx.config.runner.num_steps):
         started = time.perf_counter()
-        batch = ctx.wait_batch(lambda: workers.buffer.take_batch.remote(batch_size, ctx.version, 1.0))
+        batch = ctx.wait_batch(lambda: workers.buffer.hand_off.remote(batch_size, ctx.version, 1.0))
         wait_s = time.perf_counter() - started
         train_metrics = ctx.train(batch)
         sync_metrics = liveness.sync_weights(ctx.config.rollout.pause_mode)

@@ -26,6 +26,7 @@ import logging
 import os
 import shutil
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -65,13 +66,29 @@ def _digest(path: Path) -> str:
         return hashlib.file_digest(file, "sha256").hexdigest()
 
 
+HASH_THREADS = min(8, os.cpu_count() or 1)
+"""Files hashed at once: `hashlib` releases the GIL while it hashes, so a checkpoint of several files (model
+shards, optimizer state, one per rank) is read and hashed on several cores."""
+
+
+def _digests(paths: Sequence[Path]) -> list[str]:
+    """`_digest` of each of `paths`, in order, several files at a time."""
+    if len(paths) <= 1:
+        return [_digest(path) for path in paths]
+    with ThreadPoolExecutor(max_workers=HASH_THREADS, thread_name_prefix="checkpoint-hash") as pool:
+        return list(pool.map(_digest, paths))
+
+
 def write_manifest(folder: Path) -> dict[str, Any]:
     """Flush every file under `folder` to disk and write `manifest.json`: each file's size and SHA-256."""
-    files: dict[str, dict[str, Any]] = {}
-    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST_FILE):
+    paths = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
+    for path in paths:
         with open(path, "rb") as file:
             os.fsync(file.fileno())
-        files[path.relative_to(folder).as_posix()] = {"size": path.stat().st_size, "sha256": _digest(path)}
+    files = {
+        path.relative_to(folder).as_posix(): {"size": path.stat().st_size, "sha256": digest}
+        for path, digest in zip(paths, _digests(paths), strict=True)
+    }
     for sub in sorted({p.parent for p in folder.rglob("*")} | {folder}):
         fsync_dir(sub)
     manifest = {"format": CHECKPOINT_FORMAT, "files": files}
@@ -97,6 +114,7 @@ def verify_checkpoint(folder: Path | str) -> list[str]:
     problems: list[str] = []
     if RUNNER_STATE_FILE not in files:
         problems.append(f"{path}: lists no {RUNNER_STATE_FILE}")
+    to_hash: list[tuple[Path, object]] = []
     for name, expected in files.items():
         file = folder / name
         try:
@@ -106,7 +124,11 @@ def verify_checkpoint(folder: Path | str) -> list[str]:
             continue
         if size != expected.get("size"):
             problems.append(f"{file}: {size} bytes, the manifest says {expected.get('size')}")
-        elif _digest(file) != expected.get("sha256"):
+        else:
+            to_hash.append((file, expected.get("sha256")))
+    digests = _digests([file for file, _ in to_hash])
+    for (file, expected_digest), digest in zip(to_hash, digests, strict=True):
+        if digest != expected_digest:
             problems.append(f"{file}: its SHA-256 differs from the manifest's")
     return problems
 

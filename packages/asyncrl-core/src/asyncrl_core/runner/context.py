@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from asyncrl_core import metrics
 from asyncrl_core.runner import checkpoint
+from asyncrl_core.runner.handoff import Handoff, train_calls
 from asyncrl_core.runner.ledger import LEDGER_FILE, write_json
 from asyncrl_core.runner.liveness import Liveness
 from asyncrl_core.runner.timeouts import TimeoutKey, timed_out, timeout_of
@@ -54,23 +55,62 @@ class RunContext:
 
     # --- driver helpers --------------------------------------------------------------------------------
 
-    def shares(self) -> list[tuple[Any, int]]:
-        """`rollout_batch_size` groups split over the agent-loop workers (the first ones take the rest)."""
-        loops = self.workers.agent_loops
-        base, extra = divmod(self.config.data.rollout_batch_size, len(loops))
-        return [(loop, base + (index < extra)) for index, loop in enumerate(loops) if base + (index < extra)]
+    def shares(self, num_groups: int) -> list[tuple[int, int]]:
+        """`num_groups` split over the agent-loop workers (the first ones take the rest), as `(worker index,
+        groups)`."""
+        base, extra = divmod(num_groups, len(self.workers.agent_loops))
+        shares = [(index, base + (index < extra)) for index in range(len(self.workers.agent_loops))]
+        return [(index, num) for index, num in shares if num > 0]
 
-    def train(self, batch: Any) -> dict[str, float]:
-        """One step of every actor rank on `batch` (a Ray reference or a `Batch`); rank 0's metrics. A rank
-        that dies stops the run at once with its rank and error (the others may wait for it forever)."""
+    def run_groups(self, start: Callable[[Any, int], Any]) -> None:
+        """Sync mode: `rollout_batch_size` groups run by the agent-loop workers, `start(worker, num_groups)`
+        being one worker's call, while engines, tools and actor ranks are watched. A worker that dies is
+        restarted (`Liveness.agent_loop_died`: its unfinished groups are handed back), and the groups the
+        batch still lacks once the others are done run again over the workers. `RunnerError` after
+        `rollout.request_timeout_s` of one round."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        wanted = self.config.data.rollout_batch_size
+        while wanted > 0:
+            deadline = time.monotonic() + self.timeout_s
+            loops = self.workers.agent_loops
+            pending = {start(loops[index], num): (index, loops[index]) for index, num in self.shares(wanted)}
+            died = False
+            while pending:
+                watched = self.liveness.refs()
+                ready, _ = ray.wait(
+                    [*pending, *watched], num_returns=1, timeout=max(0.0, deadline - time.monotonic())
+                )
+                if not ready:
+                    raise timed_out("the rollout of a batch", self.timeout_s, "rollout.request_timeout_s")
+                if ready[0] in watched:
+                    self.liveness.recover(ready[0], "the rollout of a batch")
+                    continue
+                index, loop = pending.pop(ready[0])
+                try:
+                    ray.get(ready[0], timeout=0)
+                except RayActorError as error:
+                    died = True
+                    if self.workers.agent_loops[index] is loop:  # not restarted through its other watch
+                        self.liveness.agent_loop_died(index, error)
+            if not died:
+                return
+            counts = self.workers.get(self.workers.buffer.counts.remote(), "the buffer's counts")
+            wanted = self.config.data.rollout_batch_size - int(counts["buffered"])
+
+    def train(self, handoff: Handoff) -> dict[str, float]:
+        """One step of every actor rank, each on its own data-parallel share of the batch `handoff` points
+        to (`asyncrl_core.runner.handoff`); rank 0's metrics with the batch's rollout metrics. A rank that
+        dies stops the run at once with its rank and error (the others may wait for it forever)."""
         results = self.wait_all(
-            [actor.train.remote(batch) for actor in self.workers.actors],
+            train_calls(self.workers.actors, handoff, self.config.actor.tensor_parallel_size),
             "training",
             "actor rank",
             "actor.train_timeout_s",
         )
         self.version += 1
-        return results[0]
+        return {**results[0], **handoff.metrics}
 
     def wait_all(self, refs: Sequence[Any], what: str, part: str, key: TimeoutKey) -> list[Any]:
         """The results of calls `refs` (in order), one per worker of a kind (`part`: `actor rank`,
@@ -90,7 +130,7 @@ class RunContext:
             if not ready:
                 raise timed_out(what, timeout_s, key)
             if ready[0] in watched:
-                self.liveness.recover(ready[0])
+                self.liveness.recover(ready[0], what)
                 continue
             pending.remove(ready[0])
             try:
@@ -100,10 +140,10 @@ class RunContext:
                 raise self.liveness.fatal(f"{part} {index}", f"died during {what}: {error}") from error
         return self.workers.get(list(refs), what, key)
 
-    def wait_batch(self, take: Callable[[], Any]) -> Any:
-        """Poll `take()` (a hand-off that waits up to a second) until it yields a batch, while the engines
-        and agent loops are watched (a failed one is restarted, or its error raised); `RunnerError` after
-        `rollout.request_timeout_s` without data."""
+    def wait_batch(self, take: Callable[[], Any]) -> Handoff:
+        """Poll `take()` (a hand-off that waits up to a second) until it yields a batch's `Handoff`, while
+        the engines and agent loops are watched (a failed one is restarted, or its error raised);
+        `RunnerError` after `rollout.request_timeout_s` without data."""
         import ray
 
         deadline = time.monotonic() + self.timeout_s
@@ -112,7 +152,7 @@ class RunContext:
             watched = self.liveness.refs()
             ready, _ = ray.wait([ref, *watched], num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if ready and ready[0] is not ref:
-                self.liveness.recover(ready[0])
+                self.liveness.recover(ready[0], "the wait for data")
                 continue
             batch = self.workers.get(ref, "the hand-off of a batch") if ready else None
             if batch is not None:

@@ -1,22 +1,18 @@
-"""Ray actors for the workers, placed on the devices `cluster.component_placement` gives each component.
-
-Device ids are global over the cluster's nodes: node `k` (the head first, then the others by id) holds ids
-`k * n .. (k + 1) * n - 1`, where `n` is its GPU count (`device_type: gpu`) or its CPU count. Each worker runs
-on the node of its ids through a node-affinity scheduling strategy and uses its ids itself: GPU ids become
-`CUDA_VISIBLE_DEVICES`, CPU ids the process's core affinity. Ray is only told the workers use no resources of
-its own accounting, so the placement, not Ray's packing, decides where they run.
-"""
+"""Ray actors for the workers, placed on the devices `cluster.component_placement` gives each component
+(`asyncrl_core.runner.placement`: placement groups, device ids by node address, the addresses workers meet
+at)."""
 
 from __future__ import annotations
 
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from asyncrl_core.runner.liveness import ACTOR_WATCH_GROUP
+from asyncrl_core.runner.placement import Placement, Slot
 from asyncrl_core.runner.timeouts import CONTROL_TIMEOUT_S, TimeoutKey, timed_out, timeout_of
 from asyncrl_core.runner.workers import (
     ActorWorker,
@@ -43,61 +39,6 @@ logger = logging.getLogger(__name__)
 MAX_BUFFER_CALLS = 64
 """Concurrent calls the buffer worker serves (blocking admissions of every agent-loop worker, completions
 and the driver's hand-off at once)."""
-
-
-@dataclass(frozen=True, slots=True)
-class NodeDevices:
-    """The devices of one Ray node: its id and the global ids of its devices."""
-
-    node_id: str
-    first_id: int
-    num_devices: int
-
-
-def cluster_devices(device_type: str) -> list[NodeDevices]:
-    """The alive nodes, head first, with the global device ids they hold."""
-    import ray
-
-    nodes: list[dict[str, Any]] = [node for node in ray.nodes() if node.get("Alive")]
-    resource = "GPU" if device_type == "gpu" else "CPU"
-    nodes.sort(key=lambda node: (not node.get("Resources", {}).get("node:__internal_head__"), node["NodeID"]))
-    found: list[NodeDevices] = []
-    first = 0
-    for node in nodes:
-        count = int(node.get("Resources", {}).get(resource, 0))
-        found.append(NodeDevices(node["NodeID"], first, count))
-        first += count
-    return found
-
-
-def place(
-    devices: Sequence[int], nodes: Sequence[NodeDevices], component: str
-) -> tuple[str, tuple[int, ...]]:
-    """The node holding all of `devices` and their ids on that node."""
-    for node in nodes:
-        if all(node.first_id <= device < node.first_id + node.num_devices for device in devices):
-            return node.node_id, tuple(device - node.first_id for device in devices)
-    layout = ", ".join(f"{n.first_id}-{n.first_id + n.num_devices - 1}" for n in nodes)
-    raise RunnerError(
-        f"cluster.component_placement: the {component} devices {list(devices)} are not all on one node "
-        f"(the nodes hold ids {layout})"
-    )
-
-
-def remote_options(config: AsyncRLConfig, node_id: str, local_devices: Sequence[int]) -> dict[str, Any]:
-    """Ray options that run an actor on `node_id` with `local_devices` as its GPUs (or nothing to do on a
-    CPU, where the worker pins itself to its cores)."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1", "TOKENIZERS_PARALLELISM": "false"}
-    if config.cluster.device_type == "gpu":
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(device) for device in local_devices)
-    return {
-        "num_cpus": 0,
-        "num_gpus": 0,
-        "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False),
-        "runtime_env": {"env_vars": env},
-    }
 
 
 class RayBufferPort:
@@ -144,6 +85,8 @@ class WorkerGroups:
         self.actors: list[Any] = []
         self.agent_loops: list[Any] = []
         self.start_times: dict[str, float] = {}
+        self.placement: Placement | None = None
+        """The run's placement groups, once reserved; removed by `stop`."""
         """Seconds each stage of the start took: `engines and actor`, `agent loops`, `buffer`."""
         try:
             self._start(config, actor_model_path, rollout_model_path, run_dir, task_services)
@@ -163,44 +106,80 @@ class WorkerGroups:
     ) -> None:
         import ray
 
-        from asyncrl_core.actor.distributed import free_port
-
         stage_started = time.perf_counter()
-        nodes = cluster_devices(config.cluster.device_type)
         gpu = config.cluster.device_type == "gpu"
+        self.placement = Placement.reserve(config, timeout_of(config, "runner.startup_timeout_s"))
+        placement = self.placement
 
-        rollout_node, rollout_devices = place(config.cluster.devices_of("rollout"), nodes, "rollout")
+        rollout_devices = config.cluster.devices_of("rollout")
         tp = config.rollout.tensor_parallel_size
         num_instances = config.rollout.num_instances or 1
         rollout_class = ray.remote(RolloutWorker)
+        self.rollout_slots: list[Slot] = []
         for index in range(num_instances):
             share = rollout_devices[index * tp : (index + 1) * tp] if gpu else rollout_devices
+            # An external engine has no devices: its rollout worker only watches it, from the head node.
+            if config.rollout.sglang.launch == "external":
+                share = ()
+            slot = placement.slot(share, f"engine {index}") if share else placement.head_slot()
+            self.rollout_slots.append(slot)
+            # The engine binds where the cluster's other nodes can reach it (placement.engine_bind_host).
+            engine_config = config.model_copy(
+                update={
+                    "rollout": config.rollout.model_copy(
+                        update={
+                            "sglang": config.rollout.sglang.model_copy(
+                                update={"host": placement.engine_host(slot)}
+                            )
+                        }
+                    )
+                }
+            )
             self.rollouts.append(
                 self._keep(
-                    rollout_class.options(
-                        **remote_options(config, rollout_node, share), max_concurrency=ROLLOUT_CALLS
-                    ).remote(
-                        config, model_path=rollout_model_path, index=index, devices=share, run_dir=run_dir
+                    rollout_class.options(**placement.options(slot), max_concurrency=ROLLOUT_CALLS).remote(
+                        engine_config,
+                        model_path=rollout_model_path,
+                        index=index,
+                        devices=slot.local_devices,
+                        run_dir=run_dir,
                     )
                 )
             )
 
-        actor_node, actor_devices = place(config.cluster.devices_of("actor"), nodes, "actor")
-        self.nodes = {"actor": actor_node, "rollout": rollout_node}
-        """The Ray node id each component runs on."""
+        actor_devices = config.cluster.devices_of("actor")
         world_size = config.actor_data_parallel_size * config.actor.tensor_parallel_size
-        per_rank = max(1, len(actor_devices) // world_size) if gpu else len(actor_devices)
-        port = free_port()
-        actor_class = ray.remote(ActorWorker)
-        for rank in range(world_size):
-            share = actor_devices[rank * per_rank : (rank + 1) * per_rank] if gpu else actor_devices
+        per_rank = max(1, len(actor_devices) // world_size)
+        # On a CPU the ranks split the actor's cores when there are enough, else each uses all of them.
+        split = gpu or len(actor_devices) >= world_size
+        actor_slots = [
+            placement.slot(
+                actor_devices[rank * per_rank : (rank + 1) * per_rank] if split else actor_devices,
+                f"actor rank {rank}",
+            )
+            for rank in range(world_size)
+        ]
+        # The ranks meet at rank 0's node, on a port picked there.
+        master_address, master_port = placement.rendezvous(
+            actor_slots[0], timeout_of(config, "runner.startup_timeout_s")
+        )
+        self.nodes: dict[str, Any] = {
+            "actor": [slot.node.address for slot in actor_slots],
+            "rollout": [slot.node.address for slot in self.rollout_slots],
+            "actor_master": f"{master_address}:{master_port}",
+        }
+        """Where the run's parts are: the node address of each actor rank and engine, and where the actor
+        ranks meet (written to `summary.json`, with the engines' URLs once they started)."""
+        # A concurrency group of its own for `watch`, so its call pends beside the rank's serial calls.
+        actor_class = ray.remote(concurrency_groups={ACTOR_WATCH_GROUP: 1})(ActorWorker)  # pyright: ignore[reportCallIssue]
+        for rank, slot in enumerate(actor_slots):
             self.actors.append(
                 self._keep(
-                    actor_class.options(**remote_options(config, actor_node, share)).remote(
+                    actor_class.options(**placement.options(slot)).remote(
                         config,
                         model_path=actor_model_path,
-                        devices=share,
-                        rank=RankSettings(rank, world_size, port),
+                        devices=slot.local_devices,
+                        rank=RankSettings(rank, world_size, master_port, master_address),
                     )
                 )
             )
@@ -212,20 +191,23 @@ class WorkerGroups:
             [*endpoints, *versions], "the start of the engines and the actor", "runner.startup_timeout_s"
         )
         self.endpoints: list[EngineEndpoint] = started[: len(endpoints)]
+        self.nodes["engines"] = [endpoint.url for endpoint in self.endpoints]
         self.start_times["engines and actor"] = time.perf_counter() - stage_started
         stage_started = time.perf_counter()
 
         loop_class = ray.remote(AgentLoopWorker)
 
         def agent_loop(index: int) -> Any:
+            # Beside an engine (each in turn), on the CPU sharing its cores.
+            slot = self.rollout_slots[index % len(self.rollout_slots)]
             return self._keep(
-                loop_class.options(**remote_options(config, rollout_node, ())).remote(
+                loop_class.options(**placement.options(slot, ())).remote(
                     config,
                     model_path=rollout_model_path,
                     endpoints=self.endpoints,
                     task_services=task_services,
                     worker_index=index,
-                    cores=() if gpu else rollout_devices,
+                    cores=() if gpu else slot.local_devices,
                 )
             )
 
@@ -241,8 +223,8 @@ class WorkerGroups:
         buffer_class = ray.remote(BufferWorker)
         self.buffer = self._keep(
             buffer_class.options(
-                **remote_options(config, nodes[0].node_id, ()), max_concurrency=MAX_BUFFER_CALLS
-            ).remote(config, dataset_size)
+                **placement.options(placement.head_slot()), max_concurrency=MAX_BUFFER_CALLS
+            ).remote(config, dataset_size, by_reference=True)
         )
         self.buffer_port = RayBufferPort(self.buffer)
         self.get(self.buffer.counts.remote(), "the start of the buffer", "runner.startup_timeout_s")
@@ -324,11 +306,13 @@ class WorkerGroups:
     def stop(self) -> None:
         """Close the agent loops and stop the engines (each engine's whole process group), waiting up to
         `STOP_TIMEOUT_S`, then end every actor. Workers still starting are ended at once: their start, not
-        the stop, would run first. Idempotent; says what it stopped in `stopped`."""
+        the stop, would run first; the devices the run reserved are given back last. Idempotent; says what
+        it stopped in `stopped`."""
         import ray
 
         handles, self._handles = self._handles, []
         if not handles:
+            self._give_back_devices()
             return
         if self._started:
             for loop in self.agent_loops:
@@ -345,6 +329,7 @@ class WorkerGroups:
                 )
         for handle in handles:
             ray.kill(handle)
+        self._give_back_devices()
         parts = [
             _count(len(self.rollouts), "engine"),
             _count(len(self.actors), "actor rank"),
@@ -352,6 +337,11 @@ class WorkerGroups:
         ]
         described = ", ".join(part for part in parts if part)
         self.stopped.append(described if self._started else f"{described} (still starting)")
+
+    def _give_back_devices(self) -> None:
+        placement, self.placement = self.placement, None
+        if placement is not None:
+            placement.remove()
 
 
 def _count(number: int, what: str) -> str:

@@ -1,14 +1,19 @@
-"""The driver's watch over the run's engines and agent-loop workers, and what it does when one fails.
+"""The driver's watch over the run's engines, agent-loop workers, their tools and the actor ranks, and what
+it does when one fails.
 
-Each engine's `RolloutWorker.watch()` and each agent-loop worker's `serve()` are pending Ray calls while
-the part works; the driver waits on them in the same `ray.wait` as the data, so a failure is seen as soon as
-Ray reports it:
+Each engine's `RolloutWorker.watch()`, each agent-loop worker's `serve()` and `watch_tools()`, and each actor
+rank's `watch()` are pending Ray calls while the part works; the driver waits on them in the same `ray.wait`
+as the data, so a failure is seen as soon as Ray reports it:
 
 - an engine process that exits or stops answering `/health` (`rollout.engine_unresponsive_s`) is restarted
   on its address and given the actor's current weights, up to `rollout.max_engine_restarts` times in the
   run; its requests meanwhile go to the other engines or wait for it (`asyncrl_sglang.pool`);
 - an agent-loop worker whose process died is started again, and the groups it had admitted are handed back
   to be issued again, up to `agentloop.max_worker_restarts` times;
+- a tool that starts failing (a retriever that died: the agent loops' calls fail) is named, and so is its
+  return (its calls succeed again); its calls meanwhile come back to the model as errors, counted in the
+  step's `rollout/tool_errors`;
+- a dead actor rank stops the run at once, naming the rank, even while the driver waits for data;
 - anything else (a worker's error, a dead buffer or rollout worker, restarts spent) stops the run with a
   `RunnerError` naming the part.
 
@@ -22,25 +27,31 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from asyncrl_core import metrics
 from asyncrl_core.runner.workers import EngineEndpoint, EngineFailure, RunnerError
 
 if TYPE_CHECKING:
     from asyncrl_core.runner.groups import WorkerGroups
+    from asyncrl_core.types import ToolHealth
 
 logger = logging.getLogger(__name__)
 
 FAULTS_FILE = "faults.jsonl"
 """One JSON object per line: `time` (unix seconds), `part` (`engine 0`, `agent-loop worker 1`, `actor rank
-0`), `event` (`failed`, `recovered`, `fatal`) and `message`."""
+0`, `tool search`), `event` (`failed`, `recovered`, `fatal`) and `message`."""
 ENGINE = "engine"
 AGENT_LOOP = "agent-loop worker"
+TOOLS = "the tools of agent-loop worker"
+ACTOR = "actor rank"
+ACTOR_WATCH_GROUP = "liveness"
+"""The concurrency group of `ActorWorker.watch` (`runner.groups`), beside the rank's serial calls."""
 
 
 class Liveness:
-    """Watches `workers`' engines from creation, and their agent loops once `serve` starts them."""
+    """Watches `workers`' engines, actor ranks and the agent loops' tools from creation, and the agent loops'
+    generation once `serve` starts it."""
 
     def __init__(self, workers: WorkerGroups, run_dir: Path) -> None:
         self.workers = workers
@@ -52,8 +63,14 @@ class Liveness:
         self.num_agent_loop_restarts = 0
         self._step_engine_restarts = 0
         self._step_agent_loop_restarts = 0
+        self._failing_tools: dict[str, set[int]] = {}
+        """Tool name -> the agent-loop workers whose last call of it failed."""
         for index, rollout in enumerate(workers.rollouts):
             self._watched[rollout.watch.remote()] = (ENGINE, index)
+        for index, loop in enumerate(workers.agent_loops):
+            self._watched[loop.watch_tools.remote()] = (TOOLS, index)
+        for rank, actor in enumerate(workers.actors):
+            self._watched[actor.watch.options(concurrency_group=ACTOR_WATCH_GROUP).remote()] = (ACTOR, rank)
         workers.on_death = lambda part, message: self.record(part, "fatal", message)
 
     # --- what the drivers call ----------------------------------------------------------------------------
@@ -78,27 +95,36 @@ class Liveness:
         """The pending calls to wait on beside the data: any of them ending means a part failed."""
         return list(self._watched)
 
-    def recover(self, ref: Any) -> None:
-        """Handle the watched call `ref` that ended: restart what failed, or raise `RunnerError`."""
+    def recover(self, ref: Any, during: str = "the run") -> None:
+        """Handle the watched call `ref` that ended while the driver waited for `during` (`training`, the
+        wait for data): restart what failed, record a tool's change, or raise `RunnerError`."""
         import ray
         from ray.exceptions import RayActorError
 
         kind, index = self._watched.pop(ref)
-        part = f"{kind} {index}"
+        part = f"{AGENT_LOOP if kind == TOOLS else kind} {index}"
         try:
-            result: EngineFailure | None = ray.get(ref, timeout=0)
+            result: Any = ray.get(ref, timeout=0)
         except RayActorError as error:
-            if kind == AGENT_LOOP:
-                self._restart_agent_loop(index, error)
+            if kind in (AGENT_LOOP, TOOLS):
+                self.agent_loop_died(index, error)
                 return
+            if kind == ACTOR:
+                raise self.fatal(part, f"died during {during}: {error}") from error
             raise self.fatal(part, f"its worker died: {error}") from error
         except Exception as error:
             raise self.fatal(part, f"failed: {error}") from error
         if kind == ENGINE:
             if result is not None:
                 self._restart_engine(result)
-            return
-        if self._serving:
+        elif kind == TOOLS:
+            for event in cast("list[ToolHealth]", result):
+                self._tool_health(index, event)
+            if result:  # an empty answer: the worker closed
+                self._watched[self.workers.agent_loops[index].watch_tools.remote()] = (TOOLS, index)
+        elif kind == ACTOR:
+            raise self.fatal(part, f"stopped being watched during {during}")
+        elif self._serving:
             raise self.fatal(part, "stopped serving while the run needed data")
 
     def sync_weights(self, mode: str) -> dict[str, float]:
@@ -198,7 +224,28 @@ class Liveness:
             part, "recovered", f"restarted ({self.num_engine_restarts} of {limit}) with the current weights"
         )
 
-    def _restart_agent_loop(self, index: int, error: Exception) -> None:
+    def _tool_health(self, index: int, event: ToolHealth) -> None:
+        """Record a tool's outage when the first worker sees it fail, and its return when the last one that
+        saw it fail has a call of it succeed."""
+        failing = self._failing_tools.setdefault(event.tool, set())
+        part = f"tool {event.tool}"
+        if event.failing:
+            if not failing:
+                self.record(part, "failed", f"{event.message} (agent-loop worker {index})", event.at)
+            failing.add(index)
+        elif index in failing:
+            failing.discard(index)
+            if not failing:
+                self.record(part, "recovered", f"{event.message} (agent-loop worker {index})", event.at)
+
+    def agent_loop_died(self, index: int, error: Exception) -> None:
+        """Agent-loop worker `index` died: restart it and hand back its groups (`RunnerError` when its
+        restarts are spent). Its other watched calls are dropped; the new worker's replace them."""
+        for ref, (kind, watched) in list(self._watched.items()):
+            if watched == index and kind in (AGENT_LOOP, TOOLS):
+                del self._watched[ref]
+        for failing in self._failing_tools.values():
+            failing.discard(index)
         part = f"{AGENT_LOOP} {index}"
         self.record(part, "failed", f"its process died: {error}")
         limit = self.config.agentloop.max_worker_restarts
@@ -212,6 +259,7 @@ class Liveness:
             self.workers.buffer.hand_back.remote(index), f"handing back the groups of {part}"
         )
         loop = self.workers.restart_agent_loop(index)
+        self._watched[loop.watch_tools.remote()] = (TOOLS, index)
         if self._serving:
             self._watched[loop.serve.remote(self.workers.buffer_port)] = (AGENT_LOOP, index)
         self.record(

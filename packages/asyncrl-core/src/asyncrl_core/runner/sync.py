@@ -1,7 +1,8 @@
 """The synchronous driver: generate the whole batch, train on it, push the weights; repeat.
 
 Rollout and training take turns, so `time/step = time/rollout + time/training + time/sync_weights` (plus
-the buffer's bookkeeping): the baseline the asynchronous driver is measured against.
+the buffer's bookkeeping): the baseline the asynchronous driver is measured against. An agent-loop worker
+that dies during the rollout is restarted, and the groups the batch lacks run again (`RunContext.run_groups`).
 """
 
 from __future__ import annotations
@@ -16,14 +17,9 @@ def run_sync(ctx: RunContext) -> None:
     workers, liveness, batch_size = ctx.workers, ctx.liveness, ctx.config.data.rollout_batch_size
     for step in range(ctx.start_step, ctx.config.runner.num_steps):
         started = time.perf_counter()
-        ctx.wait_all(
-            [loop.run_groups.remote(workers.buffer_port, num, ctx.timeout_s) for loop, num in ctx.shares()],
-            "the rollout of a batch",
-            "agent-loop worker",
-            "rollout.request_timeout_s",
-        )
+        ctx.run_groups(lambda loop, num: loop.run_groups.remote(workers.buffer_port, num, ctx.timeout_s))
         rollout_s = time.perf_counter() - started
-        batch = ctx.wait_batch(lambda: workers.buffer.take_batch.remote(batch_size, ctx.version, 1.0))
+        batch = ctx.wait_batch(lambda: workers.buffer.hand_off.remote(batch_size, ctx.version, 1.0))
         train_metrics = ctx.train(batch)
         sync_metrics = liveness.sync_weights(ctx.config.rollout.pause_mode)
         buffer_metrics = workers.get(workers.buffer.end_step.remote(), "buffer statistics")

@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 import urllib.parse
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -33,22 +33,19 @@ from asyncrl_core import metrics, plugins
 from asyncrl_core.buffer import Batch, BufferSnapshot, GroupBuffer
 from asyncrl_core.errors import AsyncRLError, GenerationError, PromptTooLongError
 from asyncrl_core.runner.dataloader import LoaderState, PromptLoader, Ticket
+from asyncrl_core.runner.handoff import Handoff, ShareCutter
 from asyncrl_core.runner.ledger import STALE, PromptLedger
-from asyncrl_core.types import Group, SamplingParams
+from asyncrl_core.runner.rollout_backend import rollout_backend, weight_group
+from asyncrl_core.types import BatchShare, Group, SamplingParams, ToolHealth
 
 if TYPE_CHECKING:
     from asyncrl_core.config import AsyncRLConfig
-    from asyncrl_core.protocols import Actor, GenerationClient, Task
+    from asyncrl_core.protocols import Actor, EngineClient, NamedTensors, Task
 
 logger = logging.getLogger(__name__)
 
 AGENT_LOOP_TARGET = "asyncrl_agents.loop:AgentLoopWorker"
 """The agent loop the runner drives (asyncrl-agents'), loaded when an `AgentLoopWorker` starts."""
-CONNECT_TARGET = "asyncrl_sglang.launcher:connect_engines"
-"""Clients of running SGLang-protocol engines, as one `GenerationClient` with the drain gate."""
-WEIGHT_SYNC_TARGET = "asyncrl_sglang.weight_sync:sync_weights"
-TENSOR_TRANSPORT_TARGET = "asyncrl_sglang.weight_sync:TensorTransport"
-DISTRIBUTED_TRANSPORT_TARGET = "asyncrl_sglang.weight_sync:DistributedTransport"
 
 
 LOAD_TASK_TARGET = "asyncrl_agents.tasks:load_task"
@@ -128,8 +125,11 @@ class BufferWorker:
     takes a checkpoint's copy, so a checkpoint never holds a prompt admitted half-way.
     """
 
-    def __init__(self, config: AsyncRLConfig, dataset_size: int) -> None:
+    def __init__(self, config: AsyncRLConfig, dataset_size: int, *, by_reference: bool = False) -> None:
         self.buffer = GroupBuffer.from_config(config)
+        self.cutter = ShareCutter.from_config(config, by_reference=by_reference)
+        """Cuts batches into the actor ranks' shares (`hand_off`); with `by_reference` (the runner's Ray
+        actor) each share goes into Ray's object store."""
         seed = config.data.seed if config.data.seed is not None else config.runner.seed
         self.loader = PromptLoader(dataset_size, shuffle=config.data.shuffle, seed=seed)
         self.ledger = PromptLedger(dataset_size)
@@ -184,6 +184,8 @@ class BufferWorker:
         accepted = self.buffer.complete(group)
         with self._loader_lock:
             self._admitted_by.pop(group.group_id, None)
+        if accepted:
+            self.cutter.prepare(group)
         return accepted
 
     def abandon(self, group_id: int, reason: str | None = None) -> None:
@@ -241,7 +243,16 @@ class BufferWorker:
                 self.loader.give_back(prompt_index, epoch)
             for group in result.groups:
                 self.ledger.trained(group.group_id, actor_version)
+        self.cutter.forget(result.dropped_group_ids)
         return result if result.ready else None
+
+    def hand_off(self, num_groups: int, actor_version: int, timeout_s: float) -> Handoff | None:
+        """`take_batch`, cut into the actor's data-parallel shares (`asyncrl_core.runner.handoff`): what the
+        drivers take. None when the batch is not ready within `timeout_s`."""
+        batch = self.take_batch(num_groups, actor_version, timeout_s)
+        if batch is None:
+            return None
+        return self.cutter.cut(batch, group_metrics(batch.groups))
 
     def end_step(self) -> dict[str, float]:
         """Close the step's buffer statistics: the staleness, drop and admission-wait metrics, and the
@@ -311,6 +322,7 @@ class BufferWorker:
             tickets.append(ledger.handed_back(group_id))
         with self._loader_lock:
             self.buffer, self.ledger = buffer, ledger
+            self.cutter.clear()
             self.loader.restore(state.loader)
             self.loader.reissue_first(tickets)
             self.failure_reasons = {
@@ -422,6 +434,9 @@ class AgentLoopWorker:
         pin_to_cores(cores)
         self.config = config
         self.worker_index = worker_index
+        self._tool_health: list[ToolHealth] = []
+        self._tool_health_told = asyncio.Event()
+        self._closed = False
         self.task = build_task(config, task_services)
         self.client = _connect_engines(config, endpoints)
         self.model_path = model_path
@@ -455,7 +470,21 @@ class AgentLoopWorker:
             context_len=config.rollout.context_length,
             max_turns=config.agentloop.max_turns,
             max_concurrent_groups=max_concurrent,
+            on_tool_health=self._tell_tool_health,
         )
+
+    def _tell_tool_health(self, event: ToolHealth) -> None:
+        self._tool_health.append(event)
+        self._tool_health_told.set()
+
+    async def watch_tools(self) -> list[ToolHealth]:
+        """Wait until a tool starts failing or answers again (`ToolHealth`, oldest first); empty once the
+        worker closes. The driver keeps one call pending beside the data (`runner.liveness`)."""
+        while not self._tool_health and not self._closed:
+            self._tool_health_told.clear()
+            await self._tool_health_told.wait()
+        events, self._tool_health = self._tool_health, []
+        return events
 
     def dataset_size(self, split: str = "train") -> int:
         return len(self.loop.dataset(split))
@@ -592,19 +621,16 @@ class AgentLoopWorker:
         self.client.open_admission()
 
     async def aclose(self) -> None:
+        self._closed = True
+        self._tool_health_told.set()
         await self.loop.aclose()  # closes the task, which the evaluation loop shares
         await self.client.aclose()
 
 
-def _connect_engines(config: AsyncRLConfig, endpoints: Sequence[EngineEndpoint]) -> Any:
-    """A `GenerationClient` over every engine: control over HTTP, generation by `rollout.sglang.transport`."""
-    connect = cast("Callable[..., GenerationClient]", load_target(CONNECT_TARGET))
-    rollout = config.rollout
-    return connect(
-        [endpoint.url for endpoint in endpoints],
-        grpc_targets=[endpoint.grpc_target for endpoint in endpoints],
-        api_key=rollout.sglang.api_key,
-        request_timeout_s=rollout.request_timeout_s,
+def _connect_engines(config: AsyncRLConfig, endpoints: Sequence[EngineEndpoint]) -> EngineClient:
+    """One client over every engine, through the rollout backend."""
+    return rollout_backend(config).connect(
+        [endpoint.url for endpoint in endpoints], [endpoint.grpc_target for endpoint in endpoints]
     )
 
 
@@ -640,30 +666,38 @@ class RolloutWorker:
         gpu = config.cluster.device_type == "gpu"
         if not gpu:
             pin_to_cores(devices)
-        launch = cast(
-            "Callable[..., Any]", plugins.load("asyncrl.rollout_backends", config.rollout.rollout_backend)
-        )
+        backend = rollout_backend(config)
+        sglang = config.rollout.sglang
+        # An external engine: this worker watches the one at its own index of the URLs.
+        own = {"urls": sglang.urls[index : index + 1]} if sglang.urls else {}
+        if sglang.grpc_urls:
+            own["grpc_urls"] = sglang.grpc_urls[index : index + 1]
         rollout = config.rollout.model_copy(
             update={
                 "model_path": model_path,
                 "num_instances": 1,
-                "sglang": config.rollout.sglang.model_copy(
-                    update={"base_port": config.rollout.sglang.base_port + index}
-                ),
+                "sglang": sglang.model_copy(update={"base_port": sglang.base_port + index, **own}),
             }
         )
         self.index = index
         self.unresponsive_s = config.rollout.engine_unresponsive_s
         self.api_key = config.rollout.sglang.api_key
 
+        from asyncrl_core.runner.placement import node_address
+
+        advertise_host = node_address()  # the URL's host when the engine binds every interface
+
         def start(base_port: int) -> Any:
             sglang = rollout.sglang.model_copy(update={"base_port": base_port})
-            return launch(
+            return backend.launch(
                 rollout.model_copy(update={"sglang": sglang}),
                 run_dir=run_dir / f"rollout-{index}",
                 devices=tuple(devices),
                 gpu=gpu,
                 health_timeout_s=config.runner.startup_timeout_s,
+                advertise_host=advertise_host,
+                # `runner.seed`: engine `index` samples with `seed + index`, its restarts too.
+                random_seed=config.runner.seed + index,
             )
 
         self._launch = start
@@ -757,7 +791,8 @@ class RankSettings:
 
 
 class ActorWorker:
-    """One rank of the actor: trains on batches; rank 0 also pushes the weights into the engines."""
+    """One rank of the actor: trains on batches; one rank pushes the weights into the engines, the ranks
+    holding shards of them take part in the export."""
 
     def __init__(
         self,
@@ -783,6 +818,12 @@ class ActorWorker:
         factory = cast("Callable[..., Actor]", plugins.load("asyncrl.actors", config.actor.backend))
         self.actor = factory(config, model_path=model_path, device="cuda" if gpu else "cpu")
         self._transport: Any = None
+        self._watched = threading.Event()
+
+    def watch(self) -> None:
+        """Block while the rank lives: the driver keeps this call pending beside the data (on a
+        concurrency group of its own), so the rank's death is seen at once, whatever the driver waits for."""
+        self._watched.wait()
 
     @property
     def version(self) -> int:
@@ -791,24 +832,35 @@ class ActorWorker:
     def get_version(self) -> int:
         return self.actor.version
 
-    def train(self, batch: Batch) -> dict[str, float]:
-        """One training step on `batch`: the actor's `train/...` metrics and the batch's rollout metrics."""
+    def train(self, share: BatchShare) -> dict[str, float]:
+        """One training step on this rank's `share` of a batch (`asyncrl_core.runner.handoff`): the actor's
+        `train/...` metrics. A share cut for another data-parallel rank raises `BatchError`."""
         started = time.perf_counter()
-        result = self.actor.train_step(batch.groups)
+        result = self.actor.train_step(share)
         result[metrics.TIME_TRAINING] = time.perf_counter() - started
-        result.update(group_metrics(batch.groups))
         return result
 
     def sync_weights(self, endpoints: Sequence[EngineEndpoint], mode: str) -> dict[str, float]:
-        """Push the current weights into the engines as this version (rank 0 only), in `mode`.
+        """Push the current weights into the engines as this version, in `mode`.
 
-        In `drain` mode the caller has drained the agent loops first; this side then finds the engines idle
-        and flushes their caches with the last bucket."""
-        if self.rank != 0:
+        Every rank is called. The rank whose `weight_export_role` is `send` pushes the buckets; ranks that
+        `join` take the export in step with it (a collective: each bucket gathers tensor-parallel shards),
+        holding one bucket at a time and dropping it; the others return at once. In `drain` mode the caller
+        has drained the agent loops first; this side then finds the engines idle and flushes their caches
+        with the last bucket."""
+        role = self.actor.weight_export_role
+        if role == "none":
+            return {}
+        buckets = self.actor.export_weights(self.config.actor.weight_export_bucket_mb << 20)
+        if role == "join":
+            for _ in buckets:
+                pass
             return {}
         if self._transport is None:
             self._transport = weight_transport(self.config)
-        return asyncio.run(_push_weights(self.config, self.actor, self._transport, endpoints, mode))
+        return asyncio.run(
+            _push_weights(self.config, buckets, self.actor.version, self._transport, endpoints, mode)
+        )
 
     def save_checkpoint(self, path: str) -> None:
         self.actor.save_checkpoint(path)
@@ -818,46 +870,29 @@ class ActorWorker:
 
 
 async def _push_weights(
-    config: AsyncRLConfig, actor: Actor, transport: Any, endpoints: Sequence[EngineEndpoint], mode: str
+    config: AsyncRLConfig,
+    buckets: Iterator[NamedTensors],
+    version: int,
+    transport: Any,
+    endpoints: Sequence[EngineEndpoint],
+    mode: str,
 ) -> dict[str, float]:
     # A module function, not a method: a Ray actor class with a coroutine method becomes an asyncio actor,
     # and the actor worker must stay a plain threaded one (training blocks).
-    sync = cast("Callable[..., Awaitable[Any]]", load_target(WEIGHT_SYNC_TARGET))
-    client = _connect_engines(config, endpoints)
+    backend = rollout_backend(config)
+    client = backend.connect([endpoint.url for endpoint in endpoints], [e.grpc_target for e in endpoints])
     try:
-        if config.rollout.sglang.weight_transport == "distributed":
-            await transport.connect(client)
-        result = await sync(
-            client,
-            actor.export_weights(config.actor.weight_export_bucket_mb << 20),
-            actor.version,
-            mode=mode,
-            transport=transport,
-        )
+        return await backend.sync_weights(client, buckets, version, mode=mode, transport=transport)
     finally:
         await client.aclose()
-    return cast("dict[str, float]", result.metrics())
+        # Buckets left by a failure midway are still taken: the ranks that join the export wait in its
+        # collectives until the sender has gone through every bucket.
+        for _ in buckets:
+            pass
 
 
 def weight_transport(config: AsyncRLConfig) -> Any:
-    """The transport `rollout.sglang.weight_transport` names: request bodies, or a process group that the
-    trainer (rank 0 of the actor) forms with the engines at the first sync and keeps."""
-    num_ranks = config.rollout.tensor_parallel_size
-    if config.rollout.sglang.weight_transport == "tensor":
-        return cast("Callable[..., Any]", load_target(TENSOR_TRANSPORT_TARGET))(num_ranks)
-    from asyncrl_core.actor.distributed import free_port
-
-    cluster = config.cluster
-    shared = set(cluster.devices_of("actor")) & set(cluster.devices_of("rollout"))
-    # NCCL forms no group with two ranks on one GPU: a trainer sharing its GPU with the engines goes
-    # through gloo, staging each bucket in host memory.
-    nccl = cluster.device_type == "gpu" and not shared
-    distributed = cast("Callable[..., Any]", load_target(DISTRIBUTED_TRANSPORT_TARGET))
-    return distributed(
-        master_address=config.rollout.sglang.host,
-        master_port=free_port(config.rollout.sglang.host),
-        backend="nccl" if nccl else "gloo",
-        num_ranks=num_ranks,
-        device="cuda" if nccl else "cpu",
-        timeout_s=config.actor.train_timeout_s,
-    )
+    """The rollout backend's transport for this run (by `rollout.sglang.weight_transport` for `sglang`):
+    request bodies, or a process group that the trainer (rank 0 of the actor) forms with the engines at the
+    first sync and keeps, hosted at the trainer's node address on a port picked there (`weight_group`)."""
+    return rollout_backend(config).weight_transport(weight_group(config))

@@ -142,6 +142,8 @@ class BuiltinServer:
         r.add_post("/update_weight_version", weights.update_weight_version)
         r.add_post("/begin_weight_update", weights.begin_weight_update)
         r.add_post("/end_weight_update", weights.end_weight_update)
+        r.add_get("/get_weights_by_name", weights.get_weights_by_name, allow_head=False)
+        r.add_post("/get_weights_by_name", weights.get_weights_by_name)
         for path in ("/model_info", "/get_model_info"):
             r.add_get(path, info.model_info, allow_head=False)
         for path in ("/server_info", "/get_server_info"):

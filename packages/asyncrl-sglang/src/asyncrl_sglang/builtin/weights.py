@@ -6,6 +6,7 @@ gate's writer side (unless a pause or a session already excludes generation), lo
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any
@@ -13,7 +14,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from asyncrl_sglang.builtin._http import json_model, read_model, update_failure
+from asyncrl_sglang.builtin._http import json_model, read_model, semantic_error, update_failure
 from asyncrl_sglang.builtin.engine import Engine, EngineBusyError
 from asyncrl_sglang.builtin.gate import AdmissionGate
 from asyncrl_sglang.builtin.model import ModelLoadError
@@ -23,6 +24,7 @@ from asyncrl_sglang.wire import (
     BeginWeightUpdateRequest,
     DestroyWeightsUpdateGroupRequest,
     EndWeightUpdateRequest,
+    GetWeightsByNameRequest,
     InitWeightsUpdateGroupRequest,
     UpdateResult,
     UpdateWeightsFromDiskRequest,
@@ -43,6 +45,8 @@ _TORCH_DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float64": torch.float64,
 }
+
+logger = logging.getLogger(__name__)
 
 
 class WeightRoutes:
@@ -147,6 +151,15 @@ class WeightRoutes:
             group = await asyncio.to_thread(join)
         except Exception as error:
             return update_failure(f"Failed to init the weight update group: {error}")
+        logger.info(
+            "joined the weight update group %r at %s:%d as rank %d of %d (%s)",
+            group_name,
+            address,
+            port,
+            rank_offset,
+            world_size,
+            backend,
+        )
         self._group = group
         self._group_name = group_name
         self._group_device = self.engine.model.device if backend == "nccl" else torch.device("cpu")
@@ -218,6 +231,21 @@ class WeightRoutes:
         return _result(
             UpdateResult(success=True, message=f"Weight version updated to {version}", new_version=version)
         )
+
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        """SGLang's verification route: the parameter's first `truncate_size` rows (or values) as float32
+        lists, read between scheduler steps so an update is never seen half-applied."""
+        body = await read_model(request, GetWeightsByNameRequest, required=True)
+        name, truncate_size = body.name, body.truncate_size
+
+        def read() -> list[Any] | None:
+            view = self.engine.model.named.get(name)
+            return None if view is None else view[:truncate_size].to(torch.float32).cpu().tolist()
+
+        values = await self._engine(read)
+        if values is None:
+            return semantic_error(f"Get parameter by name failed: the model has no parameter {name!r}")
+        return web.json_response(values)
 
     async def begin_weight_update(self, request: web.Request) -> web.Response:
         """Open an update session: outside a pause it holds the writer side until `/end_weight_update`, so
