@@ -41,6 +41,7 @@ import random
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,6 +104,25 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--prefill-interval", type=int, help="the engine's prefill_interval (default: the engine's)"
     )
+    parser.add_argument(
+        "--no-decode-kernel",
+        action="store_true",
+        help="the decode step attends with the masked SDPA over the whole KV capacity instead of the "
+        "Triton kernel that reads each row up to its own length (CUDA)",
+    )
+    parser.add_argument(
+        "--compare-decode-kernel",
+        action="store_true",
+        help="measure the rows and the agentic workload with the decode kernel on, then off, `--rounds` "
+        "times, in this process, and print them side by side",
+    )
+    parser.add_argument("--rounds", type=int, default=1, help="rounds of --compare-decode-kernel")
+    parser.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="after the measurements, run the agentic workload once more under torch.profiler: print the "
+        "GPU's busy share and the largest GPU kernels and CPU operators, and write a Chrome trace to FILE",
+    )
     parser.add_argument("--json", dest="json_path", help="write the results here")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
@@ -133,6 +153,8 @@ def build_models(args: argparse.Namespace, device: torch.device, dtype: torch.dt
     engine_model = EngineModel(config, device, dtype)
     state = hf.state_dict()
     engine_model.load_named_tensors([(n, state[n]) for n in sorted(engine_model.required_names())])
+    if args.no_decode_kernel:
+        engine_model.decode_kernel = False
     return hf, engine_model, description
 
 
@@ -408,7 +430,6 @@ def main() -> int:
         if args.dtype
         else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     )
-    from asyncrl_sglang.builtin.engine import Engine
 
     hf, engine_model, description = build_models(args, device, dtype)
     generator = torch.Generator().manual_seed(args.seed)
@@ -431,6 +452,87 @@ def main() -> int:
         reference = hf(check.unsqueeze(0)).logits[0].float()
         difference = (engine_model.forward_logits(check) - reference).abs().max().item()
     print(f"same model: max |engine logits - transformers logits| = {difference:.3g}", flush=True)
+    if args.compare_decode_kernel and not engine_model.decode_kernel:
+        print("--compare-decode-kernel needs the decode kernel (CUDA with Triton)", file=sys.stderr)
+        return 2
+    default_kernel = engine_model.decode_kernel
+    variants = [None] if not args.compare_decode_kernel else [True, False] * args.rounds
+    measured: list[tuple[bool | None, list[dict[str, Any]], dict[str, Any] | None]] = []
+    for kernel in variants:
+        if kernel is not None:
+            engine_model.decode_kernel = kernel
+            print(f"\n-- decode kernel {'on' if kernel else 'off (masked SDPA)'}", flush=True)
+        measured.append((kernel, *measure(args, engine_model, all_prompts, http_sizes, device, hf)))
+    _, rows, agentic = measured[0]
+    if args.profile:
+        engine_model.decode_kernel = default_kernel
+        profile_agentic(args, engine_model, device, Path(args.profile))
+    result = {
+        "agentic": agentic,
+        "args": vars(args),
+        "device": str(device),
+        "dtype": str(dtype),
+        "model": description,
+        "max_logit_difference": difference,
+        "rows": rows,
+        "decode_kernel_variants": [
+            {"decode_kernel": kernel, "rows": r, "agentic": a}
+            for kernel, r, a in measured
+            if kernel is not None
+        ],
+    }
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(result, indent=2))
+    print("\ntokens/s        " + "  ".join(f"{'B=' + str(r['batch']):>10}" for r in rows))
+    for key in ("hf_generate", "hf_continuous_batching", "engine", "engine_http", "bound_cuda_graph_decode"):
+        values = [r.get(key) for r in rows]
+        if any(v is not None for v in values):
+            cells = "  ".join(f"{v:10.1f}" if v is not None else f"{'-':>10}" for v in values)
+            print(f"{key:<24}{cells}")
+    if all("engine_over_hf_generate" in r for r in rows):
+        print("engine / generate       " + "  ".join(f"{r['engine_over_hf_generate']:10.2f}" for r in rows))
+    if agentic is not None:
+        print(
+            f"\nagentic: {args.agentic} trajectories x {args.turns} turns: "
+            f"{agentic['tokens_per_s']:.1f} tokens/s "
+            f"({agentic['generated_tokens']} tokens in {agentic['elapsed_s']:.1f} s) = "
+            f"{agentic['over_fixed']:.2f} x the fixed-shape B={agentic['fixed_batch']} row; prefill "
+            f"{agentic['prefill_tokens']} tokens, {agentic['cached_tokens']} from the prefix cache, prefill "
+            f"{100 * agentic['prefill_busy_share']:.0f}% of the time"
+        )
+    if args.compare_decode_kernel:
+        print("\nside by side (decode kernel on / off, alternating):")
+        print(
+            f"{'kernel':>8} {'fixed B=' + str(largest):>14} {'agentic':>10} {'ratio':>6} "
+            f"{'prefill share':>14}"
+        )
+        for kernel, r, a in measured:
+            fixed = max(r, key=lambda row: row["batch"])["engine"]
+            if a is None:
+                print(f"{'on' if kernel else 'off':>8} {fixed:14.1f}")
+                continue
+            print(
+                f"{'on' if kernel else 'off':>8} {fixed:14.1f} {a['tokens_per_s']:10.1f} "
+                f"{a['over_fixed']:6.2f} {100 * a['prefill_busy_share']:13.0f}%"
+            )
+    for r in rows:
+        if "hf_continuous_batching_error" in r:
+            error = r["hf_continuous_batching_error"]
+            print(f"B={r['batch']}: transformers continuous batching failed: {error}")
+    return 0
+
+
+def measure(
+    args: argparse.Namespace,
+    engine_model: Any,
+    all_prompts: torch.Tensor,
+    http_sizes: list[int],
+    device: torch.device,
+    hf: Any,
+) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """The fixed-shape rows, then the agentic workload and its ratio to the largest row."""
+    from asyncrl_sglang.builtin.engine import Engine
+
     rows: list[dict[str, Any]] = []
     for batch in args.batch_sizes:
         prompts = all_prompts[:batch].to(device)
@@ -471,39 +573,7 @@ def main() -> int:
         fixed = max(rows, key=lambda r: r["batch"])
         agentic["fixed_batch"] = fixed["batch"]
         agentic["over_fixed"] = agentic["tokens_per_s"] / fixed["engine"]
-    result = {
-        "agentic": agentic,
-        "args": vars(args),
-        "device": str(device),
-        "dtype": str(dtype),
-        "model": description,
-        "max_logit_difference": difference,
-        "rows": rows,
-    }
-    if args.json_path:
-        Path(args.json_path).write_text(json.dumps(result, indent=2))
-    print("\ntokens/s        " + "  ".join(f"{'B=' + str(r['batch']):>10}" for r in rows))
-    for key in ("hf_generate", "hf_continuous_batching", "engine", "engine_http", "bound_cuda_graph_decode"):
-        values = [r.get(key) for r in rows]
-        if any(v is not None for v in values):
-            cells = "  ".join(f"{v:10.1f}" if v is not None else f"{'-':>10}" for v in values)
-            print(f"{key:<24}{cells}")
-    if all("engine_over_hf_generate" in r for r in rows):
-        print("engine / generate       " + "  ".join(f"{r['engine_over_hf_generate']:10.2f}" for r in rows))
-    if agentic is not None:
-        print(
-            f"\nagentic: {args.agentic} trajectories x {args.turns} turns: "
-            f"{agentic['tokens_per_s']:.1f} tokens/s "
-            f"({agentic['generated_tokens']} tokens in {agentic['elapsed_s']:.1f} s) = "
-            f"{agentic['over_fixed']:.2f} x the fixed-shape B={agentic['fixed_batch']} row; prefill "
-            f"{agentic['prefill_tokens']} tokens, {agentic['cached_tokens']} from the prefix cache, prefill "
-            f"{100 * agentic['prefill_busy_share']:.0f}% of the time"
-        )
-    for r in rows:
-        if "hf_continuous_batching_error" in r:
-            error = r["hf_continuous_batching_error"]
-            print(f"B={r['batch']}: transformers continuous batching failed: {error}")
-    return 0
+    return rows, agentic
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -516,8 +586,14 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
-def bench_agentic(args: argparse.Namespace, engine_model: Any, device: torch.device) -> dict[str, Any]:
-    """(f): a warm-up run of a few trajectories, then the measured one, on a fresh engine."""
+def bench_agentic(
+    args: argparse.Namespace,
+    engine_model: Any,
+    device: torch.device,
+    around: tuple[Callable[[Any], Any], Callable[[Any], Any]] | None = None,
+) -> dict[str, Any]:
+    """(f): a warm-up run of a few trajectories, then the measured one, on a fresh engine. `around`: two
+    functions of the engine run on its scheduler thread just before and just after the measured run."""
     from asyncrl_sglang.builtin.engine import Engine
 
     vocab = engine_model.config.vocab_size
@@ -543,12 +619,69 @@ def bench_agentic(args: argparse.Namespace, engine_model: Any, device: torch.dev
         run_agentic(
             engine, min(8, args.agentic), 2, args.prompt_len, vocab, seed=args.seed + 1, new_tokens=(4, 8)
         )
+        if around is not None:
+            engine.call(lambda: around[0](engine))
         result = run_agentic(engine, args.agentic, args.turns, args.prompt_len, vocab, seed=args.seed)
+        if around is not None:
+            engine.call(lambda: around[1](engine))
     finally:
         engine.stop()
     summary = {k: v for k, v in vars(result).items() if k != "turns"}
     print(_format_row({"batch": f"agentic {args.agentic}", **summary}), flush=True)
     return summary
+
+
+PROFILE_WINDOW_S = 3.0
+"""Seconds of the agentic workload that `--profile` records."""
+
+
+def profile_agentic(
+    args: argparse.Namespace, engine_model: Any, device: torch.device, trace_path: Path
+) -> None:
+    """(f) under torch.profiler (slower than the measured run: the figures are shares, not a rate). The GPU's
+    busy share is the union of its kernels' intervals over the recorded window."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    # Started and stopped on the scheduler thread: the profiler records the CPU operators of the thread that
+    # starts it (the GPU's kernels, of every thread). It records the first PROFILE_WINDOW_S of the workload
+    # (its events over the whole run would take minutes to summarise).
+    profiler = profile(activities=activities)
+    window: dict[str, float] = {}
+
+    def stop() -> None:
+        if "ended" not in window:
+            profiler.stop()
+            window["ended"] = time.perf_counter()
+
+    def start(engine: Any) -> None:
+        profiler.start()
+        window["began"] = time.perf_counter()
+        timer = threading.Timer(PROFILE_WINDOW_S, lambda: engine.call_async(stop))
+        timer.daemon = True
+        timer.start()
+
+    bench_agentic(args, engine_model, device, around=(start, lambda _engine: stop()))
+    wall_us = (window["ended"] - window["began"]) * 1e6
+    print(f"\nprofile: the first {wall_us / 1e6:.1f} s of the agentic workload", flush=True)
+    profiler.export_chrome_trace(str(trace_path))
+    events = profiler.key_averages()
+    if device.type == "cuda":
+        intervals = sorted(
+            (e.time_range.start, e.time_range.end)
+            for e in profiler.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA
+        )
+        busy, reach = 0.0, float("-inf")
+        for start, end in intervals:
+            if end > reach:
+                busy += end - max(start, reach)
+                reach = end
+        print(f"profile: GPU busy {100 * busy / wall_us:.0f}% of the window", flush=True)
+        print(events.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=60))
+    print(events.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60), flush=True)
 
 
 def _format_row(row: dict[str, Any]) -> str:

@@ -75,8 +75,8 @@ SERVER_INFO_OPTIONAL = {"status", "kv_event_sources"}  # in the handshake of som
 SERVER_ARGS = {
     "model_path", "served_model_name", "tokenizer_path", "host", "port", "grpc_port", "max_running_requests",
     "max_queued_requests", "context_length", "weight_version", "device", "dtype", "enable_metrics",
-    "random_seed", "load_format", "disable_cuda_graph", "tp_size", "dp_size", "pp_size",
-    "enable_dp_attention",
+    "random_seed", "load_format", "disable_cuda_graph", "disable_radix_cache", "tp_size", "dp_size",
+    "pp_size", "enable_dp_attention",
 }  # fmt: skip
 STARTUP_TIME_KEYS = {"load_weight", "kv_cache_allocation", "scheduler_e2e", "cuda_graph"}
 GRAPH_PHASES = {"prefill", "decode", "target_verify", "draft_prefill", "draft_decode", "draft_extend"}

@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from asyncrl_sglang.builtin.engine import Engine, Request
+from asyncrl_sglang.builtin.gate import AdmissionGate
+from asyncrl_sglang.builtin.info import Load
 from asyncrl_sglang.builtin.model import EngineModel, KVCache
 from asyncrl_sglang.builtin.sampling import SamplingOptions
 
@@ -101,6 +103,11 @@ def test_cached_prefixes_give_the_tokens_and_logprobs_of_a_full_prefill(
     assert [r.cached_tokens for r in turn2] == [held[0] // BLOCK * BLOCK, held[1] // BLOCK * BLOCK, 0, 8]
     assert plain_engine.counters.cached_tokens_total == 0
     assert cached_engine.counters.cached_tokens_total == sum(r.cached_tokens for r in turn2)
+    # /v1/loads' cache_hit_rate: the share of the latest prefill batch (the second turns) from the cache.
+    rate = sum(r.cached_tokens for r in turn2) / sum(len(s) for s in second_turns)
+    assert cached_engine.snapshot.counters.cache_hit_rate == pytest.approx(rate)
+    assert Load.read(cached_engine, AdmissionGate()).sglang_json(["core"])["cache_hit_rate"] == round(rate, 4)
+    assert Load.read(plain_engine, AdmissionGate()).sglang_json(["core"])["cache_hit_rate"] == 0
 
 
 def test_a_retract_update_drops_the_cache_and_in_place_keeps_it(

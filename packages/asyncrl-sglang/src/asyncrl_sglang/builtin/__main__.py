@@ -82,6 +82,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="/get_weight_version: 200 like older SGLang servers, or 404 like newer ones",
     )
     parser.add_argument("--disable-cuda-graph", action="store_true", help="decode eagerly on CUDA")
+    parser.add_argument(
+        "--disable-radix-cache",
+        action="store_true",
+        help="no prefix cache: every prefill computes all its tokens (cached_tokens stays 0)",
+    )
     parser.add_argument("--skip-server-warmup", action="store_true")
     parser.add_argument("--num-threads", type=int, help="torch intra-op threads on CPU")
     parser.add_argument("--log-level", default="info")
@@ -167,6 +172,7 @@ async def _serve(args: argparse.Namespace, model_path: Path, command: str) -> No
         eos_token_ids=eos_ids,
         decode_text=decode_text if tokenizer is not None else None,
         use_cuda_graphs=not args.disable_cuda_graph,
+        prefix_cache=not args.disable_radix_cache,
     )
     server_args = ServerArgs(
         model_path=str(model_path),
@@ -187,6 +193,7 @@ async def _serve(args: argparse.Namespace, model_path: Path, command: str) -> No
         random_seed=args.random_seed,
         load_format="dummy" if args.random_weights else "safetensors",
         disable_cuda_graph=args.disable_cuda_graph,
+        disable_radix_cache=args.disable_radix_cache,
         weight_version_route=args.weight_version_route,
         launch_command=command,
     )

@@ -568,8 +568,10 @@ class Engine:
                 request.cached_tokens += starts[row]
         for request in requests:
             request.kv_weights_epoch = self.weights_epoch
+        total = sum(len(s) for s in sequences)
         self.counters.cached_tokens_total += sum(starts)
-        self.counters.prefill_tokens_total += sum(len(s) for s in sequences) - sum(starts)
+        self.counters.prefill_tokens_total += total - sum(starts)
+        self.counters.cache_hit_rate = sum(starts) / total
         suffixes = [s[start:] for s, start in zip(sequences, starts, strict=True)]
         hidden = self.model.prefill_batch(suffixes, cache, slots, starts)
         last_rows = torch.tensor([len(s) - 1 for s in suffixes], device=hidden.device)
@@ -755,7 +757,7 @@ class _DecodeGraphs:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor, Tensor, Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor, Tensor, Tensor, Tensor]] = {}
         self.pool: Any = None
         self.memory_bytes = 0
         """Device memory allocated while the graphs were captured (their pool and static tensors)."""
@@ -785,30 +787,42 @@ class _DecodeGraphs:
             entry = self._capture(size, cache)
             self.graphs[size] = entry
             self.memory_bytes += torch.cuda.memory_allocated(self.engine.model.device) - before
-        graph, static_ids, static_positions, output = entry
-        # Padding rows write into free slots at the last position, which no live request uses.
-        padded_ids = input_ids + [0] * (size - batch)
-        padded_positions = positions + [cache.capacity - 1] * (size - batch)
-        static_ids.copy_(torch.tensor(padded_ids, dtype=torch.long), non_blocking=True)
-        static_positions.copy_(torch.tensor(padded_positions, dtype=torch.long), non_blocking=True)
+        graph, static_ids, static_positions, static_lengths, output = entry
+        # Padding rows write into free slots at the last position, which no live request uses, and attend
+        # to one position only (the decode kernel's work follows the lengths).
+        padding = size - batch
+        inputs = torch.tensor(
+            [
+                input_ids + [0] * padding,
+                positions + [cache.capacity - 1] * padding,
+                [p + 1 for p in positions] + [1] * padding,
+            ],
+            dtype=torch.long,
+        )
+        static_ids.copy_(inputs[0], non_blocking=True)
+        static_positions.copy_(inputs[1], non_blocking=True)
+        static_lengths.copy_(inputs[2], non_blocking=True)
         graph.replay()
         return output[:batch]
 
-    def _capture(self, size: int, cache: KVCache) -> tuple[torch.cuda.CUDAGraph, Tensor, Tensor, Tensor]:
+    def _capture(
+        self, size: int, cache: KVCache
+    ) -> tuple[torch.cuda.CUDAGraph, Tensor, Tensor, Tensor, Tensor]:
         model = self.engine.model
         device = model.device
         # Warm-up and capture run on the live cache: write only at the last position, which the capacity rule
         # (capacity >= longest request + 1) keeps free of live KV.
         static_ids = torch.zeros(size, dtype=torch.long, device=device)
         static_positions = torch.full((size,), cache.capacity - 1, dtype=torch.long, device=device)
+        static_lengths = torch.ones(size, dtype=torch.long, device=device)
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                model.decode(static_ids, static_positions, cache, cache.capacity)
+                model.decode(static_ids, static_positions, cache, cache.capacity, static_lengths)
         torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            output = model.decode(static_ids, static_positions, cache, cache.capacity)
+            output = model.decode(static_ids, static_positions, cache, cache.capacity, static_lengths)
         self.pool = graph.pool()
-        return graph, static_ids, static_positions, output
+        return graph, static_ids, static_positions, static_lengths, output

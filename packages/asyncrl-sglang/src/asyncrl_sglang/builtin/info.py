@@ -139,6 +139,7 @@ class Load:
     max_running_requests: int
     gen_throughput: float
     prefill_tokens_total: int
+    cache_hit_rate: float
     prefill_busy_us: int
     weight_gb: float
     kv_cache_gb: float
@@ -160,6 +161,7 @@ class Load:
             max_running_requests=engine.max_running_requests,
             gen_throughput=snapshot.counters.gen_throughput,
             prefill_tokens_total=snapshot.counters.prefill_tokens_total,
+            cache_hit_rate=snapshot.counters.cache_hit_rate,
             prefill_busy_us=snapshot.counters.prefill_busy_us,
             weight_gb=engine.model.nbytes() / _GB,
             kv_cache_gb=snapshot.kv_cache_bytes / _GB,
@@ -194,7 +196,7 @@ class Load:
             "max_running_requests": self.max_running_requests,
             "token_usage": round(self.token_usage, 4),
             "gen_throughput": round(self.gen_throughput, 2),
-            "cache_hit_rate": 0.0,
+            "cache_hit_rate": round(self.cache_hit_rate, 4),
             "utilization": round(self.utilization, 4),
             "total_prefill_uncached_tokens": self.prefill_tokens_total,
             "total_prefill_busy_us": self.prefill_busy_us,
@@ -341,6 +343,10 @@ class InfoRoutes:
             "gen_throughput": ("Decode tokens per second.", load.gen_throughput),
             "num_used_tokens": ("Tokens held in the KV cache.", load.num_used_tokens),
             "token_usage": ("Fraction of the KV capacity in use.", load.token_usage),
+            "cache_hit_rate": (
+                "Prefix-cache hit rate of the latest prefill batch (cached over all its tokens).",
+                load.cache_hit_rate,
+            ),
         }
         totals = {
             "prompt_tokens_total": ("Prompt tokens prefilled.", counters.prompt_tokens_total),

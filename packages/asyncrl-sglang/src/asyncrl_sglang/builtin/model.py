@@ -25,6 +25,7 @@ from torch import Tensor
 
 from asyncrl_core.errors import AsyncRLError
 from asyncrl_core.models import read_hf_config
+from asyncrl_sglang.builtin import decode_attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
@@ -250,6 +251,9 @@ class EngineModel:
         self._rope_cos = torch.empty(0, device=device)
         self._rope_sin = torch.empty(0, device=device)
         self._ensure_rope(c.max_position_embeddings)
+        self.decode_kernel = decode_attention.available(device)
+        """Whether `decode` uses the Triton kernel that reads each row's KV up to its own length (CUDA with
+        Triton; set False to measure the masked SDPA it replaces)."""
 
     # ---------------------------------------------------------------------------------------------- loading
     @classmethod
@@ -505,12 +509,21 @@ class EngineModel:
         return x
 
     @torch.inference_mode()
-    def decode(self, input_ids: Tensor, positions: Tensor, cache: KVCache, attend_length: int) -> Tensor:
+    def decode(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        cache: KVCache,
+        attend_length: int,
+        lengths: Tensor | None = None,
+    ) -> Tensor:
         """One decode step for slots 0..B-1: input_ids [B] at positions [B] -> hidden states [B, hidden].
 
-        Writes the new K/V at `positions` and attends over the first `attend_length` positions of each slot
-        (at least max(positions) + 1), masking positions beyond each row's own. Shapes depend only on B and
-        `attend_length`, so a captured CUDA graph replays this unchanged.
+        Writes the new K/V at `positions`; row b attends to its first `lengths[b]` positions (default
+        `positions + 1`). With the decode kernel (`decode_kernel`, CUDA with Triton) each row reads only its
+        own length; otherwise SDPA attends over the first `attend_length` positions of each slot (at least
+        max(lengths)), masking positions beyond each row's own. Shapes depend only on B and `attend_length`,
+        so a captured CUDA graph replays this unchanged.
         """
         c = self.config
         batch = input_ids.shape[0]
@@ -518,10 +531,14 @@ class EngineModel:
         cos = self._rope_cos[positions].unsqueeze(1)  # [B, 1, D]
         sin = self._rope_sin[positions].unsqueeze(1)
         rows = torch.arange(batch, device=input_ids.device)
-        # [B, 1, 1, L]: a row may attend to positions <= its own.
-        mask = (torch.arange(attend_length, device=input_ids.device) <= positions.unsqueeze(1)).view(
-            batch, 1, 1, attend_length
-        )
+        if lengths is None:
+            lengths = positions + 1
+        mask = None
+        if not self.decode_kernel:
+            # [B, 1, 1, L]: a row may attend to its first lengths[b] positions.
+            mask = (torch.arange(attend_length, device=input_ids.device) < lengths.unsqueeze(1)).view(
+                batch, 1, 1, attend_length
+            )
         x = self.embed[input_ids]
         for layer in range(c.num_layers):
             h = self._rms_norm(x, self.attn_norm[layer])
@@ -535,12 +552,15 @@ class EngineModel:
             # Grouped-query attention without repeating K/V: the `group` query heads that share a KV head
             # become the query-length axis of one attention over that head.
             q = q.view(batch, c.num_kv_heads, group, c.head_dim)
-            attn = F.scaled_dot_product_attention(
-                q,
-                layer_keys[:batch, :, :attend_length],
-                layer_values[:batch, :, :attend_length],
-                attn_mask=mask,
-            )
+            if mask is None:
+                attn = decode_attention.decode_attention(q, layer_keys, layer_values, lengths)
+            else:
+                attn = F.scaled_dot_product_attention(
+                    q,
+                    layer_keys[:batch, :, :attend_length],
+                    layer_values[:batch, :, :attend_length],
+                    attn_mask=mask,
+                )
             x = x + F.linear(attn.reshape(batch, -1), self.o_proj[layer])
             x = self._mlp(layer, x)
         return x

@@ -76,6 +76,8 @@ class ServerArgs:
     random_seed: int = 0
     load_format: str = "safetensors"
     disable_cuda_graph: bool = False
+    disable_radix_cache: bool = False
+    """The engine runs without its prefix cache (SGLang's flag of the same name)."""
     weight_version_route: Literal["old", "new"] = "new"
     """`/get_weight_version`: 200 as older SGLang servers answer, or 404 as newer ones do."""
     launch_command: str | None = None

@@ -98,6 +98,9 @@ class EngineCounters:
     """Tokens run through prefill, re-prefills after a retraction included (prefix-cache hits excluded)."""
     cached_tokens_total: int = 0
     """Tokens whose KV a prefill took from the prefix cache."""
+    cache_hit_rate: float = 0.0
+    """Share of the latest prefill batch's tokens whose KV came from the prefix cache (SGLang's
+    `cache_hit_rate`: hit tokens over hit plus computed tokens of the last prefill; 0 before any)."""
     prefill_busy_us: int = 0
     """Microseconds spent in prefill steps."""
     gen_throughput: float = 0.0
