@@ -963,8 +963,12 @@ class RolloutBufferConfig(Section):
 
 
 class AgentLoopConfig(Section):
-    """The agent loop: which task runs the trajectories, and how many at once."""
+    """The agent loop: which loop and task run the trajectories, and how many at once."""
 
+    agent_loop: Annotated[str, Field(min_length=1)] = "multi-turn"
+    """How trajectories are run: a name in the entry-point group `asyncrl.agent_loops` (`multi-turn`,
+    declared by asyncrl-agents: multi-turn, tool-using trajectories in one assistant message) or
+    `module:attr` of an agent-loop factory (`asyncrl_core.protocols.AgentLoopFactory`)."""
     task_name: Annotated[str, Field(min_length=1)] | None = None
     """The task: a name in the entry-point group `asyncrl.tasks` (`asyncrl-run --list-tasks`) or
     `module:attr` of a task factory. Required."""
@@ -993,6 +997,9 @@ class AgentLoopConfig(Section):
     def check(self, root: AsyncRLConfig, found: Validation) -> None:
         from asyncrl_core import plugins
 
+        problem = plugins.check_selectable("asyncrl.agent_loops", self.agent_loop)
+        if problem is not None:
+            found.error("agentloop.agent_loop", problem)
         if self.task_name is None:
             names = plugins.names("asyncrl.tasks")
             found.error(
