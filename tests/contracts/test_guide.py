@@ -289,9 +289,20 @@ def run_ray(words: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPat
         assert "--head" in words or any(word.startswith("--address") for word in words)
 
 
+PYTEST_OPTIONS_WITH_VALUES = {"-m", "-k", "-p", "-n", "--basetemp"}
+"""pytest options whose value is the next word, not a path."""
+
+
 def run_pytest(words: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
     del env, monkeypatch
-    paths = [word.split("::")[0] for word in words[1:] if not word.startswith("-")]
+    paths: list[str] = []
+    arguments = iter(words[1:])
+    for word in arguments:
+        if word in PYTEST_OPTIONS_WITH_VALUES:
+            next(arguments, None)
+        elif not word.startswith("-"):
+            paths.append(word.split("::")[0])
+    assert paths, f"{shlex.join(words)}: name the tests it runs"
     for path in paths:
         assert list(ROOT.glob(path)), f"pytest {path}: no such test file or folder"
 
