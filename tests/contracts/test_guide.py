@@ -166,6 +166,29 @@ def test_every_command_line_option_is_in_the_reference(site: Path) -> None:
                 assert plain(str(action.help)) in text
 
 
+README_MAX_LINES = 60
+"""The README stays short: the two commands, what to expect, and links into the guide."""
+
+
+def test_the_readme_is_short_and_its_links_resolve_into_the_guide() -> None:
+    readme = ROOT / "README.md"
+    text = readme.read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= README_MAX_LINES, (
+        f"README.md has {len(text.splitlines())} lines: keep it to the two commands, what to expect and "
+        "links into the guide; put the rest in docs/pages"
+    )
+    targets = [target for target in re.findall(r"\]\(([^)\s]+)\)", text) if "://" not in target]
+    assert targets
+    for target in targets:
+        path = (readme.parent / target.split("#")[0]).resolve()
+        assert path.exists(), f"README.md links to {target}, which does not exist"
+    nav = yaml.safe_load((DOCS / "mkdocs.yml").read_text(encoding="utf-8"))["nav"]
+    pages = [page for entry in nav for page in entry.values() if isinstance(page, str)]
+    linked = {str((readme.parent / target.split("#")[0]).resolve()) for target in targets}
+    for page in pages:
+        assert str((PAGES / page).resolve()) in linked, f"README.md does not link the guide's page {page}"
+
+
 def test_the_reference_pages_are_in_the_navigation(site: Path) -> None:
     index = (site / "index.html").read_text(encoding="utf-8")
     for page in gen_reference.PAGES:
@@ -289,9 +312,20 @@ def run_ray(words: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPat
         assert "--head" in words or any(word.startswith("--address") for word in words)
 
 
+PYTEST_OPTIONS_WITH_VALUES = {"-m", "-k", "-p", "-n", "--basetemp"}
+"""pytest options whose value is the next word, not a path."""
+
+
 def run_pytest(words: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
     del env, monkeypatch
-    paths = [word.split("::")[0] for word in words[1:] if not word.startswith("-")]
+    paths: list[str] = []
+    arguments = iter(words[1:])
+    for word in arguments:
+        if word in PYTEST_OPTIONS_WITH_VALUES:
+            next(arguments, None)
+        elif not word.startswith("-"):
+            paths.append(word.split("::")[0])
+    assert paths, f"{shlex.join(words)}: name the tests it runs"
     for path in paths:
         assert list(ROOT.glob(path)), f"pytest {path}: no such test file or folder"
 
@@ -338,6 +372,27 @@ def run_yaml(body: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     path = tmp_path / "config.yaml"
     path.write_text(text, encoding="utf-8")
     assert cli.main([str(path), "--dry-run"]) == 0, capsys.readouterr().err
+
+
+def help_examples() -> Iterator[list[str]]:
+    """The example commands of each program's help (the command-line reference shows them)."""
+    parsers = {"asyncrl-run": cli._parser(), "asyncrl-plot": plot._parser()}  # pyright: ignore[reportPrivateUsage]
+    for program, parser in parsers.items():
+        for line in (parser.epilog or "").splitlines():
+            words = shlex.split(line)
+            if words and words[0] == program:
+                yield words
+
+
+def test_the_examples_of_each_help_work(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(ROOT)
+    examples = list(help_examples())
+    assert {words[0] for words in examples} == {"asyncrl-run", "asyncrl-plot"}
+    for words in examples:
+        run_words(words, {}, monkeypatch)
+    capsys.readouterr()
 
 
 @pytest.mark.parametrize(("language", "body"), BLOCKS)

@@ -127,8 +127,6 @@ def recovered_run(tmp_path_factory: pytest.TempPathFactory, tiny_llama_path: Pat
         assert retriever.start() == url  # back at its address
         injector.until_recovered("tool search")
         injector.after_steps(len(read_metrics(run_dir)) + 3)  # what was generated while down is trained
-        # The retriever started here dies with the thread that started it (`PR_SET_PDEATHSIG`): this one
-        # lives until the run is over.
         wait_until(lambda: (run_dir / "summary.json").is_file(), 300, "the end of the run")
 
     injector = Injector(run_dir, plan)

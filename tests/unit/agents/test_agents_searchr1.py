@@ -187,8 +187,8 @@ def test_searchr1_on_files_serves_its_corpus_and_searches_it(tmp_path: Path) -> 
 
 
 def test_load_task_builds_registered_tasks_and_names_problems() -> None:
-    from asyncrl_agents.tasks import load_task
     from asyncrl_core.errors import PluginError
+    from asyncrl_core.tasks import load_task
 
     task = load_task("searchr1-mini", {"seed": 2, "topk": 5})
     assert isinstance(task, SearchR1MiniTask)

@@ -121,6 +121,21 @@ def test_a_name_declared_twice_is_a_conflict(tmp_path: Path, monkeypatch: pytest
 def test_builtin_backends_are_listed() -> None:
     assert {"torch", "megatron"} <= set(plugins.names("asyncrl.actors"))
     assert "sglang" in plugins.names("asyncrl.rollout_backends")
+    assert "multi-turn" in plugins.names("asyncrl.agent_loops")
+
+
+def test_configuration_checks_the_agent_loop(task_modules: str) -> None:
+    assert load_config(MINI).agentloop.agent_loop == "multi-turn"
+    config = load_config(MINI, [f"agentloop.agent_loop=good_tasks_{task_modules}:GoodTask"])
+    assert config.agentloop.agent_loop == f"good_tasks_{task_modules}:GoodTask"
+    with pytest.raises(ConfigError) as caught:
+        load_config(MINI, ["agentloop.agent_loop=multi_turn"])
+    message = str(caught.value)
+    assert "agentloop.agent_loop" in message
+    assert "no plugin named 'multi_turn' in `asyncrl.agent_loops`" in message
+    assert_lists_available(message, ["multi-turn"])
+    with pytest.raises(ConfigError, match=r"agent_loop: module `absent_package` of .* not installed"):
+        load_config(MINI, ["agentloop.agent_loop=absent_package.loop:Loop"])
 
 
 def test_configuration_accepts_an_installed_task(task_modules: str) -> None:

@@ -9,6 +9,7 @@ a test asks); the arith task, the tokenizer, the agent loop and the buffer are t
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -137,3 +138,52 @@ async def test_sync_rollout_replaces_failed_groups_by_the_kind_of_their_error(
     assert buffer.take_batch(2, actor_version=0, timeout_s=0.0) is not None
     step = buffer.end_step()
     assert (step[metrics.FAILED_GROUPS_RETRIED], step[metrics.FAILED_GROUPS_DROPPED]) == (1.0, 1.0)
+
+
+COUNTING_LOOP = '''
+from asyncrl_agents.loop import AgentLoopWorker
+
+
+class CountingLoop(AgentLoopWorker):
+    """The multi-turn loop, counting the groups it runs."""
+
+    built = []
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.groups_run = 0
+        CountingLoop.built.append(self)
+
+    async def run_group(self, prompt_index, sample=None, *, group_id=None, split="train"):
+        self.groups_run += 1
+        return await super().run_group(prompt_index, sample, group_id=group_id, split=split)
+'''
+
+
+async def test_the_worker_runs_the_agent_loop_the_configuration_names(
+    tmp_path: Path, tiny_llama_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A distribution declaring an agent loop, as a third-party package would.
+    module = f"counting_loop_{tmp_path.name.replace('-', '_')}"
+    site = tmp_path / "site"
+    info = site / "counting_loop-0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: counting-loop\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[asyncrl.agent_loops]\ncounting = {module}:CountingLoop\n")
+    (site / f"{module}.py").write_text(COUNTING_LOOP)
+    monkeypatch.syspath_prepend(str(site))
+    config = _config(
+        tmp_path, tiny_llama_path, **{"agentloop.agent_loop": "counting", "algorithm.group_size": 2}
+    )
+    worker = _worker(config, tiny_llama_path)
+    engines, worker.client = worker.client, AnsweringEngine(worker.loop.tokenizer)  # type: ignore[assignment]
+    worker.loop.client = worker.client
+    buffer = BufferWorker(config, dataset_size=16)
+    assert await worker.run_groups(LocalBufferPort(buffer), 2, timeout_s=60) == 2
+    assert metrics.EVAL_REWARD_MEAN in await worker.evaluate("test")
+    worker.client = engines
+    await worker.aclose()
+    built = sys.modules[module].CountingLoop.built
+    assert built[0] is worker.loop
+    assert [loop.group_size for loop in built] == [2, 1]  # training, then evaluation
+    assert [loop.groups_run for loop in built] == [2, 2]  # 2 groups, then the test split's 2 prompts

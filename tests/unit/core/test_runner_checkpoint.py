@@ -4,6 +4,7 @@ state's files, and what a resume must match."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from pathlib import Path
@@ -58,7 +59,7 @@ def test_the_manifest_finds_truncated_altered_and_missing_files(tmp_path: Path) 
     model.write_bytes(data[:100])
     assert verify_checkpoint(folder) == [f"{model}: 100 bytes, the manifest says {len(data)}"]
     model.write_bytes(b"\xff" + data[1:])
-    assert verify_checkpoint(folder) == [f"{model}: its SHA-256 differs from the manifest's"]
+    assert verify_checkpoint(folder) == [f"{model}: its BLAKE3 differs from the manifest's"]
     model.unlink()
     assert verify_checkpoint(folder) == [f"{model}: missing"]
     (folder / "manifest.json").write_text("{")
@@ -69,6 +70,22 @@ def test_the_manifest_finds_truncated_altered_and_missing_files(tmp_path: Path) 
     model.write_bytes(data)
     write_manifest(folder)
     assert verify_checkpoint(folder) == []
+
+
+def test_a_manifest_written_with_sha256_is_still_checked(tmp_path: Path) -> None:
+    # Checkpoints taken before BLAKE3 list each file's SHA-256: they verify and resume as they did.
+    folder = _checkpoint(tmp_path / "run", 1)
+    manifest_path = folder / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    for name, entry in manifest["files"].items():
+        assert set(entry) == {"size", "blake3"}
+        entry.pop("blake3")
+        entry["sha256"] = hashlib.sha256((folder / name).read_bytes()).hexdigest()
+    manifest_path.write_text(json.dumps(manifest))
+    assert verify_checkpoint(folder) == []
+    model = folder / "actor" / "model.safetensors"
+    model.write_bytes(b"\xff" + model.read_bytes()[1:])
+    assert verify_checkpoint(folder) == [f"{model}: its SHA-256 differs from the manifest's"]
 
 
 def test_latest_passes_over_a_damaged_checkpoint_with_a_warning_naming_the_file(

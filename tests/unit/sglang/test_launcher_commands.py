@@ -334,7 +334,7 @@ def test_two_launches_racing_for_one_port_each_get_their_own_engine(
     done = threading.Event()
 
     def launch(name: str) -> None:
-        # Engines die with the thread that started them (`PR_SET_PDEATHSIG`): it lives until the checks end.
+        # The launch's context stops its engines when it exits: it stays open until the checks end.
         try:
             with launch_engines(config, run_dir=tmp_path / name, health_timeout_s=240) as engines:
                 launched[name] = engines

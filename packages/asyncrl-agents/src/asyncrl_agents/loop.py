@@ -70,6 +70,8 @@ from asyncrl_core.types import (
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from asyncrl_core.protocols import AgentLoopFactory
+
 logger = logging.getLogger(__name__)
 
 OBSERVATION_TAIL_TOKENS = 16
@@ -454,3 +456,9 @@ class AgentLoopWorker:
     async def aclose(self) -> None:
         """Release the task's resources in this process (HTTP connections of its tools)."""
         await self.task.aclose()
+
+
+if TYPE_CHECKING:
+    # The runner loads this class by its entry point `multi-turn` (`asyncrl.agent_loops`): the type checker
+    # holds it to the protocol here.
+    _AGENT_LOOP_FACTORY: AgentLoopFactory = AgentLoopWorker

@@ -44,7 +44,12 @@ def _parser() -> argparse.ArgumentParser:
         "run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="run folder with metrics.jsonl"
     )
     parser.add_argument(
-        "-o", "--output", type=Path, default=Path("curves.png"), metavar="OUT.png", help="default: curves.png"
+        "-o",
+        "--output",
+        type=Path,
+        default=Path("curves.png"),
+        metavar="OUT.png",
+        help="the PNG to write (default: curves.png in the working directory)",
     )
     parser.add_argument(
         "--metrics",

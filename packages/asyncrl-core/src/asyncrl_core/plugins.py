@@ -1,4 +1,4 @@
-"""One registry for asyncrl's extension points: tasks, actors and rollout backends.
+"""One registry for asyncrl's extension points: tasks, agent loops, actors and rollout backends.
 
 A plugin is found by name in an entry-point group, so it can live in its own distribution:
 
@@ -27,19 +27,25 @@ from typing import Literal
 
 from asyncrl_core.errors import PluginError
 
-PluginGroup = Literal["asyncrl.tasks", "asyncrl.actors", "asyncrl.rollout_backends"]
+PluginGroup = Literal["asyncrl.tasks", "asyncrl.agent_loops", "asyncrl.actors", "asyncrl.rollout_backends"]
 """The entry-point groups asyncrl reads."""
 
-GROUPS: tuple[PluginGroup, ...] = ("asyncrl.tasks", "asyncrl.actors", "asyncrl.rollout_backends")
+GROUPS: tuple[PluginGroup, ...] = (
+    "asyncrl.tasks",
+    "asyncrl.agent_loops",
+    "asyncrl.actors",
+    "asyncrl.rollout_backends",
+)
 
 BUILTINS: dict[PluginGroup, dict[str, str]] = {
     "asyncrl.tasks": {},
+    "asyncrl.agent_loops": {},
     "asyncrl.actors": {"torch": "asyncrl_core.actor:TorchActor.from_run_config"},
     "asyncrl.rollout_backends": {},
 }
 """Plugins of asyncrl-core itself, as `module:attr` targets. asyncrl's other packages declare theirs as entry
 points like any third-party plugin: asyncrl-megatron the actor `megatron`, asyncrl-sglang the rollout backend
-`sglang`, asyncrl-agents the tasks `searchr1` and `searchr1-mini`."""
+`sglang`, asyncrl-agents the agent loop `multi-turn` and the tasks `searchr1` and `searchr1-mini`."""
 
 BUILTIN_SOURCE = "asyncrl (built in)"
 

@@ -1,14 +1,15 @@
 """The extension points between asyncrl's components, as `Protocol`s.
 
 The rollout side (asyncrl_sglang), the agent side (asyncrl_agents) and the actors (asyncrl_core.actor,
-asyncrl_megatron) meet only here and in `asyncrl_core.types`, so none of them imports another.
+asyncrl_megatron) meet only here and in `asyncrl_core.types`, so none of them imports another; the runner
+finds each through the plugin registry (`asyncrl_core.plugins`).
 Heavy types appear under TYPE_CHECKING only: importing this module imports neither torch nor anything else
 heavy.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ from asyncrl_core.types import (
     SamplingParams,
     TaskSample,
     ToolCall,
+    ToolHealth,
     ToolResult,
     TurnAction,
 )
@@ -165,6 +167,59 @@ class RolloutBackend(Protocol):
         ...
 
 
+class AgentLoop(Protocol):
+    """Runs groups of a task's trajectories against the engines: turns, tool calls, token bookkeeping,
+    reward. The runner's agent-loop workers drive one each (and one more, of single-trajectory groups, for
+    evaluations); `AgentLoopFactory` builds it."""
+
+    def dataset(self, split: str = "train") -> Sequence[TaskSample]:
+        """The task's prompts of `split`."""
+        ...
+
+    async def run_group(
+        self, prompt_index: int, *, group_id: int | None = None, split: str = "train"
+    ) -> Group:
+        """The group of prompt `prompt_index` of `split`, scored, under the buffer's `group_id`.
+
+        Raises `PromptTooLongError` or `GenerationError` for a failure a retry cannot mend (the prompt is
+        dropped), another `AsyncRLError` for one it may (the prompt is issued again).
+        """
+        ...
+
+    async def aclose(self) -> None:
+        """Release what the loop and its task hold in this process; the loop is not used afterwards."""
+        ...
+
+
+class AgentLoopFactory(Protocol):
+    """An agent loop, `agentloop.agent_loop`: a plugin of the entry-point group `asyncrl.agent_loops`
+    (asyncrl-agents declares `multi-turn`), usually the loop's class. Each agent-loop worker calls it with
+    the run's task, a client over every engine, the model folder (for the tokenizer) and the run's
+    settings."""
+
+    def __call__(
+        self,
+        task: Task,
+        client: GenerationClient,
+        tokenizer: str,
+        *,
+        group_size: int,
+        sampling: SamplingParams,
+        max_prompt_len: int,
+        max_response_len: int,
+        context_len: int | None,
+        max_turns: int | None,
+        max_concurrent_groups: int,
+        on_tool_health: Callable[[ToolHealth], None],
+    ) -> AgentLoop:
+        """A loop running `group_size` trajectories per group with `sampling` (the task's stop strings to be
+        added), prompts of at most `max_prompt_len` tokens, responses of at most `max_response_len` tokens
+        and `context_len` tokens in all, at most `max_turns` model turns (unset: the task's) and
+        `max_concurrent_groups` groups at once; `on_tool_health` is told when a tool starts failing and when
+        it answers again."""
+        ...
+
+
 @runtime_checkable
 class Actor(Protocol):
     """A training backend: trains on groups, bumps its weight version, exports weights for the engines."""
@@ -228,10 +283,10 @@ class Task(Protocol):
     """An agentic task: prompts with ground truth, tools, the parsing of a model turn, observations, reward.
 
     A task registers in the entry-point group `asyncrl.tasks`; the entry point is a factory (usually the
-    class) called with the run's `agentloop.task_args` as keyword arguments. The agent loop (asyncrl_agents)
-    applies the chat template to `TaskSample.messages`, generates until one of `stop` (kept in the output),
-    parses the turn, calls the tool, appends the observation as non-trained tokens, and repeats until a final
-    answer, `max_turns` model turns or the context budget.
+    class) called with the run's `agentloop.task_args` as keyword arguments. asyncrl-agents' agent loop
+    (`multi-turn`) applies the chat template to `TaskSample.messages`, generates until one of `stop` (kept in
+    the output), parses the turn, calls the tool, appends the observation as non-trained tokens, and repeats
+    until a final answer, `max_turns` model turns or the context budget.
     """
 
     @property

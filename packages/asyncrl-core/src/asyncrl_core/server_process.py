@@ -1,10 +1,17 @@
 """A local HTTP server run as a child process: both ends of it, in one place.
 
 The parent side (`ServerProcess`): start a command in its own process group with its output in a log file,
-the child set to get SIGTERM when the starting thread dies (Linux); wait for the port it writes to a port
-file (when started on port 0) and for a health URL to answer 200; stop the whole group (SIGTERM, then
-SIGKILL after a grace period). The child side: `write_port_file` (atomic) and `bound_port`, the port an
-aiohttp runner listens on, read through its public `addresses`.
+the child set to get SIGTERM when the parent process dies (Linux), also by SIGKILL; wait for the port it
+writes to a port file (when started on port 0) and for a health URL to answer 200; stop the whole group
+(SIGTERM, then SIGKILL after a grace period).
+
+Linux sends the parent-death signal (`PR_SET_PDEATHSIG`) when the *thread* that forked the child exits, not
+the process. So every server is started from one thread of this module (`_Spawner`) that lives as long as
+the process: a server started from a short-lived thread (an executor's, a Ray thread pool's) outlives that
+thread and still dies with the process.
+
+The child side: `write_port_file` (atomic) and `bound_port`, the port an aiohttp runner listens on, read
+through its public `addresses`.
 
 Used by the engine launcher, the built-in engine's test helper and the retrieval server's launcher. Nothing
 here imports an HTTP framework: readiness is polled with the standard library.
@@ -16,20 +23,25 @@ import contextlib
 import ctypes
 import errno
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Protocol, cast
 
 from asyncrl_core.errors import AsyncRLError
 
 POLL_S = 0.1
+SPAWN_TIMEOUT_S = 120.0
+"""Longest a start (fork and exec, run by the spawning thread) may take before it fails."""
 
 
 def free_port(address: str = "127.0.0.1") -> int:
@@ -45,12 +57,83 @@ class ServerStartError(AsyncRLError):
     """The server exited or did not become ready in time; the message ends with the end of its log."""
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM when the starting thread dies (Linux; a no-op elsewhere)."""
-    if sys.platform.startswith("linux"):
-        pr_set_pdeathsig = 1
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+def _die_with_parent(parent_pid: int) -> Callable[[], None]:
+    """What the child runs before exec: get SIGTERM when the spawning thread, so the parent process, dies
+    (Linux; a no-op elsewhere), and exit at once if the parent is already gone."""
+
+    def preexec() -> None:
+        if sys.platform.startswith("linux"):
+            pr_set_pdeathsig = 1
+            with contextlib.suppress(OSError, AttributeError):
+                ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+            if os.getppid() != parent_pid:  # the parent died before the signal was set
+                os._exit(1)
+
+    return preexec
+
+
+_Job = tuple[Callable[[], subprocess.Popen[bytes]], Future[subprocess.Popen[bytes]]]
+
+
+class _Spawner:
+    """The one thread of this process that starts servers: a daemon thread that lives until the process
+    exits, so the parent-death signal, tied to the forking thread, fires only when the process dies. A
+    process forked from this one starts its own spawner on first use."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        # A forked child has only the forking thread: the spawner's thread and lock are the parent's.
+        self._lock = threading.Lock()
+        self._jobs = queue.SimpleQueue()
+        self._thread = None
+
+    def _run(self, jobs: queue.SimpleQueue[_Job]) -> None:
+        while True:
+            start, result = jobs.get()
+            if not result.set_running_or_notify_cancel():
+                continue
+            try:
+                result.set_result(start())
+            except BaseException as error:
+                result.set_exception(error)
+
+    def spawn(self, start: Callable[[], subprocess.Popen[bytes]], what: str) -> subprocess.Popen[bytes]:
+        """`start()` run on the spawning thread; its process, or its exception."""
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, args=(self._jobs,), name="asyncrl-server-spawner", daemon=True
+                )
+                self._thread.start()
+            jobs = self._jobs
+        result: Future[subprocess.Popen[bytes]] = Future()
+        jobs.put((start, result))
+        try:
+            return result.result(timeout=SPAWN_TIMEOUT_S)
+        except BaseException as error:  # a timeout or an interruption: no process may be left behind
+            if not result.cancel():
+                result.add_done_callback(_stop_late)
+            if isinstance(error, TimeoutError):
+                raise ServerStartError(f"{what} was not started within {SPAWN_TIMEOUT_S:g} s") from None
+            raise
+
+
+def _stop_late(result: Future[subprocess.Popen[bytes]]) -> None:
+    """Kill the group of a process whose start was given up on, once it exists."""
+    if not result.cancelled() and result.exception() is None:
+        process = result.result()
+        with contextlib.suppress(OSError):
+            os.killpg(process.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=SPAWN_TIMEOUT_S)
+
+
+_SPAWNER = _Spawner()
 
 
 class ServerProcess:
@@ -68,16 +151,22 @@ class ServerProcess:
         self.log_path = log_path
         self.name = name
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "ab") as log:
-            self._popen = subprocess.Popen(
-                self.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, **(env or {})},
-                start_new_session=True,
-                preexec_fn=_die_with_parent,  # only calls prctl: safe between fork and exec
-            )
+        environment = {**os.environ, **(env or {})}
+        preexec = _die_with_parent(os.getpid())
+
+        def start() -> subprocess.Popen[bytes]:
+            with open(log_path, "ab") as log:
+                return subprocess.Popen(
+                    self.argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=environment,
+                    start_new_session=True,
+                    preexec_fn=preexec,  # only prctl and getppid: safe between fork and exec
+                )
+
+        self._popen = _SPAWNER.spawn(start, name)
 
     def __repr__(self) -> str:
         return f"ServerProcess({self.name!r}, pid={self.pid})"

@@ -25,7 +25,8 @@ detached.
 Optimizer. On a GPU: Megatron's optimizer (`get_megatron_optimizer`: AdamW or plain SGD, float32 master
 weights for bfloat16 parameters, the distributed optimizer if configured, gradient clipping). On a CPU,
 Megatron's optimizer wrappers allocate CUDA tensors, so the same update is done with `torch.optim` on the
-float32 parameters and a tensor-parallel-aware gradient-norm clip; see the package README.
+float32 parameters (or on float32 master copies of bfloat16 ones) and a tensor-parallel-aware gradient-norm
+clip; see the package README.
 """
 
 from __future__ import annotations

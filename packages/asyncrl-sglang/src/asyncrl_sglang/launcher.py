@@ -13,9 +13,9 @@ Every process runs in its own process group (its own session), with its output i
 `<run_dir>/engines/engine-<i>.log`. Stopping sends SIGTERM to the whole group (SGLang's scheduler and
 detokenizer processes included), then SIGKILL after a grace period. Processes are stopped when the
 `LaunchedEngines` context exits, at interpreter exit (`atexit`), on SIGTERM/SIGHUP (turned into `SystemExit`
-while engines run, when no other handler is installed) and, on Linux, when the launching thread dies
-(`PR_SET_PDEATHSIG`), so a crash of the parent leaves no engine behind. An engine that dies before it is
-healthy fails the launch with the tail of its log.
+while engines run, when no other handler is installed) and, on Linux, when the launching process dies
+(`PR_SET_PDEATHSIG`, whichever thread launched them), so a crash of the parent leaves no engine behind. An
+engine that dies before it is healthy fails the launch with the tail of its log.
 
 Ports are picked free, then bound by the engine later; another run's engine may take one in between. An
 engine counts as healthy only once its own process listens on its port (`port_owner`), and a launch whose

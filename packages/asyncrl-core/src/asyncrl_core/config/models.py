@@ -165,9 +165,10 @@ class RunnerConfig(Section):
     """Training steps (actor optimiser steps) to run."""
     seed: Annotated[int, Field(ge=0, le=2**32 - 1)] = 0
     """Seed of the run, from which every generator derives: the dataloader's shuffle (`data.seed`, derived
-    from it), the warm start, the actor's generators (Python's, numpy's and torch's on every rank, saved in
-    the torch actor's checkpoints; Megatron's model-parallel generators), and the engines' sampling (engine
-    `i` started with `--random-seed seed + i`). An `external` engine keeps its own seed."""
+    from it), the warm start, the actor's generators (Python's, numpy's and torch's on every rank, and
+    Megatron's model-parallel ones; saved in the actor's checkpoints and restored at resume), and the
+    engines' sampling (engine `i` started with `--random-seed seed + i`). An `external` engine keeps its own
+    seed."""
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=200)] = "asyncrl"
     """Name of the run: letters, digits, `.`, `_` and `-`; names the run folder unless `run_dir` is set."""
     run_dir: Annotated[str, Field(min_length=1)] | None = None
@@ -539,7 +540,8 @@ class RolloutConfig(Section):
     sglang: SGLangConfig = Field(default_factory=SGLangConfig)
     """Settings of the `sglang` backend."""
     backend_args: dict[str, JsonValue] = Field(default_factory=dict[str, JsonValue])
-    """Arguments passed to a plugin rollout backend's factory; unused by `sglang`."""
+    """Settings of a plugin rollout backend, which its factory reads from the configuration it is called
+    with; unused by `sglang`."""
     model_path: str | None = None
     """Model the engines serve at start: a HuggingFace folder, `smollm2-135m` or `tiny-llama:<preset>`
     (as `actor.model_path`). Derived: `actor.model_path`."""
@@ -566,7 +568,9 @@ class RolloutConfig(Section):
     weight sync in `pause_mode: drain`, and when the run stops generating at its end."""
     max_engine_restarts: NonNegativeInt = 3
     """Times over the run a dead engine process (or one that stopped answering `/health`) is restarted,
-    all engines together; one more failure stops the run. 0: the first failure stops it."""
+    all engines together; one more failure stops the run. 0: the first failure stops it. With
+    `sglang.weight_transport: distributed` the first failure stops the run (a restarted engine cannot join
+    the weight-update group)."""
     engine_unresponsive_s: Annotated[Float, Field(gt=0.0)] = 15.0
     """Seconds an engine process may leave `/health` unanswered before it counts as failed (it is then
     killed and restarted)."""
@@ -648,8 +652,8 @@ class ActorCommon(Section):
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Compute dtype, and the dtype of the weights sent to the engines. `bfloat16`: the torch actor keeps
     float32 parameters and runs forward and backward under bfloat16 autocast (float32 where the device has no
-    native bfloat16), the Megatron actor keeps bfloat16 parameters on a GPU with float32 master weights in
-    its optimiser (float32 on a CPU). `float32`: everything in float32."""
+    native bfloat16), the Megatron actor keeps bfloat16 parameters with float32 master weights in its
+    optimiser (Megatron's optimiser on a GPU, `torch.optim` on a CPU). `float32`: everything in float32."""
     micro_batch_size: PositiveInt = 1
     """Trajectories per forward/backward pass on one data-parallel rank; gradients accumulate over the
     micro batches of a step."""
@@ -825,7 +829,7 @@ class PluginActorConfig(ActorCommon):
     backend: Annotated[str, Field(min_length=1, json_schema_extra={"not": {"enum": ["torch", "megatron"]}})]
     """A name in the entry-point group `asyncrl.actors`, or `module:attr` of the actor factory."""
     backend_args: dict[str, JsonValue] = Field(default_factory=dict[str, JsonValue])
-    """Arguments passed to the plugin actor's factory."""
+    """Settings of the plugin actor, which its factory reads from the configuration it is called with."""
 
     def check(self, root: AsyncRLConfig, found: Validation) -> None:
         super().check(root, found)
@@ -959,8 +963,12 @@ class RolloutBufferConfig(Section):
 
 
 class AgentLoopConfig(Section):
-    """The agent loop: which task runs the trajectories, and how many at once."""
+    """The agent loop: which loop and task run the trajectories, and how many at once."""
 
+    agent_loop: Annotated[str, Field(min_length=1)] = "multi-turn"
+    """How trajectories are run: a name in the entry-point group `asyncrl.agent_loops` (`multi-turn`,
+    declared by asyncrl-agents: multi-turn, tool-using trajectories in one assistant message) or
+    `module:attr` of an agent-loop factory (`asyncrl_core.protocols.AgentLoopFactory`)."""
     task_name: Annotated[str, Field(min_length=1)] | None = None
     """The task: a name in the entry-point group `asyncrl.tasks` (`asyncrl-run --list-tasks`) or
     `module:attr` of a task factory. Required."""
@@ -989,6 +997,9 @@ class AgentLoopConfig(Section):
     def check(self, root: AsyncRLConfig, found: Validation) -> None:
         from asyncrl_core import plugins
 
+        problem = plugins.check_selectable("asyncrl.agent_loops", self.agent_loop)
+        if problem is not None:
+            found.error("agentloop.agent_loop", problem)
         if self.task_name is None:
             names = plugins.names("asyncrl.tasks")
             found.error(

@@ -31,25 +31,19 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from asyncrl_core import metrics, plugins
 from asyncrl_core.buffer import Batch, BufferSnapshot, GroupBuffer
-from asyncrl_core.errors import AsyncRLError, GenerationError, PromptTooLongError
+from asyncrl_core.errors import AsyncRLError, GenerationError, PluginError, PromptTooLongError
 from asyncrl_core.runner.dataloader import LoaderState, PromptLoader, Ticket
 from asyncrl_core.runner.handoff import Handoff, ShareCutter
 from asyncrl_core.runner.ledger import STALE, PromptLedger
 from asyncrl_core.runner.rollout_backend import rollout_backend, weight_group
+from asyncrl_core.tasks import load_task
 from asyncrl_core.types import BatchShare, Group, SamplingParams, ToolHealth
 
 if TYPE_CHECKING:
     from asyncrl_core.config import AsyncRLConfig
-    from asyncrl_core.protocols import Actor, EngineClient, NamedTensors, Task
+    from asyncrl_core.protocols import Actor, AgentLoop, AgentLoopFactory, EngineClient, NamedTensors, Task
 
 logger = logging.getLogger(__name__)
-
-AGENT_LOOP_TARGET = "asyncrl_agents.loop:AgentLoopWorker"
-"""The agent loop the runner drives (asyncrl-agents'), loaded when an `AgentLoopWorker` starts."""
-
-
-LOAD_TASK_TARGET = "asyncrl_agents.tasks:load_task"
-"""Builds a task by name with its arguments checked against the task's arguments model."""
 
 
 def build_task(config: AsyncRLConfig, task_services: Mapping[str, str]) -> Task:
@@ -57,13 +51,19 @@ def build_task(config: AsyncRLConfig, task_services: Mapping[str, str]) -> Task:
     task_name = config.agentloop.task_name
     if task_name is None:
         raise RunnerError("agentloop.task_name is not set")
-    load_task = cast("Callable[[str, Mapping[str, object]], Task]", load_target(LOAD_TASK_TARGET))
     return load_task(task_name, {**config.agentloop.task_args, **task_services})
 
 
-def load_target(target: str) -> object:
-    """The object at `module:attr` of another asyncrl package, imported only when a worker needs it."""
-    return plugins.load("asyncrl.rollout_backends", target)
+def agent_loop_factory(config: AsyncRLConfig) -> AgentLoopFactory:
+    """The agent loop `agentloop.agent_loop` names (its plugin's module is imported now, in the worker that
+    runs it)."""
+    factory = plugins.load("asyncrl.agent_loops", config.agentloop.agent_loop)
+    if not callable(factory):
+        raise PluginError(
+            f"`asyncrl.agent_loops`: {config.agentloop.agent_loop!r} is not a factory of agent loops "
+            f"(got {factory!r})"
+        )
+    return cast("AgentLoopFactory", factory)
 
 
 class RunnerError(AsyncRLError):
@@ -442,19 +442,18 @@ class AgentLoopWorker:
         self.model_path = model_path
         self.loop = self._make_loop(group_size=config.algorithm.group_size)
         self._stop = asyncio.Event()
-        self._eval_loop: Any = None
+        self._eval_loop: AgentLoop | None = None
         self.num_running = 0
         self.num_groups = 0
         self.num_failed = 0
 
-    def _make_loop(self, *, group_size: int) -> Any:
+    def _make_loop(self, *, group_size: int) -> AgentLoop:
         config = self.config
         sampling = config.rollout.sampling
         assert sampling.max_new_tokens is not None  # derived
         max_concurrent = config.agentloop.max_concurrent_groups
         assert max_concurrent is not None  # derived
-        loop_class = cast("Callable[..., Any]", load_target(AGENT_LOOP_TARGET))
-        return loop_class(
+        return agent_loop_factory(config)(
             self.task,
             self.client,
             self.model_path,
