@@ -165,6 +165,9 @@ async def _sync_mid_request_once(
         task = asyncio.create_task(pool.generate(PROMPT, GREEDY))
         await wait_for_tokens(client, start, 8)
         result = await sync_weights(pool, buckets(new), version + 1, mode=mode, transport=TensorTransport())
+        if result.num_paused_requests == 0 and not last_attempt:
+            await task
+            raise _FinishedBeforeThePause
         assert result.num_paused_requests == 1
         assert result.metrics()["time/sync_weights"] == result.time_s
         generation = await task

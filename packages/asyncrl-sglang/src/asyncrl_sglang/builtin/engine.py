@@ -69,9 +69,10 @@ class EngineBusyError(RuntimeError):
     """A control operation that needs an idle engine was called while requests are held or running."""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Request:
-    """One sequence being generated. Mutated only by the scheduler thread; lists only ever grow."""
+    """One sequence being generated. Mutated only by the scheduler thread; lists only ever grow. Compared by
+    identity (finding one among the running requests compares no fields)."""
 
     rid: str
     prompt_ids: list[int]
@@ -647,9 +648,9 @@ class Engine:
         if self._graphs is not None:
             hidden = self._graphs.decode([r.output_ids[-1] for r in running], positions_list, cache)
         else:
-            device = self.model.device
-            input_ids = torch.tensor([r.output_ids[-1] for r in running], dtype=torch.long, device=device)
-            positions = torch.tensor(positions_list, dtype=torch.long, device=device)
+            # One copy to the device for both inputs.
+            inputs = torch.tensor([[r.output_ids[-1] for r in running], positions_list], dtype=torch.long)
+            input_ids, positions = inputs.to(self.model.device).unbind(0)
             hidden = self.model.decode(input_ids, positions, cache, max(positions_list) + 1)
         logits = self.model.logits(hidden)
         self._accept(list(running), logits)

@@ -154,63 +154,112 @@ def sample_tokens(
     generator: torch.Generator,
     eos_token_ids: frozenset[int],
 ) -> list[SampledToken]:
-    """Draw one token per row of logits [B, vocab] (float32) under each request's options.
+    """Draw one token per row of logits [B, vocab] (float32, modified in place) under each request's options.
 
-    Sampling uses the exponential-race form (argmax of p / E, E ~ Exp(1)), which draws from p exactly; the
-    noise of a request with `sampling_seed` comes from its own generator, so its tokens do not depend on the
-    batch it runs in. Greedy rows take the argmax.
+    Sampling inverts the cumulative distribution: one uniform draw per row, the first token whose cumulative
+    probability exceeds it (exact but for the float32 rounding of the cumulative sum, as `torch.multinomial`).
+    One draw per row instead of one per vocabulary entry keeps the random-number generation out of the step's
+    cost. The draw of a request with `sampling_seed` comes from its own generator, so its tokens do not
+    depend on the batch it runs in. Greedy rows take the argmax.
+
+    The step's parameters go to the device in one copy and its results come back in one (one synchronisation).
     """
-    vocab = logits.shape[1]
     device = logits.device
     # min_new_tokens: EOS and stop ids cannot be drawn before the minimum.
+    banned_rows: list[int] = []
+    banned_ids: list[int] = []
     for row, request in enumerate(requests):
         options = request.options
         if len(request.output_ids) < options.min_new_tokens:
-            banned = list(options.stop_token_ids | (frozenset() if options.ignore_eos else eos_token_ids))
-            if banned:
-                logits[row, banned] = float("-inf")
-    temperatures = torch.tensor(
-        [r.options.logprob_temperature for r in requests], device=device, dtype=torch.float32
-    )
-    logprobs = torch.log_softmax(logits / temperatures.unsqueeze(1), dim=-1)
+            banned = options.stop_token_ids | (frozenset() if options.ignore_eos else eos_token_ids)
+            banned_rows.extend([row] * len(banned))
+            banned_ids.extend(banned)
+    if banned_rows:
+        index = torch.tensor([banned_rows, banned_ids], dtype=torch.long).to(device)
+        logits[index[0], index[1]] = float("-inf")
+    greedy = [r.options.greedy for r in requests]
+    temperatures = [r.options.logprob_temperature for r in requests]
+    if any(t != 1.0 for t in temperatures):
+        logits.div_(torch.tensor(temperatures, dtype=torch.float32).to(device).unsqueeze(1))
+    logprobs = torch.log_softmax(logits, dim=-1)
     tokens = logprobs.argmax(dim=-1)
-    sampled_rows = [row for row, r in enumerate(requests) if not r.options.greedy]
-    if sampled_rows:
-        rows = torch.tensor(sampled_rows, device=device)
-        probs = logprobs[rows].exp()
+    if not all(greedy):
+        sampled_rows = [row for row, is_greedy in enumerate(greedy) if not is_greedy]
+        every_row = len(sampled_rows) == len(requests)
+        rows = None if every_row else torch.tensor(sampled_rows).to(device)
+        probs = (logprobs if rows is None else logprobs[rows]).exp()
         truncating = [requests[row].options for row in sampled_rows]
         if any(o.needs_truncation for o in truncating):
             probs = _truncate(probs, truncating)
-        noise = torch.empty_like(probs)
-        shared = [i for i, row in enumerate(sampled_rows) if requests[row].generator is None]
-        if shared:
-            noise[shared] = torch.empty((len(shared), vocab), device=device).exponential_(generator=generator)
-        for i, row in enumerate(sampled_rows):
-            own = requests[row].generator
-            if own is not None:
-                noise[i].exponential_(generator=own)
-        tokens[rows] = (probs / noise).argmax(dim=-1)
-    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        drawn = _inverse_cdf(probs, _uniforms([requests[row] for row in sampled_rows], generator, device))
+        # A draw that rounding put on a token of probability 0 (past the end, or one truncation removed)
+        # takes the row's most likely token instead.
+        inside = drawn.clamp(max=probs.shape[1] - 1)
+        valid = (drawn < probs.shape[1]) & (probs.gather(1, inside.unsqueeze(1)).squeeze(1) > 0)
+        fallback = tokens if rows is None else tokens[rows]
+        drawn = torch.where(valid, inside, fallback)
+        if rows is None:
+            tokens = drawn
+        else:
+            tokens[rows] = drawn
+    chosen = logprobs.gather(1, tokens.unsqueeze(1))
     top_num = max(r.top_logprobs_num for r in requests)
-    top_values: list[list[float]] = []
-    top_ids: list[list[int]] = []
+    columns = [tokens.unsqueeze(1).double(), chosen.double()]
     if top_num > 0:
         values, ids = logprobs.topk(top_num, dim=-1)
-        top_values, top_ids = values.tolist(), ids.tolist()
+        columns += [values.double(), ids.double()]
+    # float64 holds every token id and every float32 value exactly: one tensor, one copy to the host.
+    host = torch.cat(columns, dim=1).tolist()
     result: list[SampledToken] = []
-    for row, (token, logprob) in enumerate(zip(tokens.tolist(), chosen.tolist(), strict=True)):
-        count = requests[row].top_logprobs_num
-        top = list(zip(top_values[row][:count], top_ids[row][:count], strict=True)) if count > 0 else []
-        result.append((int(token), float(logprob), top))
+    for request, row in zip(requests, host, strict=True):
+        count = request.top_logprobs_num
+        top = [(row[2 + i], int(row[2 + top_num + i])) for i in range(count)] if count > 0 else []
+        result.append((int(row[0]), row[1], top))
     return result
+
+
+def _uniforms(requests: Sequence[SamplingState], generator: torch.Generator, device: torch.device) -> Tensor:
+    """One uniform draw in [0, 1) per request: from its own generator where it has one, else from the shared
+    `generator` (in row order)."""
+    shared = sum(1 for r in requests if r.generator is None)
+    if shared == len(requests):
+        return torch.rand(shared, generator=generator, device=device)
+    drawn = torch.rand(shared, generator=generator, device=device) if shared else None
+    parts: list[Tensor] = []
+    next_shared = 0
+    for request in requests:
+        if request.generator is None:
+            assert drawn is not None
+            parts.append(drawn[next_shared : next_shared + 1])
+            next_shared += 1
+        else:
+            parts.append(torch.rand(1, generator=request.generator, device=device))
+    return torch.cat(parts)
+
+
+def _inverse_cdf(probs: Tensor, uniforms: Tensor) -> Tensor:
+    """Per row of probs [B, vocab] (unnormalised, non-negative), the first token whose cumulative probability
+    exceeds `uniforms[b]` times the row's total: a draw from the row's distribution; [B] token ids (the
+    vocabulary size where rounding put the draw past the end)."""
+    cumulative = probs.cumsum(dim=-1)
+    targets = uniforms.to(cumulative.dtype).unsqueeze(1) * cumulative[:, -1:]
+    return torch.searchsorted(cumulative, targets, right=True).squeeze(1)
 
 
 def _truncate(probs: Tensor, options: Sequence[SamplingOptions]) -> Tensor:
     """Zero the probabilities outside each row's top-k, top-p nucleus and min-p floor; probs [B, vocab]."""
     device = probs.device
-    top_k = torch.tensor([o.top_k if o.top_k > 0 else probs.shape[1] for o in options], device=device)
-    top_p = torch.tensor([o.top_p for o in options], device=device, dtype=probs.dtype)
-    min_p = torch.tensor([o.min_p for o in options], device=device, dtype=probs.dtype)
+    vocab = probs.shape[1]
+    # One copy: top_k is exact in float64 (a vocabulary is far below 2**53).
+    params = torch.tensor(
+        [
+            [o.top_k if o.top_k > 0 else vocab for o in options],
+            [o.top_p for o in options],
+            [o.min_p for o in options],
+        ],
+        dtype=torch.float64,
+    ).to(device)
+    top_k, top_p, min_p = params[0], params[1].to(probs.dtype), params[2].to(probs.dtype)
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     ranks = torch.arange(probs.shape[1], device=device).unsqueeze(0)
     # A token is dropped when the mass strictly before it already reaches top_p (the first always stays).
