@@ -1,7 +1,8 @@
-"""`asyncrl-run` stopped by SIGTERM or SIGINT from start-up or training, by a second signal, and by SIGKILL
-of the driver: the exit status, the one-line message, and no process of the run left behind (Ray's own
-helpers included), found by a tag this test puts in the run's environment. The run folder a stopped start
-leaves is used again by the same command.
+"""`asyncrl-run` stopped by SIGINT or SIGTERM from start-up or training, by a second signal, and by SIGKILL
+of the driver: the exit status, the one-line message (the signal named within 30 s of it), no process of the
+run left behind (Ray's own helpers included), found by a tag this test puts in the run's environment, and a
+ledger that accounts for every prompt. The run folder a stopped start leaves is used again by the same
+command.
 
 Each run is a real `asyncrl-run` subprocess in its own session, always killed by the test; the four runs
 share one run folder in turn (the second is the first's command again)."""
@@ -22,6 +23,8 @@ import psutil
 import pytest
 from runner_testing import run_config
 
+from asyncrl_core.runner.ledger import audit_run
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 TAG_ENV = "ASYNCRL_TEST_LIFECYCLE_TAG"
@@ -29,8 +32,11 @@ START_S = 600.0
 """Longest a run may take to reach the phase a check waits for (start-up on a loaded 2-core machine)."""
 STOP_S = 120.0
 """Longest a stopped run may take to return (a bound for the test, not a measured figure)."""
+NAMED_WITHIN_S = 30.0
+"""The bound of the fault suite: a signalled run says it is stopping within this of the signal."""
 STARTING = "starting the engines, the actor and the agent loops"
 TRAINING = "training: "
+CHECKPOINTED = "/checkpoints/step_1 written"
 
 
 def tagged(tag: str) -> list[psutil.Process]:
@@ -114,7 +120,7 @@ def config_path(tmp_path_factory: pytest.TempPathFactory, tiny_llama_path: Path)
         tiny_llama_path,
         runner={"num_steps": 1000},
         agentloop={"task_name": "arith", "task_args": {"num_train": 64, "num_test": 4}, "max_turns": 2},
-        checkpoint={"save_at_end": False},
+        checkpoint={"save_at_end": False, "save_every_steps": 1},
     )
     return folder / "config.yaml"
 
@@ -133,25 +139,31 @@ def start(config_path: Path, tmp_path: Path) -> Iterator[Callable[[], Run]]:
         run.stop()
 
 
-def test_sigterm_in_start_up_then_the_same_command_and_sigint_in_training(
+def test_sigint_in_start_up_then_the_same_command_and_sigterm_in_training(
     start: Callable[[], Run], tmp_path: Path
 ) -> None:
     first = start()
     first.wait_for(STARTING)
-    first.signal(signal.SIGTERM)
-    assert first.wait() == 143, first.output()
-    assert "asyncrl-run: interrupted by SIGTERM during start-up; stopped " in first.output()
+    first.signal(signal.SIGINT)
+    first.wait_for("SIGINT: stopping the run", NAMED_WITHIN_S)
+    assert first.wait() == 130, first.output()
+    assert "asyncrl-run: interrupted by SIGINT during start-up; stopped " in first.output()
     assert first.left() == []
     # The same command again: the folder of a start that trained nothing is used again.
     second = start()
+    second.wait_for(CHECKPOINTED)
     second.wait_for(TRAINING)
-    second.signal(signal.SIGINT)
-    assert second.wait() == 130, second.output()
+    second.signal(signal.SIGTERM)  # what `timeout`, Slurm and `docker stop` send
+    second.wait_for("SIGTERM: stopping the run", NAMED_WITHIN_S)
+    assert second.wait() == 143, second.output()
     out = second.output()
-    assert "asyncrl-run: interrupted by SIGINT during training; stopped " in out
+    assert "asyncrl-run: interrupted by SIGTERM during training; stopped " in out
     assert "1 engine, 1 actor rank, 1 agent loop, Ray" in out
     assert second.left() == []
     assert (tmp_path / "run" / "config.1.yaml").is_file()
+    # The ledger of the last checkpoint, the one a resume starts from, accounts for every prompt.
+    sound, lines = audit_run(tmp_path / "run")
+    assert sound, lines
 
 
 def test_a_second_signal_forces_and_sigkill_of_the_driver_leaves_nothing(start: Callable[[], Run]) -> None:

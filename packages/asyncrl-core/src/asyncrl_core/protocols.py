@@ -166,6 +166,14 @@ class RolloutBackend(Protocol):
         (`rollout.pause_mode`); returns the sync's step metrics (`time/sync_weights`, ...)."""
         ...
 
+    async def close_weight_transport(self, client: EngineClient, transport: object) -> None:
+        """Undo what `transport` set up with the engines of `client` (the process group of a broadcast
+        transport: left on the engines and here), so that engines that outlive the run (`launch:
+        external`) can join the next run's. The runner calls it once the run ends, however it ends (its
+        last step, a failure, a signal). A transport that set up nothing, or was closed already, is left as
+        it is: calling it again does nothing."""
+        ...
+
 
 class AgentLoop(Protocol):
     """Runs groups of a task's trajectories against the engines: turns, tool calls, token bookkeeping,

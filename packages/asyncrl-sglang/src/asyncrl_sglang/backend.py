@@ -100,6 +100,14 @@ class SGLangBackend:
         result = await sync_weights(client, buckets, version, mode=_MODES[mode], transport=transport)
         return result.metrics()
 
+    async def close_weight_transport(self, client: EngineClient, transport: object) -> None:
+        """Dissolve the `distributed` transport's group on the engines (`/destroy_weights_update_group`)
+        and here; the `tensor` transport holds nothing."""
+        if not isinstance(client, EnginePool):
+            raise EngineControlError(f"not a client of the sglang backend: {client!r}")
+        if isinstance(transport, DistributedTransport):
+            await transport.close(client)
+
 
 if TYPE_CHECKING:
     _PROTOCOL_CHECK: type[RolloutBackend] = SGLangBackend  # the type checker holds the class to the protocol

@@ -263,6 +263,16 @@ class RunContext:
         logger.info("checkpoint %s written", folder)
         return folder
 
+    def align_external_engines(self) -> None:
+        """A new run against engines someone else runs (`rollout.sglang.launch: external`): they hold
+        whatever weights and version they last had (another run's), so the actor's starting weights go into
+        them as version 0 before anything is generated. (A resumed run syncs its restored weights in
+        `resume`; engines the run launches load its model themselves.)"""
+        if self.config.rollout.sglang.launch != "external":
+            return
+        logger.info("external engines: syncing the actor's starting weights into them as version 0")
+        self.workers.sync_weights(self.config.rollout.pause_mode)
+
     def resume(self, folder: Path) -> None:
         """Continue from a checkpoint: refused when it belongs to another dataset, seed or task; then the
         actor (weights, optimiser, random generators), the buffer with its buffered groups, the ledger, the

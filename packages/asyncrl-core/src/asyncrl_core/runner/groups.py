@@ -304,10 +304,11 @@ class WorkerGroups:
         return results[0]
 
     def stop(self) -> None:
-        """Close the agent loops and stop the engines (each engine's whole process group), waiting up to
-        `STOP_TIMEOUT_S`, then end every actor. Workers still starting are ended at once: their start, not
-        the stop, would run first; the devices the run reserved are given back last. Idempotent; says what
-        it stopped in `stopped`."""
+        """Close the weight transport (the engines leave the `distributed` transport's group, so engines
+        that outlive the run can join another) and the agent loops, then stop the engines (each engine's
+        whole process group), each stage waiting up to `STOP_TIMEOUT_S`; then end every actor. Workers still
+        starting are ended at once: their start, not the stop, would run first; the devices the run reserved
+        are given back last. Idempotent; says what it stopped in `stopped`."""
         import ray
 
         handles, self._handles = self._handles, []
@@ -315,9 +316,12 @@ class WorkerGroups:
             self._give_back_devices()
             return
         if self._started:
+            # A rank busy with a step or a sync closes once that call returns (its calls run in turn).
+            leaving = [actor.close_weight_transport.remote(self.endpoints) for actor in self.actors]
             for loop in self.agent_loops:
                 loop.stop.remote()
             closing = [loop.aclose.remote() for loop in self.agent_loops]
+            self._close_weight_transport(leaving)
             stopping = [rollout.stop.remote() for rollout in self.rollouts]
             pending = closing + stopping
             ready, _ = ray.wait(pending, num_returns=len(pending), timeout=STOP_TIMEOUT_S)
@@ -337,6 +341,27 @@ class WorkerGroups:
         ]
         described = ", ".join(part for part in parts if part)
         self.stopped.append(described if self._started else f"{described} (still starting)")
+
+    def _close_weight_transport(self, leaving: list[Any]) -> None:
+        """Wait up to `STOP_TIMEOUT_S` for the actor ranks' `close_weight_transport` calls (before the
+        engines stop: they take part); a failure is logged, since the run ends anyway."""
+        import ray
+
+        ready, _ = ray.wait(leaving, num_returns=len(leaving), timeout=STOP_TIMEOUT_S)
+        if len(ready) < len(leaving):
+            logger.warning(
+                "the weight transport did not close within %.0f s; the engines may keep its group",
+                STOP_TIMEOUT_S,
+            )
+        for ref in ready:
+            try:
+                ray.get(ref, timeout=0)
+            except Exception as error:  # a rank that died, an engine that did not answer
+                logger.warning(
+                    "closing the weight transport failed (the engines may keep its group): %s: %s",
+                    type(error).__name__,
+                    error,
+                )
 
     def _give_back_devices(self) -> None:
         placement, self.placement = self.placement, None

@@ -115,6 +115,8 @@ def _run(config: AsyncRLConfig, run_dir: Path, stopper: RunStopper, *, owns_ray:
                     context = RunContext(config, workers, tracker, run_dir)
                     if checkpoint is not None:
                         context.resume(checkpoint)
+                    else:
+                        context.align_external_engines()
                     mode = "async" if config.runner.async_mode else "sync"
                     stopper.phase = "training"
                     logger.info("training: %d steps, %s mode", config.runner.num_steps, mode)

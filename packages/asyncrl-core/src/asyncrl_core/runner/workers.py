@@ -861,6 +861,15 @@ class ActorWorker:
             _push_weights(self.config, buckets, self.actor.version, self._transport, endpoints, mode)
         )
 
+    def close_weight_transport(self, endpoints: Sequence[EngineEndpoint]) -> None:
+        """Undo what the weight transport set up with the engines at `endpoints` (the `distributed`
+        transport's process group), so that engines that outlive the run can join the next run's. Every rank
+        is called when the run ends; a rank that never pushed weights, or has closed already, does
+        nothing."""
+        transport, self._transport = self._transport, None
+        if transport is not None:
+            asyncio.run(_close_weight_transport(self.config, transport, endpoints))
+
     def save_checkpoint(self, path: str) -> None:
         self.actor.save_checkpoint(path)
 
@@ -888,6 +897,17 @@ async def _push_weights(
         # collectives until the sender has gone through every bucket.
         for _ in buckets:
             pass
+
+
+async def _close_weight_transport(
+    config: AsyncRLConfig, transport: object, endpoints: Sequence[EngineEndpoint]
+) -> None:
+    backend = rollout_backend(config)
+    client = backend.connect([endpoint.url for endpoint in endpoints], [e.grpc_target for e in endpoints])
+    try:
+        await backend.close_weight_transport(client, transport)
+    finally:
+        await client.aclose()
 
 
 def weight_transport(config: AsyncRLConfig) -> Any:
