@@ -44,7 +44,11 @@ class ConfigError(AsyncRLError):
 
 
 class PluginError(AsyncRLError):
-    """A plugin (task, actor or rollout backend) could not be found or loaded."""
+    """A plugin (task, agent loop, actor or rollout backend) could not be found or loaded."""
+
+
+class ActorError(AsyncRLError):
+    """The actor cannot load its model, train on a batch, or read a checkpoint; nothing was changed."""
 
 
 class GenerationError(AsyncRLError):

@@ -9,8 +9,9 @@ from asyncrl_core.actor.distributed import (
     free_port,
     init_process_group,
 )
-from asyncrl_core.actor.torch_actor import ActorError, TorchActor
+from asyncrl_core.actor.torch_actor import TorchActor
 from asyncrl_core.actor.warm_start import warm_start
+from asyncrl_core.errors import ActorError
 
 __all__ = [
     "ActorError",

@@ -25,18 +25,16 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import json
 import logging
 import math
 import os
-import shutil
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from asyncrl_core import models
 from asyncrl_core.actor.distributed import (
@@ -48,6 +46,16 @@ from asyncrl_core.actor.distributed import (
     world,
 )
 from asyncrl_core.actor.rng import load_rng, rng_file, save_rng, seed_all, set_rng_state
+from asyncrl_core.actor.torch_checkpoint import (
+    MODEL_FILE,
+    OPTIMIZER_FILE,
+    atomic_save,
+    copy_tokenizer_files,
+    optimizer_from_safetensors,
+    optimizer_to_safetensors,
+    read_version,
+    write_state,
+)
 from asyncrl_core.algorithms import (
     LossSettings,
     PackedBatch,
@@ -57,7 +65,7 @@ from asyncrl_core.algorithms import (
     token_logprobs,
 )
 from asyncrl_core.config.models import TorchActorConfig
-from asyncrl_core.errors import AsyncRLError
+from asyncrl_core.errors import ActorError
 from asyncrl_core.metrics import (
     TRAIN_GRAD_NORM,
     TRAIN_LR,
@@ -75,24 +83,6 @@ if TYPE_CHECKING:
     from asyncrl_core.config import AlgorithmConfig, AsyncRLConfig
 
 logger = logging.getLogger(__name__)
-
-MODEL_FILE = "model.safetensors"
-OPTIMIZER_FILE = "optimizer.safetensors"
-STATE_FILE = "actor_state.json"
-CHECKPOINT_FORMAT = "asyncrl-torch-actor-1"
-_TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "generation_config.json",
-    "chat_template.jinja",
-)
-
-
-class ActorError(AsyncRLError):
-    """The actor cannot load its model, train on a batch, or read a checkpoint; nothing was changed."""
 
 
 def bfloat16_supported(device: torch.device) -> bool:
@@ -375,24 +365,19 @@ class TorchActor:
         if self.rank == 0:
             folder.mkdir(parents=True, exist_ok=True)
             weights = {name: t.detach().cpu().contiguous() for name, t in _unique_named_tensors(self.module)}
-            _atomic_save(weights, folder / MODEL_FILE, {"format": "pt"})
+            atomic_save(weights, folder / MODEL_FILE, {"format": "pt"})
             del weights
-            tensors, metadata = _optimizer_to_safetensors(self.optimizer, self.config.optimizer)
-            _atomic_save(tensors, folder / OPTIMIZER_FILE, metadata)
+            tensors, metadata = optimizer_to_safetensors(self.optimizer, self.config.optimizer)
+            atomic_save(tensors, folder / OPTIMIZER_FILE, metadata)
             self.module.config.save_pretrained(str(folder))
-            for name in _TOKENIZER_FILES:
-                if (self.model_path / name).is_file() and not (folder / name).exists():
-                    shutil.copyfile(self.model_path / name, folder / name)
-            state = {
-                "format": CHECKPOINT_FORMAT,
-                "version": self._version,
-                "data_parallel_size": self.world_size,
-                "optimizer": self.config.optimizer,
-                "model_path": str(self.config.model_path),
-            }
-            temporary = folder / (STATE_FILE + ".tmp")
-            temporary.write_text(json.dumps(state, indent=2) + "\n")
-            os.replace(temporary, folder / STATE_FILE)
+            copy_tokenizer_files(self.model_path, folder)
+            write_state(
+                folder,
+                version=self._version,
+                data_parallel_size=self.world_size,
+                optimizer=self.config.optimizer,
+                model_path=str(self.config.model_path),
+            )
         barrier()
 
     def load_checkpoint(self, path: str) -> None:
@@ -407,21 +392,7 @@ class TorchActor:
             generators = load_rng(folder, self.rank)
         except (OSError, ValueError) as error:
             raise ActorError(f"cannot read {rng_file(folder, self.rank)}: {error}") from error
-        try:
-            state = json.loads((folder / STATE_FILE).read_text())
-        except (OSError, ValueError) as error:
-            raise ActorError(f"{folder} holds no readable torch actor checkpoint: {error}") from error
-        if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:  # pyright: ignore[reportUnknownMemberType]
-            raise ActorError(f"{folder / STATE_FILE} is not a {CHECKPOINT_FORMAT} checkpoint")
-        state = cast(dict[str, Any], state)
-        if state.get("optimizer") != self.config.optimizer:
-            raise ActorError(
-                f"the checkpoint in {folder} was trained with optimizer {state.get('optimizer')!r}, "
-                f"this actor uses {self.config.optimizer!r} (actor.optimizer)"
-            )
-        version = state.get("version")
-        if not isinstance(version, int) or version < 0:
-            raise ActorError(f"{folder / STATE_FILE} has no valid version")
+        version = read_version(folder, self.config.optimizer)
         try:
             weights = load_file(str(folder / MODEL_FILE), device=str(self.device))
             optimizer_tensors = load_file(str(folder / OPTIMIZER_FILE))
@@ -437,7 +408,7 @@ class TorchActor:
         ]
         if problems:
             raise ActorError(f"the checkpoint in {folder} does not fit the model: " + "; ".join(problems))
-        optimizer_state = _optimizer_from_safetensors(optimizer_tensors, folder / OPTIMIZER_FILE)
+        optimizer_state = optimizer_from_safetensors(optimizer_tensors, folder / OPTIMIZER_FILE)
         try:
             # Checks the parameter groups before it changes anything; the weights are copied after it.
             self.optimizer.load_state_dict(optimizer_state)
@@ -630,52 +601,3 @@ class LossPositionLogits(torch.nn.Module):
 def _scatter(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """`values` of the `mask` positions (row-major) laid out as `mask`'s shape, zero elsewhere."""
     return torch.zeros(mask.shape, dtype=values.dtype, device=values.device).masked_scatter(mask, values)
-
-
-def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
-    temporary = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(temporary), metadata=metadata)
-    os.replace(temporary, path)
-
-
-def _optimizer_to_safetensors(
-    optimizer: torch.optim.Optimizer, name: str
-) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The optimiser's state as safetensors: tensors `state.<param>.<key>`, the rest as JSON metadata."""
-    state_dict = optimizer.state_dict()
-    tensors: dict[str, torch.Tensor] = {}
-    scalars: dict[str, float | int | bool] = {}
-    for index, entry in state_dict["state"].items():
-        for key, value in entry.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"state.{index}.{key}"] = value.detach().cpu().contiguous()
-            elif isinstance(value, bool | int | float):
-                scalars[f"{index}.{key}"] = value
-            elif value is not None:
-                raise ActorError(f"cannot checkpoint optimiser state {key!r} of type {type(value).__name__}")
-    metadata = {
-        "optimizer": name,
-        "param_groups": json.dumps(state_dict["param_groups"]),
-        "scalars": json.dumps(scalars),
-    }
-    return tensors, metadata
-
-
-def _optimizer_from_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> dict[str, Any]:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as handle:
-        metadata: dict[str, str] = handle.metadata() or {}
-    try:
-        param_groups = json.loads(metadata["param_groups"])
-        scalars: dict[str, Any] = json.loads(metadata["scalars"])
-    except (KeyError, ValueError) as error:
-        raise ActorError(f"{path} lacks the optimiser metadata: {error}") from error
-    state: dict[int, dict[str, Any]] = {}
-    for key, tensor in tensors.items():
-        _, index, name = key.split(".", 2)
-        state.setdefault(int(index), {})[name] = tensor
-    for key, value in scalars.items():
-        index, name = key.split(".", 1)
-        state.setdefault(int(index), {})[name] = value
-    return {"state": state, "param_groups": param_groups}
