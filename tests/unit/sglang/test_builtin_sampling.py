@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from asyncrl_sglang.builtin.sampling import SamplingOptions, sample_tokens
+from asyncrl_sglang.builtin.sampling import CDF_BLOCK, SamplingOptions, sample_tokens
 
 DRAWS = 20_000
 
@@ -84,3 +84,23 @@ def test_mixed_batch_greedy_seeded_and_banned_rows() -> None:
         frozenset(),
     )
     assert alone[0][0] == result[1][0]
+
+
+def test_draws_over_several_blocks_of_the_vocabulary() -> None:
+    # Mass in every block of the two-level draw, the last one partial: 3 x 512 + 37 tokens.
+    vocab = 3 * CDF_BLOCK + 37
+    heavy = {5: 0.2, CDF_BLOCK - 1: 0.15, CDF_BLOCK: 0.15, 2 * CDF_BLOCK + 100: 0.2, vocab - 1: 0.2}
+    probs = torch.full((vocab,), 0.1 / (vocab - len(heavy)))
+    for token, p in heavy.items():
+        probs[token] = p
+    logits = probs.log().expand(DRAWS, -1).contiguous()
+    drawn = sample_tokens(
+        [_State(SamplingOptions())] * DRAWS, logits, torch.Generator().manual_seed(3), frozenset()
+    )
+    frequencies = _frequencies([t for t, _, _ in drawn], vocab)
+    tolerance = 5 * (0.25 / DRAWS) ** 0.5
+    for token, p in heavy.items():
+        assert abs(frequencies[token].item() - p) < tolerance, token
+    assert abs(frequencies.sum().item() - 1) < 1e-9
+    light = [t for t in range(vocab) if t not in heavy]
+    assert abs(frequencies[light].sum().item() - 0.1) < tolerance

@@ -237,13 +237,38 @@ def _uniforms(requests: Sequence[SamplingState], generator: torch.Generator, dev
     return torch.cat(parts)
 
 
+CDF_BLOCK = 512
+"""Tokens per block of the two-level inverse CDF: a block is picked from the blocks' sums, then a token from
+the block's own cumulative sum."""
+
+
 def _inverse_cdf(probs: Tensor, uniforms: Tensor) -> Tensor:
     """Per row of probs [B, vocab] (unnormalised, non-negative), the first token whose cumulative probability
     exceeds `uniforms[b]` times the row's total: a draw from the row's distribution; [B] token ids (the
-    vocabulary size where rounding put the draw past the end)."""
-    cumulative = probs.cumsum(dim=-1)
-    targets = uniforms.to(cumulative.dtype).unsqueeze(1) * cumulative[:, -1:]
-    return torch.searchsorted(cumulative, targets, right=True).squeeze(1)
+    vocabulary size where rounding put the draw past a block's end).
+
+    In two levels, so that no sequential scan runs over the whole vocabulary (`cumsum` over 49k entries was a
+    sixth of a CPU decode step): the blocks' sums (a vectorised reduction) and their cumulative sum pick a
+    block, then the cumulative sum of that block's `CDF_BLOCK` entries picks the token."""
+    vocab = probs.shape[1]
+    device = probs.device
+    full = vocab // CDF_BLOCK * CDF_BLOCK
+    parts: list[Tensor] = []
+    if full:
+        parts.append(probs[:, :full].unfold(1, CDF_BLOCK, CDF_BLOCK).sum(dim=-1))
+    if full < vocab:
+        parts.append(probs[:, full:].sum(dim=-1, keepdim=True))
+    block_cdf = torch.cat(parts, dim=1).cumsum(dim=-1)  # [B, blocks]
+    targets = uniforms.to(block_cdf.dtype).unsqueeze(1) * block_cdf[:, -1:]
+    block = torch.searchsorted(block_cdf, targets, right=True).clamp(max=block_cdf.shape[1] - 1)
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
+    columns = block * CDF_BLOCK + torch.arange(CDF_BLOCK, device=device)  # [B, CDF_BLOCK]
+    inside = columns < vocab
+    within = probs.gather(1, columns.clamp(max=vocab - 1)).masked_fill(~inside, 0.0).cumsum(dim=-1)
+    offset = torch.searchsorted(within, targets - before, right=True)
+    # Rounding between the block's sum and its own cumulative sum can put the draw past the block: invalid.
+    token = torch.where(offset < CDF_BLOCK, block * CDF_BLOCK + offset, vocab)
+    return token.squeeze(1)
 
 
 def _truncate(probs: Tensor, options: Sequence[SamplingOptions]) -> Tensor:
