@@ -60,7 +60,12 @@ class ScriptedEngine:
     max_in_flight: int = 0
 
     async def generate(
-        self, input_ids: Sequence[int], sampling: SamplingParams, *, rid: str | None = None
+        self,
+        input_ids: Sequence[int],
+        sampling: SamplingParams,
+        *,
+        rid: str | None = None,
+        routing_key: str | None = None,
     ) -> Generation:
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
@@ -175,9 +180,14 @@ class RecordingClient:
     calls: list[Call] = field(default_factory=list[Call])
 
     async def generate(
-        self, input_ids: Sequence[int], sampling: SamplingParams, *, rid: str | None = None
+        self,
+        input_ids: Sequence[int],
+        sampling: SamplingParams,
+        *,
+        rid: str | None = None,
+        routing_key: str | None = None,
     ) -> Generation:
-        generation = await self.client.generate(input_ids, sampling, rid=rid)
+        generation = await self.client.generate(input_ids, sampling, rid=rid, routing_key=routing_key)
         self.calls.append(Call(list(input_ids), sampling, rid, generation))
         return generation
 

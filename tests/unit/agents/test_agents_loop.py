@@ -242,7 +242,12 @@ async def test_tool_timeout_becomes_an_observation(task: SearchR1MiniTask) -> No
 
 class RefusingEngine:
     async def generate(
-        self, input_ids: Sequence[int], sampling: SamplingParams, *, rid: str | None = None
+        self,
+        input_ids: Sequence[int],
+        sampling: SamplingParams,
+        *,
+        rid: str | None = None,
+        routing_key: str | None = None,
     ) -> Generation:
         raise GenerationError("prompt too long for the context")
 
@@ -266,7 +271,12 @@ async def test_engine_refusal_fails_the_group_with_the_engines_error(task: Searc
 
 class UnreachableEngine:
     async def generate(
-        self, input_ids: Sequence[int], sampling: SamplingParams, *, rid: str | None = None
+        self,
+        input_ids: Sequence[int],
+        sampling: SamplingParams,
+        *,
+        rid: str | None = None,
+        routing_key: str | None = None,
     ) -> Generation:
         raise EngineUnavailableError("engine at http://127.0.0.1:1 is not reachable")
 

@@ -54,7 +54,12 @@ class AnsweringEngine:
         self.arrived = asyncio.Condition()
 
     async def generate(
-        self, input_ids: Sequence[int], sampling: SamplingParams, *, rid: str | None = None
+        self,
+        input_ids: Sequence[int],
+        sampling: SamplingParams,
+        *,
+        rid: str | None = None,
+        routing_key: str | None = None,
     ) -> Generation:
         self.num_calls += 1
         number = self.num_calls

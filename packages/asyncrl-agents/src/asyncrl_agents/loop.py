@@ -309,7 +309,7 @@ class AgentLoopWorker:
         started = time.perf_counter()
         episode = _Episode(list(prompt), len(prompt))
         while episode.finish_reason == "":
-            await self._turn(episode, f"{rid}-{episode.num_turns}")
+            await self._turn(episode, f"{rid}-{episode.num_turns}", routing_key=rid)
         reward = self.task.reward(sample, episode.answer)
         total_s = time.perf_counter() - started
         metrics = {
@@ -347,8 +347,12 @@ class AgentLoopWorker:
             left = min(left, self.context_len - len(episode.token_ids))
         return left
 
-    async def _turn(self, episode: _Episode, rid: str) -> None:
-        """One model turn, then its observation unless the episode ends (then `finish_reason` is set)."""
+    async def _turn(self, episode: _Episode, rid: str, *, routing_key: str) -> None:
+        """One model turn, then its observation unless the episode ends (then `finish_reason` is set).
+
+        `routing_key` is the trajectory's id: every turn goes to the engine of the first (a pool keeps it
+        there while that engine is up), whose prefix cache holds the turns before.
+        """
         if episode.num_turns >= self.max_turns:
             episode.finish_reason = "max_turns"
             return
@@ -359,7 +363,9 @@ class AgentLoopWorker:
         sampling = replace(self.sampling, max_new_tokens=min(self.sampling.max_new_tokens, budget))
         started = time.perf_counter()
         try:
-            generation = await self.client.generate(episode.token_ids, sampling, rid=rid)
+            generation = await self.client.generate(
+                episode.token_ids, sampling, rid=rid, routing_key=routing_key
+            )
         finally:
             episode.generation_s += time.perf_counter() - started
 

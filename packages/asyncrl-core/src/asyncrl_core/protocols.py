@@ -50,10 +50,18 @@ class GenerationClient(Protocol):
     """Generates from token ids on the rollout engines (token in, token out: no re-tokenisation)."""
 
     async def generate(
-        self, input_ids: Sequence[int], sampling: SamplingParams, *, rid: str | None = None
+        self,
+        input_ids: Sequence[int],
+        sampling: SamplingParams,
+        *,
+        rid: str | None = None,
+        routing_key: str | None = None,
     ) -> Generation:
         """Sample a continuation of `input_ids`.
 
+        `rid` names this request on the engine. `routing_key` (for example a trajectory's id) sends every
+        request with the same key to the same engine while that engine is up, so the turns of one trajectory
+        find their earlier turns in its prefix cache; a client of a single engine accepts it and ignores it.
         Returns when the request finishes. A request paused by a weight sync continues after it (retract or
         in_place) or is held back until the sync is done (drain); `Generation.version_spans` records which
         weights produced which tokens. Raises `asyncrl_core.errors.GenerationError` for a request the

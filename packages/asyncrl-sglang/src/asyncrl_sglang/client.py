@@ -332,11 +332,17 @@ class SGLangClient:
     # Generation
 
     async def generate(
-        self, input_ids: Sequence[int], sampling: SamplingParams, *, rid: str | None = None
+        self,
+        input_ids: Sequence[int],
+        sampling: SamplingParams,
+        *,
+        rid: str | None = None,
+        routing_key: str | None = None,
     ) -> Generation:
         """Sample a continuation of `input_ids` (see `GenerationClient.generate`).
 
-        `rid` names the request on the server (a fresh uuid4 hex when None), so it can be aborted. Raises
+        `rid` names the request on the server (a fresh uuid4 hex when None), so it can be aborted;
+        `routing_key` is ignored (one engine: every request goes to it). Raises
         `GenerationError` with the server's message when the engine refuses the request (400: too long for
         the context, bad sampling values, a rid already in flight), and `EngineUnavailableError` when the
         engine cannot be reached or the request does not finish within `timeouts.generate_s`.

@@ -110,7 +110,12 @@ class GrpcSGLangClient(SGLangClient):
     # Generation
 
     async def generate(
-        self, input_ids: Sequence[int], sampling: SamplingParams, *, rid: str | None = None
+        self,
+        input_ids: Sequence[int],
+        sampling: SamplingParams,
+        *,
+        rid: str | None = None,
+        routing_key: str | None = None,
     ) -> Generation:
         """Sample a continuation of `input_ids` over gRPC (see `SGLangClient.generate`)."""
         if not input_ids:
