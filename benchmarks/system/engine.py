@@ -29,6 +29,12 @@ shape (hidden 576, 30 layers, 9 heads, 3 KV heads, FFN 1536, vocab 49152, tied).
         --batch-sizes 8 64 256 --prompt-len 128 --new-tokens 256 --json engine-gpu.json
     python benchmarks/system/engine.py --device cuda --random-weights --dtype bfloat16 --batch-sizes 256 \
         --prompt-len 128 --new-tokens 256 --skip-hf --agentic 256
+    python benchmarks/system/engine.py --device cuda --random-weights --dtype bfloat16 \
+        --batch-sizes 8 64 256 --http-batch-sizes --prompt-len 128 --new-tokens 256 --skip-hf \
+        --agentic 256 --compare-overlap --rounds 2
+
+`--compare-overlap` measures the engine rows and (f) with the overlap scheduler on, then off (SGLang's
+`--disable-overlap-schedule`), `--rounds` times in one process, and prints each round and on / off.
 """
 
 from __future__ import annotations
@@ -116,7 +122,20 @@ def parse_args() -> argparse.Namespace:
         help="measure the rows and the agentic workload with the decode kernel on, then off, `--rounds` "
         "times, in this process, and print them side by side",
     )
-    parser.add_argument("--rounds", type=int, default=1, help="rounds of --compare-decode-kernel")
+    parser.add_argument(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="the engine reads each decode step's tokens before launching the next (SGLang's flag)",
+    )
+    parser.add_argument(
+        "--compare-overlap",
+        action="store_true",
+        help="measure the rows and the agentic workload with the overlap scheduler on, then off, `--rounds` "
+        "times, in this process, and print them side by side",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="rounds of --compare-decode-kernel or --compare-overlap"
+    )
     parser.add_argument(
         "--profile",
         metavar="FILE",
@@ -455,14 +474,22 @@ def main() -> int:
     if args.compare_decode_kernel and not engine_model.decode_kernel:
         print("--compare-decode-kernel needs the decode kernel (CUDA with Triton)", file=sys.stderr)
         return 2
+    if args.compare_decode_kernel and args.compare_overlap:
+        print("--compare-decode-kernel and --compare-overlap: one comparison per run", file=sys.stderr)
+        return 2
     default_kernel = engine_model.decode_kernel
-    variants = [None] if not args.compare_decode_kernel else [True, False] * args.rounds
+    # A variant: None (one measurement as configured), or the compared setting on (True) or off (False).
+    variants = [True, False] * args.rounds if args.compare_decode_kernel or args.compare_overlap else [None]
     measured: list[tuple[bool | None, list[dict[str, Any]], dict[str, Any] | None]] = []
-    for kernel in variants:
-        if kernel is not None:
-            engine_model.decode_kernel = kernel
-            print(f"\n-- decode kernel {'on' if kernel else 'off (masked SDPA)'}", flush=True)
-        measured.append((kernel, *measure(args, engine_model, all_prompts, http_sizes, device, hf)))
+    for variant in variants:
+        variant_args = args
+        if variant is not None and args.compare_decode_kernel:
+            engine_model.decode_kernel = variant
+            print(f"\n-- decode kernel {'on' if variant else 'off (masked SDPA)'}", flush=True)
+        if variant is not None and args.compare_overlap:
+            variant_args = argparse.Namespace(**{**vars(args), "disable_overlap_schedule": not variant})
+            print(f"\n-- overlap scheduler {'on' if variant else 'off'}", flush=True)
+        measured.append((variant, *measure(variant_args, engine_model, all_prompts, http_sizes, device, hf)))
     _, rows, agentic = measured[0]
     if args.profile:
         engine_model.decode_kernel = default_kernel
@@ -478,7 +505,12 @@ def main() -> int:
         "decode_kernel_variants": [
             {"decode_kernel": kernel, "rows": r, "agentic": a}
             for kernel, r, a in measured
-            if kernel is not None
+            if kernel is not None and args.compare_decode_kernel
+        ],
+        "overlap_variants": [
+            {"overlap_schedule": overlap, "rows": r, "agentic": a}
+            for overlap, r, a in measured
+            if overlap is not None and args.compare_overlap
         ],
     }
     if args.json_path:
@@ -515,11 +547,38 @@ def main() -> int:
                 f"{'on' if kernel else 'off':>8} {fixed:14.1f} {a['tokens_per_s']:10.1f} "
                 f"{a['over_fixed']:6.2f} {100 * a['prefill_busy_share']:13.0f}%"
             )
+    if args.compare_overlap:
+        print_overlap_comparison(measured)
     for r in rows:
         if "hf_continuous_batching_error" in r:
             error = r["hf_continuous_batching_error"]
             print(f"B={r['batch']}: transformers continuous batching failed: {error}")
     return 0
+
+
+def print_overlap_comparison(
+    measured: list[tuple[bool | None, list[dict[str, Any]], dict[str, Any] | None]],
+) -> None:
+    """The engine's tokens/s of each round with the overlap scheduler on and off, then on / off of the
+    rounds' means (rounds alternate, so a drift of the machine falls on both)."""
+    columns = [f"B={row['batch']}" for row in measured[0][1]] + (["agentic"] if measured[0][2] else [])
+
+    def figures(rows: list[dict[str, Any]], agentic: dict[str, Any] | None) -> list[float]:
+        return [row["engine"] for row in rows] + ([agentic["tokens_per_s"]] if agentic else [])
+
+    print("\nside by side (engine tokens/s, overlap scheduler on / off, alternating):")
+    print(f"{'overlap':>8} " + " ".join(f"{c:>12}" for c in columns))
+    for overlap, rows, agentic in measured:
+        print(f"{'on' if overlap else 'off':>8} " + " ".join(f"{v:12.1f}" for v in figures(rows, agentic)))
+    means = {
+        state: [
+            sum(values) / len(values)
+            for values in zip(*(figures(r, a) for o, r, a in measured if o is state), strict=True)
+        ]
+        for state in (True, False)
+    }
+    ratios = [on / off for on, off in zip(means[True], means[False], strict=True)]
+    print(f"{'on / off':>8} " + " ".join(f"{v:12.2f}" for v in ratios))
 
 
 def measure(
@@ -583,6 +642,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         options["prefix_cache"] = False
     if args.prefill_interval is not None:
         options["prefill_interval"] = args.prefill_interval
+    if args.disable_overlap_schedule:
+        options["overlap_schedule"] = False
     return options
 
 

@@ -83,6 +83,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--disable-cuda-graph", action="store_true", help="decode eagerly on CUDA")
     parser.add_argument(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="read each decode step's tokens before launching the next (no overlap of host and device work)",
+    )
+    parser.add_argument(
         "--disable-radix-cache",
         action="store_true",
         help="no prefix cache: every prefill computes all its tokens (cached_tokens stays 0)",
@@ -173,6 +178,7 @@ async def _serve(args: argparse.Namespace, model_path: Path, command: str) -> No
         decode_text=decode_text if tokenizer is not None else None,
         use_cuda_graphs=not args.disable_cuda_graph,
         prefix_cache=not args.disable_radix_cache,
+        overlap_schedule=not args.disable_overlap_schedule,
     )
     server_args = ServerArgs(
         model_path=str(model_path),

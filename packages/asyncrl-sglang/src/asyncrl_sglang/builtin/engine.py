@@ -17,6 +17,15 @@ keep their old KV too); `/flush_cache` empties it.
 Invariant of a running request: the cache of its slot holds K/V for `prompt + output[:-1]`; the last output
 token is fed at the next decode step (at position `len(prompt) + len(output) - 1`).
 
+The overlap scheduler (on unless `overlap_schedule=False`, SGLang's `--disable-overlap-schedule`): a decode
+step is launched, and left in flight (`_LaunchedStep`); the next iteration launches the following step from
+its sampled ids on the device, then reads and records the earlier step's tokens (appends, stop strings,
+finishes, clients told) while the device runs the later one. A request that finishes in the step being read
+has been decoded once more by the step in flight: that token is dropped, and its slot (still read by that
+step) is freed at the next sync point, where the step in flight is read before anything else happens:
+before every control call, before an admission, when the KV cache must grow, or when a quarter of the batch
+is finished rows. Between sync points the running batch does not change.
+
 No request can take the others down: a step that raises is retried request by request (`_recover`), and only
 a request that fails on its own is finished with the error; an `on_update` callback that raises ends its own
 request. Other threads read the engine through `snapshot` (an `EngineSnapshot` the scheduler swaps in),
@@ -40,7 +49,14 @@ from torch import Tensor
 
 from asyncrl_sglang.builtin.model import EngineModel, KVCache
 from asyncrl_sglang.builtin.prefix_cache import PrefixCache
-from asyncrl_sglang.builtin.sampling import SamplingOptions, sample_tokens
+from asyncrl_sglang.builtin.sampling import (
+    DeviceSample,
+    SampledToken,
+    SamplingOptions,
+    sample_on_device,
+    sample_tokens,
+    unpack_samples,
+)
 from asyncrl_sglang.builtin.snapshot import EngineCounters, EngineSnapshot, WaitingQueue
 from asyncrl_sglang.wire import PauseMode as PauseMode
 
@@ -154,6 +170,7 @@ class Engine:
         kv_block_size: int = KV_BLOCK_SIZE,
         prefix_cache_tokens: int | None = None,
         prefill_interval: int | None = None,
+        overlap_schedule: bool = True,
     ) -> None:
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
@@ -182,6 +199,11 @@ class Engine:
         )
         """Decode steps between two admissions of waiting requests while others run (1: every step)."""
         self._steps_since_prefill = 0
+        self.overlap_schedule = overlap_schedule
+        """Launch each decode step before reading the previous one's tokens (see the module's docstring)."""
+        self._in_flight: _LaunchedStep | None = None
+        """The decode step launched and not read yet (overlap scheduler only)."""
+        self._last_decode_end = 0.0
         self.weights_epoch = 0
         """Counts weight loads: KV computed before the last load is stale under the current weights."""
         if prefix_cache_tokens is None:
@@ -197,7 +219,7 @@ class Engine:
         )
         """KV of finished requests by token prefix (None: every prefill starts from scratch)."""
         self._graphs = _DecodeGraphs(self) if use_cuda_graphs and model.device.type == "cuda" else None
-        self._commands: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
+        self._commands: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any], bool]] = deque()
         self._wake = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="builtin-engine", daemon=True)
@@ -219,11 +241,18 @@ class Engine:
                 self._wake.notify()
             self._thread.join(timeout_s)
 
-    def call(self, fn: Callable[[], T], timeout_s: float | None = None) -> T:
-        """Run `fn` on the scheduler thread between two steps and return its result (or raise its error)."""
-        return self.call_async(fn).result(timeout_s)
+    def call(self, fn: Callable[[], T], timeout_s: float | None = None, *, drain: bool = True) -> T:
+        """Run `fn` on the scheduler thread between two steps and return its result (or raise its error).
 
-    def call_async(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        The decode step in flight is read first (its tokens recorded, its finished slots freed), so `fn` sees
+        the engine as the non-overlapped loop leaves it. `drain=False` is for calls that only queue requests
+        (they touch nothing a launched step reads): they run beside the step in flight."""
+        return self.call_async(fn, drain=drain).result(timeout_s)
+
+    def call_async(self, fn: Callable[[], T], *, drain: bool = True) -> concurrent.futures.Future[T]:
+        """`call` without waiting. On the scheduler thread itself (an `on_update` callback) `fn` runs at once,
+        inside the step being read: it may queue or abort requests (an abort there leaves the slot to the step
+        in flight, as any finish does), nothing more."""
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         if threading.current_thread() is self._thread:
             future.set_result(fn())
@@ -232,7 +261,7 @@ class Engine:
             if self._stopping:
                 future.set_exception(RuntimeError("the engine has stopped"))
                 return future
-            self._commands.append((fn, future))
+            self._commands.append((fn, future, drain))
             self._wake.notify()
         return future
 
@@ -268,13 +297,15 @@ class Engine:
         return self._by_rid.get(rid)
 
     def _publish(self) -> None:
-        """Swap in a new `snapshot` (scheduler thread only; O(running), the queue keeps its own totals)."""
+        """Swap in a new `snapshot` (scheduler thread only; O(running), the queue keeps its own totals). A
+        finished request whose slot the step in flight still decodes is not running."""
+        running = [r for r in self.running if not r.finished]
         self.snapshot = EngineSnapshot(
-            num_running=len(self.running),
+            num_running=len(running),
             num_waiting=len(self.waiting),
             num_waiting_tokens=self.waiting.num_tokens,
             num_retracted_waiting=self.waiting.num_retracted,
-            num_used_tokens=sum(r.num_tokens for r in self.running),
+            num_used_tokens=sum(r.num_tokens for r in running),
             counters=dataclasses.replace(self.counters),
             kv_cache_bytes=self.kv_cache_bytes,
             cuda_graph_batch_sizes=tuple(self.cuda_graph_batch_sizes),
@@ -423,13 +454,15 @@ class Engine:
                 if self._stopping:
                     commands = list(self._commands)
                     self._commands.clear()
-                    for _, future in commands:
+                    for _, future, _ in commands:
                         future.set_exception(RuntimeError("the engine has stopped"))
                     return
                 commands = list(self._commands)
                 self._commands.clear()
+            if any(drain for _, _, drain in commands):
+                self._drain()
             outcomes: list[tuple[concurrent.futures.Future[Any], Any, BaseException | None]] = []
-            for fn, future in commands:
+            for fn, future, _ in commands:
                 if future.set_running_or_notify_cancel():
                     try:
                         outcomes.append((future, fn(), None))
@@ -447,9 +480,25 @@ class Engine:
                 try:
                     self._step()
                 except Exception as error:
+                    self._in_flight = None  # its tokens are dropped: no client heard of them
                     self._recover(error)
                 self._step_requests = []
             self._publish()
+
+    def _drain(self) -> None:
+        """Read the decode step in flight, if any, and free the slots of the requests finished since it was
+        launched: afterwards the engine is as the non-overlapped loop leaves it between two steps."""
+        step = self._in_flight
+        if step is None:
+            return
+        self._in_flight = None
+        self._step_requests = list(self.running)
+        try:
+            self._complete(step)
+            self._release_finished()
+        except Exception as error:
+            self._recover(error)
+        self._step_requests = []
 
     def _recover(self, error: Exception) -> None:
         """After a step raised: find which of its requests cannot proceed and finish only those.
@@ -459,6 +508,7 @@ class Engine:
         is finished with the error; the others go back to the front of the queue in their order, with the
         tokens they had (and any the probe produced). A failure that no request reproduces alone costs the
         step's requests a re-prefill, never their output."""
+        # A step in flight when the failure came is dropped with its tokens (no client heard of them).
         involved = [r for r in self._step_requests if not r.finished]
         logger.exception("engine step failed for %d requests; retrying them one by one", len(involved))
         # Every running request belongs to the step (a finished one the failure left in place included).
@@ -517,6 +567,20 @@ class Engine:
         )
 
     def _step(self) -> None:
+        self._step_requests = list(self.running)
+        in_flight = self._in_flight
+        if in_flight is not None:
+            if self._continues(in_flight):
+                # Overlapped: launch the next step from this one's ids on the device, then read this one
+                # while the device runs the next.
+                self._steps_since_prefill += 1
+                self._in_flight = self._launch_decode(in_flight)
+                self._complete(in_flight)
+                return
+            # A sync point: read the step in flight and free the finished slots before the batch changes.
+            self._in_flight = None
+            self._complete(in_flight)
+            self._release_finished()
         admitted: list[Request] = []
         budget = PREFILL_TOKEN_BUDGET
         due = self._admission_due()
@@ -533,7 +597,24 @@ class Engine:
             self._prefill(admitted)
             self.counters.prefill_busy_us += round((time.perf_counter() - began) * 1e6)
         if self.running:
-            self._decode()
+            if self.overlap_schedule:
+                self._in_flight = self._launch_decode(None)
+            else:
+                self._decode()
+
+    def _continues(self, step: _LaunchedStep) -> bool:
+        """Whether the next decode step may launch from `step`'s ids before the host reads them: the running
+        batch stays the step's (no admission due), the KV cache holds one more position for every row, and
+        fewer than a quarter of the rows are finished requests (decoded for nothing until a sync frees them).
+        """
+        running = self.running
+        if running != step.requests:  # requests compare by identity
+            return False
+        finished = sum(1 for r in running if r.finished)
+        if 4 * finished >= len(running) or self._admission_due():
+            return False
+        needed = min(max(self._decode_positions(pending=1)) + 2, self.context_length)
+        return self._cache is not None and self._cache.capacity >= needed
 
     def _ensure_cache(self, length: int) -> KVCache:
         cache = self._cache
@@ -640,30 +721,68 @@ class Engine:
             request.input_top_logprobs.extend([None] * len(chosen))
 
     def _decode(self) -> None:
-        running = self.running
-        batch = len(running)
-        cache = self._ensure_cache(max(r.num_tokens for r in running) + 1)
-        positions_list = [r.num_tokens - 1 for r in running]
-        started = time.monotonic()
-        if self._graphs is not None:
-            hidden = self._graphs.decode([r.output_ids[-1] for r in running], positions_list, cache)
+        """One decode step, read at once (the non-overlapped loop, and the probes of `_recover`)."""
+        self._complete(self._launch_decode(None))
+
+    def _decode_positions(self, pending: int) -> list[int]:
+        """Each running request's position in the next decode step: its last token's, plus `pending` (the
+        steps launched whose tokens the host has not read). A finished request whose slot is still decoded
+        keeps its last position (what it writes there is never read)."""
+        return [r.num_tokens - 1 + (0 if r.finished else pending) for r in self.running]
+
+    def _launch_decode(self, previous: _LaunchedStep | None) -> _LaunchedStep:
+        """Launch one decode step for every running request and its sampling, without waiting for the device.
+        Its input ids are `previous`'s sampled ids on the device (the step in flight, whose requests are the
+        running ones in the same slots), or each request's last token when `previous` is None."""
+        running = list(self.running)
+        pending = 0 if previous is None else 1
+        positions = self._decode_positions(pending)
+        cache = self._ensure_cache(min(max(positions) + 2, self.context_length))
+        device = self.model.device
+        if previous is None:
+            input_ids = torch.tensor([r.output_ids[-1] for r in running]).to(device, non_blocking=True)
         else:
-            # One copy to the device for both inputs.
-            inputs = torch.tensor([[r.output_ids[-1] for r in running], positions_list], dtype=torch.long)
-            input_ids, positions = inputs.to(self.model.device).unbind(0)
-            hidden = self.model.decode(input_ids, positions, cache, max(positions_list) + 1)
-        logits = self.model.logits(hidden)
-        self._accept(list(running), logits)
-        self._throughput_window.append((time.monotonic() - started, batch))
+            input_ids = previous.tokens
+        if self._graphs is not None:
+            hidden = self._graphs.decode(input_ids, positions, cache)
+        else:
+            position_ids = torch.tensor(positions).to(device, non_blocking=True)
+            hidden = self.model.decode(input_ids, position_ids, cache, max(positions) + 1)
+        num_outputs = [len(r.output_ids) + pending for r in running]
+        sample = sample_on_device(
+            running, self.model.logits(hidden), self.generator, self.eos_token_ids, num_outputs
+        )
+        return _LaunchedStep.launch(running, sample)
+
+    def _complete(self, step: _LaunchedStep) -> None:
+        """Read a launched step's tokens (waiting for that step only) and record them. A request finished
+        since the launch gets nothing: the token computed after its finish is dropped."""
+        sampled = step.read()
+        kept = [(r, token) for r, token in zip(step.requests, sampled, strict=True) if not r.finished]
+        self._record([r for r, _ in kept], [token for _, token in kept])
+        ended = time.monotonic()
+        # Launches overlap: a step's time is from its launch or the previous step's end, whichever is later.
+        self._throughput_window.append((ended - max(step.launched_s, self._last_decode_end), len(kept)))
+        self._last_decode_end = ended
         elapsed = sum(s for s, _ in self._throughput_window)
         if elapsed > 0:
             self.counters.gen_throughput = sum(n for _, n in self._throughput_window) / elapsed
 
+    def _release_finished(self) -> None:
+        """Free the slots of finished requests that a step in flight still decoded (their prefixes were
+        cached when they finished)."""
+        for slot in reversed(range(len(self.running))):
+            if self.running[slot].finished:
+                self._free_slot(slot)
+
     def _accept(self, requests: list[Request], logits: Tensor) -> None:
-        """Sample one token per request from logits [B, vocab], record it, and finish who is done."""
+        """Sample one token per request from logits [B, vocab] and record it (the prefill's first token)."""
+        self._record(requests, sample_tokens(requests, logits, self.generator, self.eos_token_ids))
+
+    def _record(self, requests: list[Request], sampled: list[SampledToken]) -> None:
+        """Append each request's token, finish who is done, tell the clients."""
         # Published before any client hears of this step: one told of a token sees its request running.
         self._publish()
-        sampled = sample_tokens(requests, logits, self.generator, self.eos_token_ids)
         for request, (token, logprob, top) in zip(requests, sampled, strict=True):
             request.output_ids.append(token)
             if request.return_logprob:
@@ -726,7 +845,9 @@ class Engine:
         if request in self.running:
             slot = self.running.index(request)
             self._store_prefix(request, slot)
-            self._free_slot(slot)
+            if self._in_flight is None:
+                self._free_slot(slot)
+            # Else the step in flight decodes this slot: it is freed once that step is read.
         elif request in self.waiting:
             self.waiting.remove(request)
         self._publish()  # a client told that its request finished never reads a snapshot where it runs
@@ -746,6 +867,41 @@ class Engine:
             self._cache.move_slot(last, slot, min(moved.num_tokens, self._cache.capacity))
         self.running[slot] = self.running[last]
         self.running.pop()
+
+
+@dataclass(slots=True, eq=False)
+class _LaunchedStep:
+    """A decode step launched on the device whose sampled tokens the host has not read yet. Row i decoded
+    `requests[i]`, in slot i at the launch."""
+
+    requests: list[Request]
+    tokens: Tensor
+    """[B] sampled ids on the device: the input ids of the step launched after this one."""
+    results: Tensor
+    """[B, 2 + 2 * top_num] float64 (`DeviceSample.packed`) on the host, in pinned memory on CUDA; valid
+    once `ready` has passed."""
+    ready: torch.cuda.Event | None
+    """Recorded after the copy of `results` (None on CPU, where every operator has run on return)."""
+    top_num: int
+    launched_s: float
+
+    @classmethod
+    def launch(cls, requests: list[Request], sample: DeviceSample) -> _LaunchedStep:
+        packed = sample.packed
+        ready = None
+        results = packed
+        if packed.device.type == "cuda":
+            results = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            results.copy_(packed, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        return cls(requests, sample.tokens, results, ready, sample.top_num, time.monotonic())
+
+    def read(self) -> list[SampledToken]:
+        """The step's draws on the host, after waiting for this step only (not for one launched later)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return unpack_samples(self.requests, self.results.tolist(), self.top_num)
 
 
 class _DecodeGraphs:
@@ -779,8 +935,10 @@ class _DecodeGraphs:
             size *= 2
         return min(size, self.engine.max_running_requests)
 
-    def decode(self, input_ids: list[int], positions: list[int], cache: KVCache) -> Tensor:
-        batch = len(input_ids)
+    def decode(self, input_ids: Tensor, positions: list[int], cache: KVCache) -> Tensor:
+        """Replay the graph of `input_ids`' batch size (ids [B] on the device, copied device to device, so a
+        launch never waits for the step before) at `positions`; hidden states [B, hidden]."""
+        batch = len(positions)
         size = self.bucket(batch)
         entry = self.graphs.get(size)
         if entry is None:
@@ -792,17 +950,14 @@ class _DecodeGraphs:
         # Padding rows write into free slots at the last position, which no live request uses, and attend
         # to one position only (the decode kernel's work follows the lengths).
         padding = size - batch
+        # (The padding rows' ids are whatever an earlier step left there: any id is harmless.)
         inputs = torch.tensor(
-            [
-                input_ids + [0] * padding,
-                positions + [cache.capacity - 1] * padding,
-                [p + 1 for p in positions] + [1] * padding,
-            ],
+            [positions + [cache.capacity - 1] * padding, [p + 1 for p in positions] + [1] * padding],
             dtype=torch.long,
         )
-        static_ids.copy_(inputs[0], non_blocking=True)
-        static_positions.copy_(inputs[1], non_blocking=True)
-        static_lengths.copy_(inputs[2], non_blocking=True)
+        static_ids[:batch].copy_(input_ids, non_blocking=True)
+        static_positions.copy_(inputs[0], non_blocking=True)
+        static_lengths.copy_(inputs[1], non_blocking=True)
         graph.replay()
         return output[:batch]
 

@@ -120,8 +120,8 @@ class GenerateRoutes:
         self.limits = limits or Limits()
         self._live: dict[str, Call] = {}
 
-    async def _engine(self, fn: Callable[[], Any]) -> Any:
-        return await asyncio.wrap_future(self.engine.call_async(fn))
+    async def _engine(self, fn: Callable[[], Any], *, drain: bool = True) -> Any:
+        return await asyncio.wrap_future(self.engine.call_async(fn, drain=drain))
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await read_model(request, GenerateRequest, required=True)
@@ -146,7 +146,8 @@ class GenerateRoutes:
                         loop, submission.queue, index, every_token=body.stream
                     )
                 try:
-                    await self._engine(lambda: add_requests(self.engine, requests, self.limits))
+                    # Queuing touches nothing a launched decode step reads: no need to wait for it.
+                    await self._engine(lambda: add_requests(self.engine, requests, self.limits), drain=False)
                 except QueueFullError as error:
                     if body.stream:
                         return await self._stream_error(request, str(error), 503)

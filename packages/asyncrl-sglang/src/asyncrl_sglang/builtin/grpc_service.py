@@ -93,8 +93,8 @@ class SchedulerService(pb_grpc.SglangSchedulerServicer):
         self.started_s = time.time()
         self._live: dict[str, Call] = {}
 
-    async def _engine(self, fn: Callable[[], Any]) -> Any:
-        return await asyncio.wrap_future(self.engine.call_async(fn))
+    async def _engine(self, fn: Callable[[], Any], *, drain: bool = True) -> Any:
+        return await asyncio.wrap_future(self.engine.call_async(fn, drain=drain))
 
     # ---------------------------------------------------------------------------------------------- Generate
     async def Generate(
@@ -176,7 +176,8 @@ class SchedulerService(pb_grpc.SglangSchedulerServicer):
         for index, engine_request in enumerate(call.requests):
             engine_request.on_update = forwarder(loop, call.queue, index, every_token=stream)
 
-        await self._engine(lambda: add_requests(self.engine, call.requests, self.limits))
+        # Queuing touches nothing a launched decode step reads: no need to wait for it.
+        await self._engine(lambda: add_requests(self.engine, call.requests, self.limits), drain=False)
 
     async def _responses(self, call: Call, stream: bool) -> AsyncIterator[pb.GenerateResponse]:
         """Chunks of new tokens while the requests run (when streaming); returns once all have finished."""

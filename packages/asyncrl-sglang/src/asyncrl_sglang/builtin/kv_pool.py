@@ -112,7 +112,9 @@ class KVBlockPool:
         self.allocator = BlockAllocator()
 
     def _index(self, ids: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(list(ids), dtype=torch.long, device=self.device)
+        # Copied without waiting for the device: a blocking copy (`torch.tensor(..., device=cuda)`) would
+        # wait for the decode step in flight when a finished request's prefix is stored.
+        return torch.tensor(list(ids), dtype=torch.long).to(self.device, non_blocking=True)
 
     def load(self, ids: Sequence[int], cache: KVCache, slot: int) -> None:
         """Copy blocks `ids`, in order, into positions `0..len(ids)*block_size-1` of `slot`."""

@@ -148,45 +148,72 @@ SampledToken = tuple[int, float, list[tuple[float, int]]]
 """(token id, its logprob, the top `top_logprobs_num` (logprob, id) pairs)."""
 
 
+@dataclass(frozen=True, slots=True)
+class DeviceSample:
+    """One step's draws, still where they were computed: `tokens` [B] (the ids, a next decode step's input)
+    and `packed` [B, 2 + 2 * top_num] float64 (per row: the id, its logprob, the top logprobs, their ids)."""
+
+    tokens: Tensor
+    packed: Tensor
+    top_num: int
+
+
 def sample_tokens(
     requests: Sequence[SamplingState],
     logits: Tensor,
     generator: torch.Generator,
     eos_token_ids: frozenset[int],
 ) -> list[SampledToken]:
-    """Draw one token per row of logits [B, vocab] (float32, modified in place) under each request's options.
+    """Draw one token per row of logits [B, vocab] (float32, modified in place) under each request's options
+    and read the draws on the host (`sample_on_device`, then `unpack_samples`: one synchronisation)."""
+    sample = sample_on_device(requests, logits, generator, eos_token_ids)
+    return unpack_samples(requests, sample.packed.tolist(), sample.top_num)
+
+
+def sample_on_device(
+    requests: Sequence[SamplingState],
+    logits: Tensor,
+    generator: torch.Generator,
+    eos_token_ids: frozenset[int],
+    num_outputs: Sequence[int] | None = None,
+) -> DeviceSample:
+    """Draw one token per row of logits [B, vocab] (float32, modified in place) under each request's options,
+    without waiting for the device: every copy to it is non-blocking and nothing is read back.
+
+    `num_outputs[b]`: the output tokens row b has when this token is drawn (default `len(output_ids)`; more
+    when earlier draws are still on the device), which `min_new_tokens` compares with.
 
     Sampling inverts the cumulative distribution: one uniform draw per row, the first token whose cumulative
     probability exceeds it (exact but for the float32 rounding of the cumulative sum, as `torch.multinomial`).
     One draw per row instead of one per vocabulary entry keeps the random-number generation out of the step's
     cost. The draw of a request with `sampling_seed` comes from its own generator, so its tokens do not
     depend on the batch it runs in. Greedy rows take the argmax.
-
-    The step's parameters go to the device in one copy and its results come back in one (one synchronisation).
     """
     device = logits.device
+    if num_outputs is None:
+        num_outputs = [len(r.output_ids) for r in requests]
     # min_new_tokens: EOS and stop ids cannot be drawn before the minimum.
     banned_rows: list[int] = []
     banned_ids: list[int] = []
     for row, request in enumerate(requests):
         options = request.options
-        if len(request.output_ids) < options.min_new_tokens:
+        if num_outputs[row] < options.min_new_tokens:
             banned = options.stop_token_ids | (frozenset() if options.ignore_eos else eos_token_ids)
             banned_rows.extend([row] * len(banned))
             banned_ids.extend(banned)
     if banned_rows:
-        index = torch.tensor([banned_rows, banned_ids], dtype=torch.long).to(device)
+        index = _to_device([banned_rows, banned_ids], torch.long, device)
         logits[index[0], index[1]] = float("-inf")
     greedy = [r.options.greedy for r in requests]
     temperatures = [r.options.logprob_temperature for r in requests]
     if any(t != 1.0 for t in temperatures):
-        logits.div_(torch.tensor(temperatures, dtype=torch.float32).to(device).unsqueeze(1))
+        logits.div_(_to_device(temperatures, torch.float32, device).unsqueeze(1))
     logprobs = torch.log_softmax(logits, dim=-1)
     tokens = logprobs.argmax(dim=-1)
     if not all(greedy):
         sampled_rows = [row for row, is_greedy in enumerate(greedy) if not is_greedy]
         every_row = len(sampled_rows) == len(requests)
-        rows = None if every_row else torch.tensor(sampled_rows).to(device)
+        rows = None if every_row else _to_device(sampled_rows, torch.long, device)
         probs = (logprobs if rows is None else logprobs[rows]).exp()
         truncating = [requests[row].options for row in sampled_rows]
         if any(o.needs_truncation for o in truncating):
@@ -209,13 +236,25 @@ def sample_tokens(
         values, ids = logprobs.topk(top_num, dim=-1)
         columns += [values.double(), ids.double()]
     # float64 holds every token id and every float32 value exactly: one tensor, one copy to the host.
-    host = torch.cat(columns, dim=1).tolist()
+    return DeviceSample(tokens=tokens, packed=torch.cat(columns, dim=1), top_num=top_num)
+
+
+def unpack_samples(
+    requests: Sequence[SamplingState], rows: list[list[float]], top_num: int
+) -> list[SampledToken]:
+    """The host's reading of a `DeviceSample.packed` (its `tolist()`), one `SampledToken` per request."""
     result: list[SampledToken] = []
-    for request, row in zip(requests, host, strict=True):
+    for request, row in zip(requests, rows, strict=True):
         count = request.top_logprobs_num
         top = [(row[2 + i], int(row[2 + top_num + i])) for i in range(count)] if count > 0 else []
         result.append((int(row[0]), row[1], top))
     return result
+
+
+def _to_device(values: Sequence[object], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A host list as a tensor on `device`, copied without waiting for the device's queued work (a
+    blocking copy to a CUDA device would wait for it, and so for the step launched before)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 def _uniforms(requests: Sequence[SamplingState], generator: torch.Generator, device: torch.device) -> Tensor:
@@ -283,7 +322,7 @@ def _truncate(probs: Tensor, options: Sequence[SamplingOptions]) -> Tensor:
             [o.min_p for o in options],
         ],
         dtype=torch.float64,
-    ).to(device)
+    ).to(device, non_blocking=True)
     top_k, top_p, min_p = params[0], params[1].to(probs.dtype), params[2].to(probs.dtype)
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     ranks = torch.arange(probs.shape[1], device=device).unsqueeze(0)
