@@ -343,3 +343,60 @@ def test_pauses_and_weight_updates_under_load_keep_their_promises(
     for t in tracked:
         _assert_heard_once(t)
     assert engine.call(engine.is_idle)
+
+
+async def test_over_http_a_finished_request_reports_only_its_own_tokens(
+    tiny_model: EngineModel, tiny_llama_path: Path
+) -> None:
+    """Streamed over `/generate` beside longer requests (overlapped steps): the request stopped by a stop id
+    at step n reports `completion_tokens`, `output_ids` and logprobs of exactly n tokens, in every event."""
+    import asyncio
+    import json
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from asyncrl_sglang.builtin.server import BuiltinServer, ServerArgs
+
+    engine = Engine(tiny_model, max_running_requests=4)
+    engine.start()
+    args = ServerArgs(model_path=str(tiny_llama_path), served_model_name="tiny", tokenizer_path=None)
+    server = BuiltinServer(engine, None, args)
+    server.ready = True
+    client: TestClient[Any, Any] = TestClient(TestServer(server.app, host="127.0.0.1"))
+    await client.start_server()
+    try:
+        seeded = {"temperature": 1.0, "top_p": 0.9, "sampling_seed": 17, "max_new_tokens": 16}
+
+        async def stream(params: dict[str, Any]) -> list[dict[str, Any]]:
+            body = {
+                "input_ids": PROMPTS[1],
+                "stream": True,
+                "return_logprob": True,
+                "sampling_params": params,
+            }
+            response = await client.post("/generate", json=body)
+            chunks = [c for c in (await response.text()).split("\n\n") if c]
+            assert chunks[-1] == "data: [DONE]"
+            return [json.loads(c.removeprefix("data: ")) for c in chunks[:-1]]
+
+        reference = (await stream({**seeded, "ignore_eos": True}))[-1]["output_ids"]
+        stop_at = reference[6]
+        expected = reference[: reference.index(stop_at) + 1]
+        long = {**seeded, "max_new_tokens": 40, "ignore_eos": True}
+        stopped, *_ = await asyncio.gather(
+            stream({**seeded, "ignore_eos": True, "stop_token_ids": [stop_at]}), stream(long), stream(long)
+        )
+    finally:
+        await client.close()
+        await asyncio.to_thread(engine.stop)
+    final = stopped[-1]
+    assert final["output_ids"] == expected
+    assert final["meta_info"]["completion_tokens"] == len(expected)
+    assert len(final["meta_info"]["output_token_logprobs"]) == len(expected)
+    assert final["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_at}
+    assert [e["meta_info"]["finish_reason"] for e in stopped[:-1]] == [None] * (len(stopped) - 1)
+    for event in stopped:
+        count = len(event["output_ids"])
+        assert event["output_ids"] == expected[:count]
+        assert event["meta_info"]["completion_tokens"] == count
+        assert len(event["meta_info"]["output_token_logprobs"]) == count

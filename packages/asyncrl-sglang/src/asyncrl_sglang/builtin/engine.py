@@ -604,14 +604,18 @@ class Engine:
 
     def _continues(self, step: _LaunchedStep) -> bool:
         """Whether the next decode step may launch from `step`'s ids before the host reads them: the running
-        batch stays the step's (no admission due), the KV cache holds one more position for every row, and
-        fewer than a quarter of the rows are finished requests (decoded for nothing until a sync frees them).
+        batch stays the step's (no admission due), the KV cache holds one more position for every row, fewer
+        than a quarter of the rows are finished requests (decoded for nothing until a sync frees them), and
+        some request goes on after `step`'s token (when every one ends there by length, the next step would
+        be wasted whole: a batch of equal lengths ends as without overlap).
         """
         running = self.running
         if running != step.requests:  # requests compare by identity
             return False
-        finished = sum(1 for r in running if r.finished)
-        if 4 * finished >= len(running) or self._admission_due():
+        live = [r for r in running if not r.finished]
+        if 4 * (len(running) - len(live)) >= len(running) or self._admission_due():
+            return False
+        if all(self._ends_by_length(r, len(r.output_ids) + 1) for r in live):
             return False
         needed = min(max(self._decode_positions(pending=1)) + 2, self.context_length)
         return self._cache is not None and self._cache.capacity >= needed
@@ -796,6 +800,13 @@ class Engine:
             elif request.stream:
                 self._notify(request, False)
 
+    def _ends_by_length(self, request: Request, num_output: int) -> bool:
+        """Whether `num_output` output tokens end `request` by `max_new_tokens` or the context length."""
+        limit = request.options.max_new_tokens
+        return (limit is not None and num_output >= limit) or (
+            len(request.prompt_ids) + num_output >= self.context_length
+        )
+
     def _finish_reason(self, request: Request, token: int) -> dict[str, Any] | None:
         options = request.options
         num_output = len(request.output_ids)
@@ -806,9 +817,7 @@ class Engine:
                 return {"type": "stop", "matched": token}
             if matched is not None:
                 return {"type": "stop", "matched": matched}
-        if options.max_new_tokens is not None and num_output >= options.max_new_tokens:
-            return {"type": "length", "length": num_output}
-        if request.num_tokens >= self.context_length:
+        if self._ends_by_length(request, num_output):
             return {"type": "length", "length": num_output}
         return None
 
