@@ -116,7 +116,20 @@ def parse_args() -> argparse.Namespace:
         help="measure the rows and the agentic workload with the decode kernel on, then off, `--rounds` "
         "times, in this process, and print them side by side",
     )
-    parser.add_argument("--rounds", type=int, default=1, help="rounds of --compare-decode-kernel")
+    parser.add_argument(
+        "--no-fused-kernels",
+        action="store_true",
+        help="the model runs torch's elementwise ops instead of the fused Triton kernels (residual add + "
+        "RMSNorm, rotary embedding + KV cache write, SiLU * up) (CUDA)",
+    )
+    parser.add_argument(
+        "--compare-fused-kernels",
+        action="store_true",
+        help="like --compare-decode-kernel, for the fused kernels: on, then off, `--rounds` times",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="rounds of --compare-decode-kernel / --compare-fused-kernels"
+    )
     parser.add_argument(
         "--profile",
         metavar="FILE",
@@ -155,6 +168,8 @@ def build_models(args: argparse.Namespace, device: torch.device, dtype: torch.dt
     engine_model.load_named_tensors([(n, state[n]) for n in sorted(engine_model.required_names())])
     if args.no_decode_kernel:
         engine_model.decode_kernel = False
+    if args.no_fused_kernels:
+        engine_model.fused_kernels = False
     return hf, engine_model, description
 
 
@@ -452,20 +467,34 @@ def main() -> int:
         reference = hf(check.unsqueeze(0)).logits[0].float()
         difference = (engine_model.forward_logits(check) - reference).abs().max().item()
     print(f"same model: max |engine logits - transformers logits| = {difference:.3g}", flush=True)
-    if args.compare_decode_kernel and not engine_model.decode_kernel:
-        print("--compare-decode-kernel needs the decode kernel (CUDA with Triton)", file=sys.stderr)
+    # The model attribute that --compare-* switches, and what its "off" runs instead.
+    compared = {
+        "decode_kernel": (args.compare_decode_kernel, "decode kernel", "masked SDPA"),
+        "fused_kernels": (args.compare_fused_kernels, "fused kernels", "torch's elementwise ops"),
+    }
+    chosen = [name for name, (asked, _, _) in compared.items() if asked]
+    if len(chosen) > 1:
+        print("--compare-decode-kernel and --compare-fused-kernels are one at a time", file=sys.stderr)
         return 2
-    default_kernel = engine_model.decode_kernel
-    variants = [None] if not args.compare_decode_kernel else [True, False] * args.rounds
+    switch = chosen[0] if chosen else None
+    if switch is not None and not getattr(engine_model, switch):
+        print(
+            f"--compare-{switch.replace('_', '-')} needs the {compared[switch][1]} (CUDA with Triton)",
+            file=sys.stderr,
+        )
+        return 2
+    variants = [None] if switch is None else [True, False] * args.rounds
     measured: list[tuple[bool | None, list[dict[str, Any]], dict[str, Any] | None]] = []
-    for kernel in variants:
-        if kernel is not None:
-            engine_model.decode_kernel = kernel
-            print(f"\n-- decode kernel {'on' if kernel else 'off (masked SDPA)'}", flush=True)
-        measured.append((kernel, *measure(args, engine_model, all_prompts, http_sizes, device, hf)))
+    for setting in variants:
+        if switch is not None and setting is not None:
+            setattr(engine_model, switch, setting)
+            _, label, instead = compared[switch]
+            print(f"\n-- {label} {'on' if setting else f'off ({instead})'}", flush=True)
+        measured.append((setting, *measure(args, engine_model, all_prompts, http_sizes, device, hf)))
+    if switch is not None:
+        setattr(engine_model, switch, True)
     _, rows, agentic = measured[0]
     if args.profile:
-        engine_model.decode_kernel = default_kernel
         profile_agentic(args, engine_model, device, Path(args.profile))
     result = {
         "agentic": agentic,
@@ -475,12 +504,11 @@ def main() -> int:
         "model": description,
         "max_logit_difference": difference,
         "rows": rows,
-        "decode_kernel_variants": [
-            {"decode_kernel": kernel, "rows": r, "agentic": a}
-            for kernel, r, a in measured
-            if kernel is not None
-        ],
     }
+    if switch is not None:
+        result[f"{switch}_variants"] = [
+            {switch: setting, "rows": r, "agentic": a} for setting, r, a in measured
+        ]
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(result, indent=2))
     print("\ntokens/s        " + "  ".join(f"{'B=' + str(r['batch']):>10}" for r in rows))
@@ -500,8 +528,8 @@ def main() -> int:
             f"{agentic['prefill_tokens']} tokens, {agentic['cached_tokens']} from the prefix cache, prefill "
             f"{100 * agentic['prefill_busy_share']:.0f}% of the time"
         )
-    if args.compare_decode_kernel:
-        print("\nside by side (decode kernel on / off, alternating):")
+    if switch is not None:
+        print(f"\nside by side ({compared[switch][1]} on / off, alternating):")
         print(
             f"{'kernel':>8} {'fixed B=' + str(largest):>14} {'agentic':>10} {'ratio':>6} "
             f"{'prefill share':>14}"
