@@ -83,6 +83,8 @@ class EngineCounterWindow:
 
         rollouts = list(self.workers.rollouts)
         refs: list[Any] = [rollout.engine_counters.remote(self.timeout_s) for rollout in rollouts]
+        if not refs:
+            return []
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s + 1.0)
         readings: list[EngineCounters | None] = []
         for index, ref in enumerate(refs):
