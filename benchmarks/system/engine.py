@@ -123,6 +123,17 @@ def parse_args() -> argparse.Namespace:
         "times, in this process, and print them side by side",
     )
     parser.add_argument(
+        "--no-fused-kernels",
+        action="store_true",
+        help="the model runs torch's elementwise ops instead of the fused Triton kernels (residual add + "
+        "RMSNorm, rotary embedding + KV cache write, SiLU * up) (CUDA)",
+    )
+    parser.add_argument(
+        "--compare-fused-kernels",
+        action="store_true",
+        help="like --compare-decode-kernel, for the fused kernels: on, then off, `--rounds` times",
+    )
+    parser.add_argument(
         "--disable-overlap-schedule",
         action="store_true",
         help="the engine reads each decode step's tokens before launching the next (SGLang's flag)",
@@ -130,11 +141,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--compare-overlap",
         action="store_true",
-        help="measure the rows and the agentic workload with the overlap scheduler on, then off, `--rounds` "
-        "times, in this process, and print them side by side",
+        help="like --compare-decode-kernel, for the engine's overlap scheduler: on, then off, `--rounds` times",
     )
     parser.add_argument(
-        "--rounds", type=int, default=1, help="rounds of --compare-decode-kernel or --compare-overlap"
+        "--rounds",
+        type=int,
+        default=1,
+        help="rounds of --compare-decode-kernel / --compare-fused-kernels / --compare-overlap",
     )
     parser.add_argument(
         "--profile",
@@ -174,6 +187,8 @@ def build_models(args: argparse.Namespace, device: torch.device, dtype: torch.dt
     engine_model.load_named_tensors([(n, state[n]) for n in sorted(engine_model.required_names())])
     if args.no_decode_kernel:
         engine_model.decode_kernel = False
+    if args.no_fused_kernels:
+        engine_model.fused_kernels = False
     return hf, engine_model, description
 
 
@@ -471,28 +486,42 @@ def main() -> int:
         reference = hf(check.unsqueeze(0)).logits[0].float()
         difference = (engine_model.forward_logits(check) - reference).abs().max().item()
     print(f"same model: max |engine logits - transformers logits| = {difference:.3g}", flush=True)
-    if args.compare_decode_kernel and not engine_model.decode_kernel:
-        print("--compare-decode-kernel needs the decode kernel (CUDA with Triton)", file=sys.stderr)
+    # What --compare-* switches (a model attribute, or the engine option OVERLAP), and what "off" runs instead.
+    compared = {
+        "decode_kernel": (args.compare_decode_kernel, "decode kernel", "masked SDPA"),
+        "fused_kernels": (args.compare_fused_kernels, "fused kernels", "torch's elementwise ops"),
+        OVERLAP: (args.compare_overlap, "overlap scheduler", "each step read before the next launch"),
+    }
+    chosen = [name for name, (asked, _, _) in compared.items() if asked]
+    if len(chosen) > 1:
+        print(
+            "--compare-decode-kernel, --compare-fused-kernels and --compare-overlap are one at a time",
+            file=sys.stderr,
+        )
         return 2
-    if args.compare_decode_kernel and args.compare_overlap:
-        print("--compare-decode-kernel and --compare-overlap: one comparison per run", file=sys.stderr)
+    switch = chosen[0] if chosen else None
+    if switch is not None and switch != OVERLAP and not getattr(engine_model, switch):
+        print(
+            f"--compare-{switch.replace('_', '-')} needs the {compared[switch][1]} (CUDA with Triton)",
+            file=sys.stderr,
+        )
         return 2
-    default_kernel = engine_model.decode_kernel
-    # A variant: None (one measurement as configured), or the compared setting on (True) or off (False).
-    variants = [True, False] * args.rounds if args.compare_decode_kernel or args.compare_overlap else [None]
+    variants = [None] if switch is None else [True, False] * args.rounds
     measured: list[tuple[bool | None, list[dict[str, Any]], dict[str, Any] | None]] = []
-    for variant in variants:
+    for setting in variants:
         variant_args = args
-        if variant is not None and args.compare_decode_kernel:
-            engine_model.decode_kernel = variant
-            print(f"\n-- decode kernel {'on' if variant else 'off (masked SDPA)'}", flush=True)
-        if variant is not None and args.compare_overlap:
-            variant_args = argparse.Namespace(**{**vars(args), "disable_overlap_schedule": not variant})
-            print(f"\n-- overlap scheduler {'on' if variant else 'off'}", flush=True)
-        measured.append((variant, *measure(variant_args, engine_model, all_prompts, http_sizes, device, hf)))
+        if switch is not None and setting is not None:
+            if switch == OVERLAP:
+                variant_args = argparse.Namespace(**{**vars(args), "disable_overlap_schedule": not setting})
+            else:
+                setattr(engine_model, switch, setting)
+            _, label, instead = compared[switch]
+            print(f"\n-- {label} {'on' if setting else f'off ({instead})'}", flush=True)
+        measured.append((setting, *measure(variant_args, engine_model, all_prompts, http_sizes, device, hf)))
+    if switch is not None and switch != OVERLAP:
+        setattr(engine_model, switch, True)
     _, rows, agentic = measured[0]
     if args.profile:
-        engine_model.decode_kernel = default_kernel
         profile_agentic(args, engine_model, device, Path(args.profile))
     result = {
         "agentic": agentic,
@@ -502,17 +531,11 @@ def main() -> int:
         "model": description,
         "max_logit_difference": difference,
         "rows": rows,
-        "decode_kernel_variants": [
-            {"decode_kernel": kernel, "rows": r, "agentic": a}
-            for kernel, r, a in measured
-            if kernel is not None and args.compare_decode_kernel
-        ],
-        "overlap_variants": [
-            {"overlap_schedule": overlap, "rows": r, "agentic": a}
-            for overlap, r, a in measured
-            if overlap is not None and args.compare_overlap
-        ],
     }
+    if switch is not None:
+        result[f"{switch}_variants"] = [
+            {switch: setting, "rows": r, "agentic": a} for setting, r, a in measured
+        ]
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(result, indent=2))
     print("\ntokens/s        " + "  ".join(f"{'B=' + str(r['batch']):>10}" for r in rows))
@@ -532,8 +555,8 @@ def main() -> int:
             f"{agentic['prefill_tokens']} tokens, {agentic['cached_tokens']} from the prefix cache, prefill "
             f"{100 * agentic['prefill_busy_share']:.0f}% of the time"
         )
-    if args.compare_decode_kernel:
-        print("\nside by side (decode kernel on / off, alternating):")
+    if switch is not None:
+        print(f"\nside by side ({compared[switch][1]} on / off, alternating):")
         print(
             f"{'kernel':>8} {'fixed B=' + str(largest):>14} {'agentic':>10} {'ratio':>6} "
             f"{'prefill share':>14}"
@@ -547,8 +570,8 @@ def main() -> int:
                 f"{'on' if kernel else 'off':>8} {fixed:14.1f} {a['tokens_per_s']:10.1f} "
                 f"{a['over_fixed']:6.2f} {100 * a['prefill_busy_share']:13.0f}%"
             )
-    if args.compare_overlap:
-        print_overlap_comparison(measured)
+    if switch is not None:
+        print_ratios(measured, compared[switch][1])
     for r in rows:
         if "hf_continuous_batching_error" in r:
             error = r["hf_continuous_batching_error"]
@@ -556,24 +579,28 @@ def main() -> int:
     return 0
 
 
-def print_overlap_comparison(
-    measured: list[tuple[bool | None, list[dict[str, Any]], dict[str, Any] | None]],
+OVERLAP = "overlap_schedule"
+"""The engine option `--compare-overlap` switches (`Engine(overlap_schedule=...)`)."""
+
+
+def print_ratios(
+    measured: list[tuple[bool | None, list[dict[str, Any]], dict[str, Any] | None]], label: str
 ) -> None:
-    """The engine's tokens/s of each round with the overlap scheduler on and off, then on / off of the
-    rounds' means (rounds alternate, so a drift of the machine falls on both)."""
+    """The engine's tokens/s of every row and the agentic workload in each round, on and off, then on / off
+    of the rounds' means (rounds alternate, so a drift of the machine falls on both)."""
     columns = [f"B={row['batch']}" for row in measured[0][1]] + (["agentic"] if measured[0][2] else [])
 
     def figures(rows: list[dict[str, Any]], agentic: dict[str, Any] | None) -> list[float]:
         return [row["engine"] for row in rows] + ([agentic["tokens_per_s"]] if agentic else [])
 
-    print("\nside by side (engine tokens/s, overlap scheduler on / off, alternating):")
-    print(f"{'overlap':>8} " + " ".join(f"{c:>12}" for c in columns))
-    for overlap, rows, agentic in measured:
-        print(f"{'on' if overlap else 'off':>8} " + " ".join(f"{v:12.1f}" for v in figures(rows, agentic)))
+    print(f"\nengine tokens/s, {label} on / off:")
+    print(f"{'':>8} " + " ".join(f"{c:>12}" for c in columns))
+    for setting, rows, agentic in measured:
+        print(f"{'on' if setting else 'off':>8} " + " ".join(f"{v:12.1f}" for v in figures(rows, agentic)))
     means = {
         state: [
             sum(values) / len(values)
-            for values in zip(*(figures(r, a) for o, r, a in measured if o is state), strict=True)
+            for values in zip(*(figures(r, a) for s, r, a in measured if s is state), strict=True)
         ]
         for state in (True, False)
     }

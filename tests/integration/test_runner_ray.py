@@ -49,6 +49,10 @@ def test_async_run_in_each_pause_mode(tmp_path: Path, tiny_llama_path: Path, pau
     run_dir = run(config)
     records = _check_every_step_logged(run_dir, 2, (*metrics.EVERY_STEP, *metrics.ASYNC_MODE_ONLY))
     assert [record[metrics.WEIGHT_VERSION] for record in records] == [1.0, 2.0]
+    # The engines' work between step ends, from their counters: present every step, some in the run.
+    for name in (metrics.ENGINE_PREFILL_S, metrics.ENGINE_NUM_GENERATED_TOKENS):
+        assert all(record[name] >= 0 for record in records)
+        assert sum(record[name] for record in records) > 0
     assert records[0][metrics.TRAIN_KL] == pytest.approx(0.0, abs=1e-6)  # the policy starts as the reference
     # The evaluation started at the last step runs beside training and is logged when it ends.
     evaluations = [record for record in read_metrics(run_dir) if metrics.EVAL_REWARD_MEAN in record]
@@ -73,6 +77,9 @@ def test_sync_run_evaluates_and_resumes(tmp_path: Path, tiny_llama_path: Path) -
     records = _check_every_step_logged(run_dir, 2, (*metrics.EVERY_STEP, metrics.TIME_ROLLOUT))
     for record in records:
         assert record[metrics.DATA_STALENESS_MEAN] == 0.0  # sync mode trains on fresh data only
+        # Every rollout phase prefills the batch's prompts and generates its tokens.
+        assert record[metrics.ENGINE_PREFILL_S] > 0
+        assert record[metrics.ENGINE_NUM_GENERATED_TOKENS] >= record[metrics.NUM_MODEL_TOKENS] > 0
         assert metrics.EVAL_REWARD_MEAN in record
     resumed = run_config(
         tmp_path,

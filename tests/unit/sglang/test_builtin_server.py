@@ -15,12 +15,17 @@ from aiohttp import ClientResponse
 from aiohttp.test_utils import TestClient, TestServer
 from pydantic import TypeAdapter
 
+from asyncrl_core import metrics
+from asyncrl_core.config import load_config
+from asyncrl_core.errors import EngineUnavailableError
+from asyncrl_sglang.backend import SGLangBackend
 from asyncrl_sglang.builtin.engine import Engine
 from asyncrl_sglang.builtin.model import EngineModel
 from asyncrl_sglang.builtin.server import BuiltinServer, ServerArgs, encode_safetensors
 from asyncrl_sglang.wire import GenerateResponse
 
 WAIT_S = 60.0
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 GENERATE_RESPONSES = TypeAdapter(list[GenerateResponse])
 Factory = Callable[..., Any]
 
@@ -595,3 +600,33 @@ async def test_get_weights_by_name_reads_back_what_the_engine_holds(
     assert response.status == 200
     assert len(await _json(response)) == 2
     assert (await client.post("/get_weights_by_name", json={})).status == 400
+
+
+async def test_engine_counters_read_prefill_time_and_generated_tokens(make_client: Factory) -> None:
+    # The rollout backend's reading of an engine's cumulative counters (the runner's `rollout/engine/*`).
+    config = load_config(EXAMPLES / "searchr1-mini.yaml", [])
+    backend = SGLangBackend(config)
+    client, _ = await make_client(enable_metrics=True)
+    url = str(client.make_url("/"))
+    before = await backend.engine_counters(url, timeout_s=5.0)
+    assert before == {metrics.ENGINE_PREFILL_S: 0.0, metrics.ENGINE_NUM_GENERATED_TOKENS: 0.0}
+    status, _ = await _generate(
+        client, text="a b c", sampling_params={"max_new_tokens": 4, "ignore_eos": True}
+    )
+    assert status == 200
+    after = before
+    async with asyncio.timeout(WAIT_S):  # the engine publishes its counters once per scheduler iteration
+        while after[metrics.ENGINE_NUM_GENERATED_TOKENS] < 4:
+            await asyncio.sleep(0.01)
+            after = await backend.engine_counters(url, timeout_s=5.0)
+    assert after[metrics.ENGINE_NUM_GENERATED_TOKENS] == 4
+    assert after[metrics.ENGINE_PREFILL_S] > 0
+    # Without `/metrics` the tokens are not reported (left out, not 0); the prefill time still is.
+    quiet, _ = await make_client(enable_metrics=False)
+    assert set(await backend.engine_counters(str(quiet.make_url("/")), timeout_s=5.0)) == {
+        metrics.ENGINE_PREFILL_S
+    }
+    # An engine that does not answer fails the reading within its bound.
+    await client.close()
+    with pytest.raises(EngineUnavailableError):
+        await backend.engine_counters(url, timeout_s=2.0)

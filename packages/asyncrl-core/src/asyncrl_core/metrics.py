@@ -83,6 +83,19 @@ RESPONSE_LEN_MEAN: Final = "rollout/response_len/mean"
 NUM_MODEL_TOKENS: Final = "rollout/num_model_tokens"
 """Tokens the model generated for the step's trajectories (observation tokens excluded)."""
 
+# --- rollout/engine/*: what the engines did during the step's rollout (sync mode: the rollout phase; async
+# mode: from the previous step's end to this one's), from their cumulative counters read at both ends and
+# summed over the engines. A counter that went back (a restarted engine) counts from 0. Left out of a step
+# when an engine does not report the counter or could not be read.
+
+ENGINE_PREFILL_S: Final = "rollout/engine/prefill_s"
+"""Seconds the engines spent in prefill (`total_prefill_busy_us` of SGLang's `/v1/loads`), summed over the
+engines: over `time/rollout` (sync) or `time/step` (async), the share of the rollout that went to prefill."""
+ENGINE_NUM_GENERATED_TOKENS: Final = "rollout/engine/num_generated_tokens"
+"""Tokens the engines generated (`sglang:generation_tokens_total` of their `/metrics`), whichever group they
+went to: in async mode the work of the step's window, where `rollout/num_model_tokens` counts the trained
+groups' tokens, generated in earlier steps too."""
+
 # --- rollout/*: what the step's trajectories did, summed or averaged from their `Trajectory.metrics`
 
 TOOL_CALLS: Final = "rollout/tool_calls"

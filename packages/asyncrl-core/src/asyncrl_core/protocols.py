@@ -174,6 +174,12 @@ class RolloutBackend(Protocol):
         (`rollout.pause_mode`); returns the sync's step metrics (`time/sync_weights`, ...)."""
         ...
 
+    async def engine_counters(self, url: str, *, timeout_s: float) -> Mapping[str, float]:
+        """The cumulative counters of the engine at `url` now, each by the name of the step metric its
+        growth makes (`metrics.ENGINE_PREFILL_S`, `metrics.ENGINE_NUM_GENERATED_TOKENS`); a counter the
+        engine does not report is left out. Answers within `timeout_s` or raises."""
+        ...
+
     async def close_weight_transport(self, client: EngineClient, transport: object) -> None:
         """Undo what `transport` set up with the engines of `client` (the process group of a broadcast
         transport: left on the engines and here), so that engines that outlive the run (`launch:

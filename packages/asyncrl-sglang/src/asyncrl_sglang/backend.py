@@ -6,11 +6,13 @@ by `rollout.sglang.weight_transport` (`weight_sync`).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from asyncrl_core.errors import EngineControlError
+from asyncrl_sglang.client import ClientTimeouts, RetryPolicy, SGLangClient
 from asyncrl_sglang.launcher import LaunchedEngines, connect_engines, launch_engines
 from asyncrl_sglang.pool import EnginePool
 from asyncrl_sglang.weight_sync import (
@@ -99,6 +101,18 @@ class SGLangBackend:
             await transport.connect(client)  # once: the group is kept for the next syncs
         result = await sync_weights(client, buckets, version, mode=_MODES[mode], transport=transport)
         return result.metrics()
+
+    async def engine_counters(self, url: str, *, timeout_s: float) -> dict[str, float]:
+        """`SGLangClient.engine_counters` of the engine at `url`: one attempt, bounded by `timeout_s`."""
+        timeouts = ClientTimeouts(connect_s=timeout_s, control_s=timeout_s)
+        client = SGLangClient(
+            url,
+            api_key=self.config.rollout.sglang.api_key,
+            timeouts=timeouts,
+            retry=RetryPolicy(max_attempts=1),
+        )
+        async with client, asyncio.timeout(timeout_s):
+            return await client.engine_counters()
 
     async def close_weight_transport(self, client: EngineClient, transport: object) -> None:
         """Dissolve the `distributed` transport's group on the engines (`/destroy_weights_update_group`)

@@ -39,6 +39,7 @@ from asyncrl_core.errors import (
     EngineUnavailableError,
     GenerationError,
 )
+from asyncrl_core.metrics import ENGINE_NUM_GENERATED_TOKENS, ENGINE_PREFILL_S
 from asyncrl_core.types import Generation, SamplingParams
 from asyncrl_sglang._schema import generate_body, parse_generation, parse_version, version_label
 from asyncrl_sglang.tensor_codec import TensorCodecError, encode_tensors
@@ -50,6 +51,7 @@ from asyncrl_sglang.wire import (
     DestroyWeightsUpdateGroupRequest,
     GetWeightsByNameRequest,
     InitWeightsUpdateGroupRequest,
+    LoadsReply,
     ModelInfo,
     UpdateResult,
     UpdateWeightsFromDistributedRequest,
@@ -74,6 +76,8 @@ if TYPE_CHECKING:
 JsonObject = dict[str, object]
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
+_GENERATION_TOKENS = "sglang:generation_tokens_total"
+"""SGLang's counter of generated tokens in `/metrics`."""
 _NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 _MAYBE_SENT = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError, httpx.WriteTimeout)
 
@@ -644,6 +648,39 @@ class SGLangClient:
         """Load report: `/v1/loads` (JSON object with a `loads` list), or the legacy `/get_load` list."""
         return self._json((await self._get(("/v1/loads", "/get_load")))[1])
 
+    async def engine_counters(self) -> dict[str, float]:
+        """The engine's cumulative counters, by the name of the step metric their growth makes:
+        `ENGINE_PREFILL_S`, seconds from `/v1/loads`' `total_prefill_busy_us` summed over the data-parallel
+        ranks, and `ENGINE_NUM_GENERATED_TOKENS` from `/metrics`' `sglang:generation_tokens_total`. A counter
+        the server does not report (a server without `/v1/loads` or that key, metrics off) is left out; any
+        other failure raises (`EngineControlError`, `EngineUnavailableError`)."""
+        loads_response, values = await asyncio.gather(
+            self._send(
+                "GET",
+                "/v1/loads",
+                params={"include": "core"},
+                timeout_s=self.timeouts.control_s,
+                idempotent=True,
+            ),
+            self._metrics_values(),
+        )
+        counters: dict[str, float] = {}
+        if loads_response.status_code not in (200, 404):
+            raise self._control_error("/v1/loads", loads_response)
+        if loads_response.status_code == 200:
+            try:
+                reply = parse_json(LoadsReply, loads_response.content)
+            except WireError as error:
+                raise EngineControlError(
+                    f"{self.base_url}/v1/loads answered an unexpected body: {error}"
+                ) from None
+            busy_us = [load.total_prefill_busy_us for load in reply.loads]
+            if busy_us and all(value is not None for value in busy_us):
+                counters[ENGINE_PREFILL_S] = sum(value or 0.0 for value in busy_us) / 1e6
+        if values is not None and _GENERATION_TOKENS in values:
+            counters[ENGINE_NUM_GENERATED_TOKENS] = values[_GENERATION_TOKENS]
+        return counters
+
     async def health(self) -> bool:
         """True when the server is up and past warmup (`/health` 200); False while it starts, shuts down or
         cannot be reached. One probe, no retries: poll it (`wait_healthy`)."""
@@ -673,19 +710,26 @@ class SGLangClient:
                 raise EngineUnavailableError(f"{self.base_url} was not healthy within {timeout_s:.0f} s")
             await asyncio.sleep(poll_interval_s)
 
-    async def metrics(self) -> EngineMetrics:
-        """The engine's saturation gauges from `/metrics` (needs the server flag `--enable-metrics`)."""
+    async def _metrics_values(self) -> dict[str, float] | None:
+        """Every sample of `/metrics` summed per name (`parse_prometheus`); None when the server serves no
+        metrics (404: started without `--enable-metrics`)."""
         response = await self._send("GET", "/metrics", timeout_s=self.timeouts.control_s, idempotent=True)
         if response.status_code == 404:
-            raise EngineControlError(
-                f"{self.base_url}/metrics answered 404: start the server with --enable-metrics"
-            )
+            return None
         if response.status_code != 200:
             raise self._control_error("/metrics", response)
         try:
-            values = parse_prometheus(response.text)
+            return parse_prometheus(response.text)
         except ValueError as error:
             raise EngineControlError(f"{self.base_url}/metrics is not Prometheus text: {error}") from None
+
+    async def metrics(self) -> EngineMetrics:
+        """The engine's saturation gauges from `/metrics` (needs the server flag `--enable-metrics`)."""
+        values = await self._metrics_values()
+        if values is None:
+            raise EngineControlError(
+                f"{self.base_url}/metrics answered 404: start the server with --enable-metrics"
+            )
         return EngineMetrics(
             num_running_requests=values.get("sglang:num_running_reqs", 0.0),
             num_queued_requests=values.get("sglang:num_queue_reqs", 0.0),

@@ -363,6 +363,22 @@ class LoadsQuery(BaseModel):
     """`prometheus` for Prometheus text; anything else is JSON, as in SGLang."""
 
 
+class RankLoad(BaseModel):
+    """One data-parallel rank's entry of `/v1/loads`: the keys asyncrl reads (the others are ignored)."""
+
+    model_config = _RESPONSE
+    dp_rank: int = 0
+    total_prefill_busy_us: float | None = None
+    """Microseconds the rank's scheduler has spent in prefill since it started (absent from older servers)."""
+
+
+class LoadsReply(BaseModel):
+    """`/v1/loads` in JSON: one entry per data-parallel rank."""
+
+    model_config = _RESPONSE
+    loads: list[RankLoad]
+
+
 class ModelInfo(BaseModel):
     """`/model_info` (SGLang 0.5.23 writes every one of these keys)."""
 

@@ -18,6 +18,7 @@ from asyncrl_core.runner.context import RunContext
 
 def run_async(ctx: RunContext) -> None:
     workers, liveness, batch_size = ctx.workers, ctx.liveness, ctx.config.data.rollout_batch_size
+    ctx.engine_counters.start()  # each step's `rollout/engine/*` count from the previous step's end
     liveness.serve()  # every agent loop's `serve.remote(buffer)`, watched beside the engines
     for step in range(ctx.start_step, ctx.config.runner.num_steps):
         started = time.perf_counter()
@@ -33,6 +34,7 @@ def run_async(ctx: RunContext) -> None:
                 **sync_metrics,
                 **buffer_metrics,
                 **liveness.end_step(),
+                **ctx.engine_counters.step_metrics(),
                 metrics.TIME_WAIT_DATA: wait_s,
                 metrics.TIME_STEP: time.perf_counter() - started,
             },

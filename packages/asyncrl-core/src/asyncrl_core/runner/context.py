@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from asyncrl_core import metrics
 from asyncrl_core.runner import checkpoint
+from asyncrl_core.runner.engine_counters import EngineCounterWindow
 from asyncrl_core.runner.handoff import Handoff, train_calls
 from asyncrl_core.runner.ledger import LEDGER_FILE, write_json
 from asyncrl_core.runner.liveness import Liveness
@@ -52,6 +53,8 @@ class RunContext:
         """The step of the last checkpoint this run wrote or resumed from (none is written twice)."""
         self.liveness = Liveness(workers, run_dir)
         """The watch over engines and agent loops the drivers wait through."""
+        self.engine_counters = EngineCounterWindow(workers)
+        """The engines' counters over the step's rollout window, for the step's `rollout/engine/*`."""
 
     # --- driver helpers --------------------------------------------------------------------------------
 

@@ -88,6 +88,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="read each decode step's tokens before launching the next (no overlap of host and device work)",
     )
     parser.add_argument(
+        "--disable-fused-kernels",
+        action="store_true",
+        help="torch's elementwise ops instead of the fused Triton kernels (RMSNorm, rotary, SiLU) on CUDA",
+    )
+    parser.add_argument(
         "--disable-radix-cache",
         action="store_true",
         help="no prefix cache: every prefill computes all its tokens (cached_tokens stays 0)",
@@ -153,9 +158,13 @@ async def _serve(args: argparse.Namespace, model_path: Path, command: str) -> No
     loading = time.perf_counter()
     if args.random_weights:
         config = ModelConfig.from_dict(read_hf_config(model_path))
-        model = await asyncio.to_thread(EngineModel.random, config, device, dtype, args.random_seed)
+        model = await asyncio.to_thread(
+            EngineModel.random, config, device, dtype, args.random_seed, not args.disable_fused_kernels
+        )
     else:
-        model = await asyncio.to_thread(EngineModel.from_pretrained, model_path, device, dtype)
+        model = await asyncio.to_thread(
+            EngineModel.from_pretrained, model_path, device, dtype, not args.disable_fused_kernels
+        )
     load_weight_s = time.perf_counter() - loading
     tokenizer_path = args.tokenizer_path or str(model_path)
     tokenizer = _load_tokenizer(tokenizer_path)

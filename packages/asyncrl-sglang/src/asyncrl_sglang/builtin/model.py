@@ -14,7 +14,7 @@ Three entry points:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -26,6 +26,7 @@ from torch import Tensor
 from asyncrl_core.errors import AsyncRLError
 from asyncrl_core.models import read_hf_config
 from asyncrl_sglang.builtin import decode_attention
+from asyncrl_sglang.builtin import fused_kernels as fused
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
@@ -185,7 +186,9 @@ class EngineModel:
     Not thread-safe: the engine calls it from its one scheduler thread.
     """
 
-    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: ModelConfig, device: torch.device, dtype: torch.dtype, fused_kernels: bool = True
+    ) -> None:
         self.config = config
         self.device = device
         self.dtype = dtype
@@ -254,20 +257,30 @@ class EngineModel:
         self.decode_kernel = decode_attention.available(device)
         """Whether `decode` uses the Triton kernel that reads each row's KV up to its own length (CUDA with
         Triton; set False to measure the masked SDPA it replaces)."""
+        self._fused_requested = fused_kernels
+        self.fused_kernels = fused_kernels and fused.available(device)
+        """Whether the forwards use the fused Triton kernels (`fused_kernels.py`: residual add + RMSNorm,
+        rotary embedding + KV cache write, SiLU * up) instead of torch's elementwise ops: requested (the
+        default) and available (CUDA with Triton, first launches equal to torch). Set it to switch paths."""
 
     # ---------------------------------------------------------------------------------------------- loading
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+        cls,
+        path: str | Path,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        fused_kernels: bool = True,
     ) -> EngineModel:
-        """Build from a HuggingFace folder (`config.json` + `*.safetensors`); all parameters must be there."""
+        """Build from a HuggingFace folder (`config.json` + `*.safetensors`); all parameters must be there.
+        `fused_kernels=False` keeps torch's elementwise ops where the fused kernels would run."""
         folder = Path(path)
         try:
             raw = read_hf_config(folder)
         except AsyncRLError as error:
             raise ModelLoadError(str(error)) from None
         config = ModelConfig.from_dict(raw)
-        model = cls(config, torch.device(device), dtype)
+        model = cls(config, torch.device(device), dtype, fused_kernels)
         files = sorted(folder.glob("*.safetensors"))
         if not files:
             raise ModelLoadError(f"no *.safetensors file in {folder}")
@@ -290,9 +303,10 @@ class EngineModel:
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         seed: int = 0,
+        fused_kernels: bool = True,
     ) -> EngineModel:
         """A model with random weights (normal, std 0.02; norms at 1), for benchmarks."""
-        model = cls(config, torch.device(device), dtype)
+        model = cls(config, torch.device(device), dtype, fused_kernels)
         generator = torch.Generator().manual_seed(seed)
         for name in sorted(model.required_names()):
             view = model.named[name]
@@ -344,7 +358,7 @@ class EngineModel:
         """Move every parameter (and the rope tables) to `device`; the named views are rebuilt to match."""
         if device == self.device:
             return
-        moved = EngineModel(self.config, device, self.dtype)
+        moved = EngineModel(self.config, device, self.dtype, self._fused_requested)
         moved.load_named_tensors([(name, self.named[name]) for name in sorted(self.required_names())])
         self.__dict__.update(moved.__dict__)
 
@@ -358,27 +372,79 @@ class EngineModel:
         self._rope_cos = angles.cos().to(self.device, torch.float32)
         self._rope_sin = angles.sin().to(self.device, torch.float32)
 
-    def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """RoPE with the half-split (HuggingFace) layout; x [..., T, head_dim], cos/sin broadcastable."""
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return (x.float() * cos + rotated.float() * sin).to(x.dtype)
-
     def _rms_norm(self, x: Tensor, weight: Tensor) -> Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
-        return weight * xf.to(x.dtype)
+        if self.fused_kernels:
+            return fused.rms_norm(x, weight, self.config.rms_norm_eps)
+        return fused.torch_rms_norm(x, weight, self.config.rms_norm_eps)
 
-    def _project_qkv(self, layer: int, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _add_norm(self, x: Tensor, residual: Tensor | None, weight: Tensor) -> tuple[Tensor, Tensor]:
+        """(x + residual, RMSNorm of it): one kernel when fused; without a residual, x and its norm."""
+        if residual is None:
+            return x, self._rms_norm(x, weight)
+        if self.fused_kernels:
+            return fused.add_rms_norm(x, residual, weight, self.config.rms_norm_eps)
+        x = x + residual
+        return x, fused.torch_rms_norm(x, weight, self.config.rms_norm_eps)
+
+    def _project_qkv(self, layer: int, h: Tensor) -> Tensor:
+        """The fused q|k|v projection [..., (heads + 2 kv_heads) * head_dim]."""
+        return F.linear(h, self.qkv[layer], self.qkv_bias[layer])
+
+    def _split_qkv(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         c = self.config
-        qkv = F.linear(h, self.qkv[layer], self.qkv_bias[layer])
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         return qkv[..., :q_size], qkv[..., q_size : q_size + kv_size], qkv[..., q_size + kv_size :]
 
-    def _mlp(self, layer: int, x: Tensor) -> Tensor:
-        h = self._rms_norm(x, self.mlp_norm[layer])
-        gate, up = F.linear(h, self.gate_up[layer]).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down[layer])
+    def _rotary(
+        self,
+        qkv: Tensor,
+        positions: Tensor,
+        cache: tuple[Tensor, Tensor] | None = None,
+        slots: Tensor | None = None,
+        write_positions: Tensor | None = None,
+    ) -> None:
+        """The fused rotary kernel on q|k|v in place (and the K/V cache write); see `fused_kernels.rotary`."""
+        c = self.config
+        fused.rotary(
+            qkv,
+            positions,
+            self._rope_cos,
+            self._rope_sin,
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            cache,
+            slots,
+            write_positions,
+        )
+
+    def _heads(self, qkv: Tensor, batch: int, length: int) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v of a q|k|v projection [B, T, ...] as [B, heads, T, head_dim] views."""
+        c = self.config
+        q, k, v = self._split_qkv(qkv)
+        return (
+            q.view(batch, length, c.num_heads, c.head_dim).transpose(1, 2),
+            k.view(batch, length, c.num_kv_heads, c.head_dim).transpose(1, 2),
+            v.view(batch, length, c.num_kv_heads, c.head_dim).transpose(1, 2),
+        )
+
+    def _silu_mul(self, gate_up: Tensor) -> Tensor:
+        if self.fused_kernels:
+            return fused.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def _layers(self, x: Tensor, attend: Callable[[int, Tensor], Tensor]) -> Tensor:
+        """The decoder layers over the residual stream x [..., hidden]. `attend(layer, h)` maps the normed
+        input to the attention's output [..., heads * head_dim] (before o_proj). Each residual add is done
+        with the norm after it (one kernel when fused); the last layer's is done alone."""
+        residual: Tensor | None = None
+        for layer in range(self.config.num_layers):
+            x, h = self._add_norm(x, residual, self.attn_norm[layer])
+            attention = F.linear(attend(layer, h), self.o_proj[layer])
+            x, h = self._add_norm(x, attention, self.mlp_norm[layer])
+            residual = F.linear(self._silu_mul(F.linear(h, self.gate_up[layer])), self.down[layer])
+        return x if residual is None else x + residual
 
     def logits(self, hidden: Tensor) -> Tensor:
         """Final norm and LM head: hidden [..., hidden_size] -> float32 logits [..., vocab]."""
@@ -446,32 +512,33 @@ class EngineModel:
 
     def _forward_batch(self, input_ids: Tensor, cache: KVCache | None, slots: list[int] | None) -> Tensor:
         """input_ids [B, T] from position 0 -> hidden states [B, T, hidden]; K/V go to `slots` of `cache`."""
-        c = self.config
         batch, length = input_ids.shape
         self._ensure_rope(length)
         cos, sin = self._rope_cos[:length], self._rope_sin[:length]
         slot_index = None if slots is None else torch.tensor(slots, device=self.device)
-        x = self.embed[input_ids]
-        for layer in range(c.num_layers):
-            h = self._rms_norm(x, self.attn_norm[layer])
-            q, k, v = self._project_qkv(layer, h)
-            # [B, T, heads * D] -> [B, heads, T, D]
-            q = self._rotate(q.view(batch, length, c.num_heads, c.head_dim).transpose(1, 2), cos, sin)
-            k = self._rotate(k.view(batch, length, c.num_kv_heads, c.head_dim).transpose(1, 2), cos, sin)
-            v = v.view(batch, length, c.num_kv_heads, c.head_dim).transpose(1, 2)
-            if cache is not None and slot_index is not None:
-                cache.keys[layer][slot_index, :, :length] = k
-                cache.values[layer][slot_index, :, :length] = v
+        positions = torch.arange(length, device=self.device) if self.fused_kernels else None
+
+        def attend(layer: int, h: Tensor) -> Tensor:
+            qkv = self._project_qkv(layer, h)
+            if positions is not None:
+                kv = None if cache is None else (cache.keys[layer], cache.values[layer])
+                self._rotary(qkv, positions, kv, slot_index)
+                q, k, v = self._heads(qkv, batch, length)
+            else:
+                q, k, v = self._heads(qkv, batch, length)
+                q, k = fused.torch_rotate(q, cos, sin), fused.torch_rotate(k, cos, sin)
+                if cache is not None and slot_index is not None:
+                    cache.keys[layer][slot_index, :, :length] = k
+                    cache.values[layer][slot_index, :, :length] = v
             attn = self._prefill_attention(q, k, v, None)
-            x = x + F.linear(attn.transpose(1, 2).reshape(batch, length, -1), self.o_proj[layer])
-            x = self._mlp(layer, x)
-        return x
+            return attn.transpose(1, 2).reshape(batch, length, -1)
+
+        return self._layers(self.embed[input_ids], attend)
 
     def _forward_extend(
         self, input_ids: Tensor, lengths: list[int], cache: KVCache, slots: list[int], starts: list[int]
     ) -> Tensor:
         """input_ids [B, T] at positions `starts[b]..` of `slots[b]`, whose earlier KV is in `cache`."""
-        c = self.config
         batch, length = input_ids.shape
         device = self.device
         offsets = torch.arange(length, device=device)
@@ -480,33 +547,41 @@ class EngineModel:
         valid = offsets < torch.tensor(lengths, device=device).unsqueeze(1)
         # Padding writes its K/V at the last cache position, which the capacity rule keeps free.
         write_positions = torch.where(valid, positions, cache.capacity - 1)
-        attend = max(start + n for start, n in zip(starts, lengths, strict=True))
-        self._ensure_rope(attend)
-        cos = self._rope_cos[positions].unsqueeze(1)  # [B, 1, T, D]
-        sin = self._rope_sin[positions].unsqueeze(1)
+        attend_length = max(start + n for start, n in zip(starts, lengths, strict=True))
+        self._ensure_rope(attend_length)
+        fused_path = self.fused_kernels
+        # [B, 1, T, D] each, for the torch path.
+        rope = (
+            None
+            if fused_path
+            else (self._rope_cos[positions].unsqueeze(1), self._rope_sin[positions].unsqueeze(1))
+        )
         slot_index = torch.tensor(slots, device=device)
         slot_column = slot_index.unsqueeze(1)
         # [B, 1, T, L]: query at position p sees keys 0..p of its own slot.
-        mask = torch.arange(attend, device=device).view(1, 1, 1, attend) <= positions.view(
+        mask = torch.arange(attend_length, device=device).view(1, 1, 1, attend_length) <= positions.view(
             batch, 1, length, 1
         )
-        x = self.embed[input_ids]
-        for layer in range(c.num_layers):
-            h = self._rms_norm(x, self.attn_norm[layer])
-            q, k, v = self._project_qkv(layer, h)
-            q = self._rotate(q.view(batch, length, c.num_heads, c.head_dim).transpose(1, 2), cos, sin)
-            k = self._rotate(k.view(batch, length, c.num_kv_heads, c.head_dim).transpose(1, 2), cos, sin)
-            v = v.view(batch, length, c.num_kv_heads, c.head_dim).transpose(1, 2)
+
+        def attend(layer: int, h: Tensor) -> Tensor:
+            qkv = self._project_qkv(layer, h)
             layer_keys, layer_values = cache.keys[layer], cache.values[layer]
-            # Advanced indices around a slice put their dims first: the target is [B, T, kv_heads, D].
-            layer_keys[slot_column, :, write_positions] = k.transpose(1, 2)
-            layer_values[slot_column, :, write_positions] = v.transpose(1, 2)
-            keys = layer_keys[slot_index, :, :attend]
-            values = layer_values[slot_index, :, :attend]
+            if fused_path:
+                self._rotary(qkv, positions, (layer_keys, layer_values), slot_index, write_positions)
+                q = self._heads(qkv, batch, length)[0]
+            else:
+                assert rope is not None
+                q, k, v = self._heads(qkv, batch, length)
+                q, k = fused.torch_rotate(q, *rope), fused.torch_rotate(k, *rope)
+                # Advanced indices around a slice put their dims first: the target is [B, T, kv_heads, D].
+                layer_keys[slot_column, :, write_positions] = k.transpose(1, 2)
+                layer_values[slot_column, :, write_positions] = v.transpose(1, 2)
+            keys = layer_keys[slot_index, :, :attend_length]
+            values = layer_values[slot_index, :, :attend_length]
             attn = self._prefill_attention(q, keys, values, mask)
-            x = x + F.linear(attn.transpose(1, 2).reshape(batch, length, -1), self.o_proj[layer])
-            x = self._mlp(layer, x)
-        return x
+            return attn.transpose(1, 2).reshape(batch, length, -1)
+
+        return self._layers(self.embed[input_ids], attend)
 
     @torch.inference_mode()
     def decode(
@@ -528,8 +603,13 @@ class EngineModel:
         c = self.config
         batch = input_ids.shape[0]
         group = c.num_heads // c.num_kv_heads
-        cos = self._rope_cos[positions].unsqueeze(1)  # [B, 1, D]
-        sin = self._rope_sin[positions].unsqueeze(1)
+        fused_path = self.fused_kernels
+        # [B, 1, D] each, for the torch path.
+        rope = (
+            None
+            if fused_path
+            else (self._rope_cos[positions].unsqueeze(1), self._rope_sin[positions].unsqueeze(1))
+        )
         rows = torch.arange(batch, device=input_ids.device)
         if lengths is None:
             lengths = positions + 1
@@ -539,21 +619,27 @@ class EngineModel:
             mask = (torch.arange(attend_length, device=input_ids.device) < lengths.unsqueeze(1)).view(
                 batch, 1, 1, attend_length
             )
-        x = self.embed[input_ids]
-        for layer in range(c.num_layers):
-            h = self._rms_norm(x, self.attn_norm[layer])
-            q, k, v = self._project_qkv(layer, h)
-            q = self._rotate(q.view(batch, c.num_heads, c.head_dim), cos, sin)
-            k = self._rotate(k.view(batch, c.num_kv_heads, c.head_dim), cos, sin)
-            v = v.view(batch, c.num_kv_heads, c.head_dim)
+        row_lengths = lengths
+
+        def attend(layer: int, h: Tensor) -> Tensor:
+            qkv = self._project_qkv(layer, h)
             layer_keys, layer_values = cache.keys[layer], cache.values[layer]
-            layer_keys[rows, :, positions] = k
-            layer_values[rows, :, positions] = v
+            if fused_path:
+                # Row b writes its K/V into slot b at positions[b].
+                self._rotary(qkv, positions, (layer_keys, layer_values))
+                q = self._split_qkv(qkv)[0]
+            else:
+                assert rope is not None
+                q, k, v = self._split_qkv(qkv)
+                q = fused.torch_rotate(q.view(batch, c.num_heads, c.head_dim), *rope)
+                k = fused.torch_rotate(k.view(batch, c.num_kv_heads, c.head_dim), *rope)
+                layer_keys[rows, :, positions] = k
+                layer_values[rows, :, positions] = v.view(batch, c.num_kv_heads, c.head_dim)
             # Grouped-query attention without repeating K/V: the `group` query heads that share a KV head
             # become the query-length axis of one attention over that head.
-            q = q.view(batch, c.num_kv_heads, group, c.head_dim)
+            q = q.reshape(batch, c.num_kv_heads, group, c.head_dim)
             if mask is None:
-                attn = decode_attention.decode_attention(q, layer_keys, layer_values, lengths)
+                attn = decode_attention.decode_attention(q, layer_keys, layer_values, row_lengths)
             else:
                 attn = F.scaled_dot_product_attention(
                     q,
@@ -561,6 +647,6 @@ class EngineModel:
                     layer_values[:batch, :, :attend_length],
                     attn_mask=mask,
                 )
-            x = x + F.linear(attn.reshape(batch, -1), self.o_proj[layer])
-            x = self._mlp(layer, x)
-        return x
+            return attn.reshape(batch, -1)
+
+        return self._layers(self.embed[input_ids], attend)

@@ -28,7 +28,12 @@ from asyncrl_core.runner.workers.buffer import (
     group_metrics,
 )
 from asyncrl_core.runner.workers.common import PERMANENT_ERRORS, RunnerError, pin_to_cores
-from asyncrl_core.runner.workers.rollout import EngineEndpoint, EngineFailure, RolloutWorker
+from asyncrl_core.runner.workers.rollout import (
+    EngineCounters,
+    EngineEndpoint,
+    EngineFailure,
+    RolloutWorker,
+)
 
 __all__ = [
     "PERMANENT_ERRORS",
@@ -37,6 +42,7 @@ __all__ = [
     "BufferPort",
     "BufferState",
     "BufferWorker",
+    "EngineCounters",
     "EngineEndpoint",
     "EngineFailure",
     "LocalBufferPort",

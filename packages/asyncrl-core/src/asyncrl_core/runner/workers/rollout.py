@@ -3,10 +3,11 @@ backend; `EngineEndpoint`, where an engine answers."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -84,7 +85,10 @@ class RolloutWorker:
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._base_port = rollout.sglang.base_port
+        self._backend = backend
         self.engines = self._launch(self._base_port)
+        self.num_restarts = 0
+        """Restarts of the engine process so far (`engine_counters` tells its readings apart by it)."""
 
     def endpoint(self) -> EngineEndpoint:
         """Where the engine answers: HTTP for control, and gRPC for generation when configured."""
@@ -138,13 +142,32 @@ class RolloutWorker:
                 )
             port = urllib.parse.urlsplit(self.engines.urls[0]).port or self._base_port
             self.engines.stop()
+            self.num_restarts += 1  # before the start: a reading from now on may reach the new process
             self.engines = self._launch(port)  # its own port first: the agent loops send there
         return self.endpoint()
+
+    def engine_counters(self, timeout_s: float) -> EngineCounters:
+        """The engine's cumulative counters now (`RolloutBackend.engine_counters`), read within `timeout_s`
+        (else the backend's error), tagged with the start of the process they count from. It runs beside a
+        restart: a reading of the old process fails, or counts from its new start."""
+        url, launch = str(self.engines.urls[0]), self.num_restarts
+        values = asyncio.run(self._backend.engine_counters(url, timeout_s=timeout_s))
+        return EngineCounters(launch, dict(values))
 
     def stop(self) -> None:
         self._stopped.set()
         with self._lock:
             self.engines.stop()
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCounters:
+    """One reading of an engine's cumulative counters (`RolloutWorker.engine_counters`)."""
+
+    launch: int
+    """Which start of the engine process they count from (0, then one more per restart)."""
+    values: Mapping[str, float]
+    """Each counter by the name of the step metric its growth makes (`metrics.ENGINE_PREFILL_S`, ...)."""
 
 
 @dataclass(frozen=True, slots=True)
