@@ -141,7 +141,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--compare-overlap",
         action="store_true",
-        help="like --compare-decode-kernel, for the engine's overlap scheduler: on, then off, `--rounds` times",
+        help="like --compare-decode-kernel, for the engine's overlap scheduler: on, then off, `--rounds` "
+        "times",
     )
     parser.add_argument(
         "--rounds",
@@ -486,7 +487,7 @@ def main() -> int:
         reference = hf(check.unsqueeze(0)).logits[0].float()
         difference = (engine_model.forward_logits(check) - reference).abs().max().item()
     print(f"same model: max |engine logits - transformers logits| = {difference:.3g}", flush=True)
-    # What --compare-* switches (a model attribute, or the engine option OVERLAP), and what "off" runs instead.
+    # What --compare-* switches (a model attribute, or the engine option OVERLAP) and what "off" runs.
     compared = {
         "decode_kernel": (args.compare_decode_kernel, "decode kernel", "masked SDPA"),
         "fused_kernels": (args.compare_fused_kernels, "fused kernels", "torch's elementwise ops"),
