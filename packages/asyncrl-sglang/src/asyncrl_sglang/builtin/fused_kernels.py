@@ -405,7 +405,7 @@ def _build() -> dict[str, Any]:
         gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=inside, other=0.0)
         up = tl.load(gate_up_ptr + row * stride_in + width + cols, mask=inside, other=0.0)
         g = gate.to(tl.float32)
-        silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+        silu = tl.math.div_rn(g, 1.0 + tl.exp(-g)).to(gate.dtype)
         out = (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
         tl.store(out_ptr + row * stride_out + cols, out, mask=inside)
 
