@@ -91,6 +91,7 @@ def decode_attention(
     if splits is None:
         splits = num_splits(batch, kv_heads)
     group_pad = max(16, 1 << (group - 1).bit_length())
+    out = None
     if splits == 1:
         # One program per row and head: it divides by the softmax's denominator and writes the output in q's
         # dtype itself (no partials to combine, two launches fewer).
@@ -126,7 +127,7 @@ def decode_attention(
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FINAL=splits == 1,
     )
-    if splits == 1:
+    if out is not None:
         return out
     # Combine the splits by their log-sum-exp (a split past its row's length has max -inf and weight 0).
     overall = max_logit.amax(dim=2, keepdim=True)
