@@ -91,9 +91,19 @@ def decode_attention(
     if splits is None:
         splits = num_splits(batch, kv_heads)
     group_pad = max(16, 1 << (group - 1).bit_length())
-    partial = torch.empty((batch, kv_heads, splits, group, head_dim), device=q.device, dtype=torch.float32)
-    max_logit = torch.empty((batch, kv_heads, splits, group), device=q.device, dtype=torch.float32)
-    denominator = torch.empty_like(max_logit)
+    out = None
+    if splits == 1:
+        # One program per row and head: it divides by the softmax's denominator and writes the output in q's
+        # dtype itself (no partials to combine, two launches fewer).
+        out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+        partial = out.view(batch, kv_heads, 1, group, head_dim)
+        max_logit = denominator = out[..., 0]
+    else:
+        partial = torch.empty(
+            (batch, kv_heads, splits, group, head_dim), device=q.device, dtype=torch.float32
+        )
+        max_logit = torch.empty((batch, kv_heads, splits, group), device=q.device, dtype=torch.float32)
+        denominator = torch.empty_like(max_logit)
     kernel[(batch, kv_heads, splits)](
         q,
         keys,
@@ -115,10 +125,10 @@ def decode_attention(
         BLOCK_N=BLOCK_N,
         # float32 in IEEE precision (Triton's default for float32 dots is TF32), so float32 runs match SDPA.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        FINAL=splits == 1,
     )
-    if splits == 1:
-        out = partial[:, :, 0] / denominator[:, :, 0].unsqueeze(-1)
-        return out.to(q.dtype)
+    if out is not None:
+        return out
     # Combine the splits by their log-sum-exp (a split past its row's length has max -inf and weight 0).
     overall = max_logit.amax(dim=2, keepdim=True)
     weights = torch.exp(max_logit - overall)  # [B, H, S, G]
@@ -170,6 +180,7 @@ def _build() -> Any:
         HEAD_DIM: tl.constexpr,
         BLOCK_N: tl.constexpr,
         PRECISION: tl.constexpr,
+        FINAL: tl.constexpr,
     ):
         row = tl.program_id(0)
         head = tl.program_id(1)
@@ -208,9 +219,15 @@ def _build() -> Any:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         out_base = out_ptr + row * stride_ob + head * stride_oh + split * stride_os
-        tl.store(out_base + g[:, None] * stride_og + d[None, :], acc, mask=g[:, None] < GROUP)
-        stat = row * stride_mb + head * stride_mh + split * stride_ms + g
-        tl.store(max_ptr + stat, m_i, mask=g < GROUP)
-        tl.store(den_ptr + stat, l_i, mask=g < GROUP)
+        if FINAL:
+            # The whole row in one split: the output itself, divided as torch divides (IEEE rounding) and
+            # stored in out's dtype. Padded group rows (l_i = 0) are not stored.
+            normalised = tl.math.div_rn(acc, tl.where(g < GROUP, l_i, 1.0)[:, None])
+            tl.store(out_base + g[:, None] * stride_og + d[None, :], normalised, mask=g[:, None] < GROUP)
+        else:
+            tl.store(out_base + g[:, None] * stride_og + d[None, :], acc, mask=g[:, None] < GROUP)
+            stat = row * stride_mb + head * stride_mh + split * stride_ms + g
+            tl.store(max_ptr + stat, m_i, mask=g < GROUP)
+            tl.store(den_ptr + stat, l_i, mask=g < GROUP)
 
     return kernel
