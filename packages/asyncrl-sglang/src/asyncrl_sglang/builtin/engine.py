@@ -604,16 +604,18 @@ class Engine:
 
     def _continues(self, step: _LaunchedStep) -> bool:
         """Whether the next decode step may launch from `step`'s ids before the host reads them: the running
-        batch stays the step's (no admission due), the KV cache holds one more position for every row, fewer
-        than a quarter of the rows are finished requests (decoded for nothing until a sync frees them), and
-        some request goes on after `step`'s token (when every one ends there by length, the next step would
-        be wasted whole: a batch of equal lengths ends as without overlap).
+        batch stays the step's (no admission due that a slot could take), the KV cache holds one more
+        position for every row, fewer than a quarter of the rows are finished requests (decoded for nothing
+        until a sync frees them), and some request goes on after `step`'s token (when every one ends there by
+        length, the next step would be wasted whole: a batch of equal lengths ends as without overlap).
         """
         running = self.running
         if running != step.requests:  # requests compare by identity
             return False
         live = [r for r in running if not r.finished]
-        if 4 * (len(running) - len(live)) >= len(running) or self._admission_due():
+        if 4 * (len(running) - len(live)) >= len(running):
+            return False
+        if len(live) < self.max_running_requests and self._admission_due():
             return False
         if all(self._ends_by_length(r, len(r.output_ids) + 1) for r in live):
             return False
