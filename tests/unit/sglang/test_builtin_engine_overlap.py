@@ -235,8 +235,13 @@ def test_overlap_gives_the_non_overlapped_loops_tokens_and_logprobs(
         )
         _assert_heard_once(b)
     reasons = [t.request.finish_reason for t in overlapped]
-    assert reasons[1] == {"type": "stop", "matched": stop_token}
-    assert reasons[2] == {"type": "stop", "matched": stop_text}
+    if device == "cpu":
+        # Which stop fires follows the reference run, a request alone. On a GPU the same request in a batch
+        # of four may draw other tokens (kernels round by batch shape, and the random model's near-uniform
+        # distribution turns the last bit into another token under an inverse CDF), so there only the
+        # equality of the two loops above holds, which is what this test is for.
+        assert reasons[1] == {"type": "stop", "matched": stop_token}
+        assert reasons[2] == {"type": "stop", "matched": stop_text}
     assert reasons[4] == {"type": "length", "length": 40 - len(PROMPTS[2])}  # the context length
     assert len(overlapped[0].request.output_ids) == 12
     assert len(overlapped[3].request.output_ids) == 1
