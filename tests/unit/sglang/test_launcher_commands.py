@@ -361,3 +361,28 @@ def test_two_launches_racing_for_one_port_each_get_their_own_engine(
         done.set()
         for thread in threads:
             thread.join(timeout=60)
+
+
+def test_builtin_engines_take_the_configs_extra_args_and_refuse_unknown_ones(
+    tiny_llama_path: Path, tmp_path: Path
+) -> None:
+    command = builtin_command(
+        model_path="m",
+        host="127.0.0.1",
+        port=5,
+        max_running_requests=3,
+        extra_args={"disable_radix_cache": True, "max_n": 4},
+    )
+    assert "--disable-radix-cache" in command.argv
+    assert flags(command.argv)["--max-n"] == "4"
+    # From the configuration: a flag the built-in engine lacks (an SGLang one) is refused before any start.
+    config = RolloutConfig.model_validate(
+        {
+            "model_path": str(tiny_llama_path),
+            "max_running_requests": 2,
+            "sglang": {"launch": "builtin", "extra_args": {"mem_fraction_static": 0.8}},
+        }
+    )
+    with pytest.raises(EngineControlError, match=r"^rollout\.sglang\.extra_args.*mem-fraction-static"):
+        launch_engines(config, run_dir=tmp_path / "run")
+    assert not (tmp_path / "run" / "engines").exists()

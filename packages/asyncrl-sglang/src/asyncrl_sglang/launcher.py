@@ -28,6 +28,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import io
 import logging
 import signal
 import socket
@@ -177,7 +178,9 @@ def builtin_command(
 
     `devices`: the GPU for the engine (`CUDA_VISIBLE_DEVICES`, and the engine runs on `cuda`); none runs
     it on the CPU. `grpc_port`: also serve SGLang's gRPC scheduler service there. `random_seed`: seed of
-    its sampling (`--random-seed`; none: the engine's default, 0).
+    its sampling (`--random-seed`; none: the engine's default, 0). `extra_args` add or override flags (the
+    SGLang flags the engine implements, `disable_radix_cache: true` say); one it does not take is refused
+    here, naming it, rather than when the engine starts.
     """
     if len(devices) > 1:
         raise EngineControlError(
@@ -201,14 +204,34 @@ def builtin_command(
     if random_seed is not None:
         arguments["random_seed"] = random_seed
     arguments.update(extra_args or {})
+    flags = _flag_arguments(arguments)
+    if extra_args:
+        _check_builtin_flags(flags, extra_args)
     env = {"CUDA_VISIBLE_DEVICES": ",".join(str(device) for device in devices)} if devices else {}
     return EngineCommand(
-        argv=(python, "-m", "asyncrl_sglang.builtin", *_flag_arguments(arguments)),
+        argv=(python, "-m", "asyncrl_sglang.builtin", *flags),
         host=host,
         port=port,
         env=env,
         grpc_port=grpc_port,
     )
+
+
+def _check_builtin_flags(flags: list[str], extra_args: Mapping[str, ServerArgument]) -> None:
+    """Parse `flags` as the built-in engine will (its parser imports no torch), so an extra argument it
+    does not take is an error naming `rollout.sglang.extra_args` before any engine starts."""
+    from asyncrl_sglang.builtin.__main__ import parse_args
+
+    refusal = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(refusal):
+            parse_args(flags)
+    except SystemExit:
+        reason = refusal.getvalue().strip().splitlines()[-1:] or ["refused"]
+        raise EngineControlError(
+            f"rollout.sglang.extra_args {dict(extra_args)}: the built-in engine does not take them "
+            f"({reason[0]}); it takes the SGLang flags listed by `python -m asyncrl_sglang.builtin --help`"
+        ) from None
 
 
 # -------------------------------------------------------------------------------------------------------
@@ -570,6 +593,7 @@ def _engine_command(
         api_key=sglang.api_key,
         grpc_port=grpc_port,
         random_seed=random_seed,
+        extra_args=sglang.extra_args,
     )
 
 

@@ -417,8 +417,10 @@ class SGLangConfig(Section):
     base_port: Annotated[int, Field(ge=1024, le=65535)] = 30000
     """First port of launched servers; instance `i` listens on `base_port + i` (or the next free port)."""
     extra_args: dict[str, ServerArgument] = Field(default_factory=dict[str, ServerArgument])
-    """Extra server arguments for `launch: sglang`, e.g. `mem_fraction_static: 0.8` (`--mem-fraction-static
-    0.8`); `true` passes a bare flag."""
+    """Extra server arguments for launched servers, e.g. `mem_fraction_static: 0.8` (`--mem-fraction-static
+    0.8`); `true` passes a bare flag. With `launch: builtin`, the SGLang flags the built-in engine takes
+    (`disable_radix_cache: true`, `disable_overlap_schedule: true`, ...); another is refused before any engine
+    starts."""
     weight_transport: Literal["tensor", "distributed"] = "tensor"
     """How weight syncs reach the engines. `tensor`: each bucket travels in the body of
     `/update_weights_from_tensor` as safetensors bytes (`load_format: "safetensors"`), which only the built-in
