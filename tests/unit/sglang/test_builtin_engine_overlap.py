@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,14 +38,6 @@ def decode_text(tiny_llama_path: Path) -> Callable[[list[int]], str]:
         return str(tokenizer.decode(ids, skip_special_tokens=True))
 
     return decode
-
-
-@pytest.fixture
-def engines() -> Iterator[list[Engine]]:
-    started: list[Engine] = []
-    yield started
-    for engine in started:
-        engine.stop()
 
 
 def _start(engines: list[Engine], model: EngineModel, **kwargs: Any) -> Engine:

@@ -8,7 +8,6 @@ import itertools
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,14 +27,6 @@ BLOCK = 4
 @pytest.fixture(scope="module")
 def tiny_model(tiny_llama_path: Path) -> EngineModel:
     return EngineModel.from_pretrained(tiny_llama_path)
-
-
-@pytest.fixture
-def engines() -> Iterator[list[Engine]]:
-    started: list[Engine] = []
-    yield started
-    for engine in started:
-        engine.stop()
 
 
 def _start(engines: list[Engine], model: EngineModel, **kwargs: Any) -> Engine:
