@@ -1,15 +1,17 @@
 """Fault injection into short async runs (CPU, Ray, tiny Llama).
 
 One run (the `search-probe` task: every trajectory searches on its first turn, through the real search tool
-and a retrieval server this module starts) takes four faults in turn, each once the previous one has
+and a retrieval server this module starts) takes five faults in turn, each once the previous one has
 recovered and a step has passed: its engine process is killed (SIGKILL), its agent-loop worker is killed,
-its (restarted) engine is frozen (SIGSTOP, so it stops answering), and its retriever is killed, kept down
-until a step has trained on failed searches, then started again at its address. A second run (the arith
-task) has its actor killed while the driver waits for data. From the runs' own records: each failure is
-named within 30 s of the fault (`faults.jsonl`), the first run recovers from each and trains every step
-once, the retriever's outage shows in the steps' tool metrics and ends when it is back, the second run
-stops with an error naming the actor's rank, every prompt is accounted for (the ledger's audit,
-`summary.json`), and no process of either run is left.
+its rollout worker (the Ray actor that owns the engine) is killed, its (restarted) engine is frozen
+(SIGSTOP, so it stops answering), and its retriever is killed, kept down until a step has trained on failed
+searches, then started again at its address. A second run (the arith task) has its actor killed while the
+driver waits for data, a third its buffer worker (then it is resumed from its last checkpoint). From the
+runs' own records: each failure is named within 30 s of the fault (`faults.jsonl`), the first run recovers
+from each and trains every step once, the retriever's outage shows in the steps' tool metrics and ends when
+it is back, the second and third runs stop with an error naming the part (the third's telling how to
+resume), the resumed run trains every step once, every prompt is accounted for (the ledger's audit,
+`summary.json`), and no process of any run is left.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ def _faulted_config(
     save_every_steps: int | None,
     *,
     agentloop: dict[str, object],
+    resume: bool = False,
     **sections: dict[str, object],
 ) -> object:
     return run_config(
@@ -73,12 +76,17 @@ def _faulted_config(
         rollout={
             "engine_unresponsive_s": 10,
             "max_engine_restarts": 2,
+            "max_worker_restarts": 1,
             # A port of its own: a restarted engine must get its address back, where other runs' engines
             # on the default port could be.
             "sglang": {"launch": "builtin", "base_port": free_port()},
         },
         agentloop={"max_worker_restarts": 1, **agentloop},
-        checkpoint={"save_at_end": False, "save_every_steps": save_every_steps},
+        checkpoint={
+            "save_at_end": False,
+            "save_every_steps": save_every_steps,
+            "resume_from": "latest" if resume else None,
+        },
         **sections,
     )
 
@@ -114,6 +122,10 @@ def recovered_run(tmp_path_factory: pytest.TempPathFactory, tiny_llama_path: Pat
         injector.signal(agent_loop, signal.SIGKILL, "agent-loop worker 0")
         injector.until_recovered("agent-loop worker 0")
         injector.after_steps(len(read_metrics(run_dir)) + 1)
+        (rollout_worker,) = worker_pids("RolloutWorker")
+        injector.signal(rollout_worker, signal.SIGKILL, "rollout worker 0")
+        injector.until_recovered("rollout worker 0")
+        injector.after_steps(len(read_metrics(run_dir)) + 1)
         (restarted,) = engine_pids(tiny_llama_path)
         assert restarted != engine
         injector.signal(restarted, signal.SIGSTOP, "engine 0")
@@ -143,7 +155,7 @@ def recovered_run(tmp_path_factory: pytest.TempPathFactory, tiny_llama_path: Pat
 
 def test_each_failure_is_named_within_30_s_and_recovered(recovered_run: tuple[Path, Injector]) -> None:
     run_dir, injector = recovered_run
-    assert [fault.what for fault in injector.injected] == ["SIGKILL", "SIGKILL", "SIGSTOP", "SIGKILL"]
+    assert [fault.what for fault in injector.injected] == ["SIGKILL"] * 3 + ["SIGSTOP", "SIGKILL"]
     for fault in injector.injected:
         failed = first_event(run_dir, fault, "failed")
         recovered = first_event(run_dir, fault, "recovered")
@@ -151,9 +163,9 @@ def test_each_failure_is_named_within_30_s_and_recovered(recovered_run: tuple[Pa
         print(f"{fault.part} {fault.what}: named after {named_s:.1f} s, recovered after {recovered_s:.1f} s")
         assert named_s <= NAMED_WITHIN_S, failed
         assert recovered["time"] >= failed["time"]
-    frozen = first_event(run_dir, injector.injected[2], "failed")
+    frozen = first_event(run_dir, injector.injected[3], "failed")
     assert "stopped answering /health" in frozen["message"]
-    outage = first_event(run_dir, injector.injected[3], "failed")
+    outage = first_event(run_dir, injector.injected[4], "failed")
     assert re.search(r"retrieval server http://127\.0\.0\.1:\d+/retrieve did not answer", outage["message"])
     assert not [event for event in fault_events(run_dir) if event["event"] == "fatal"]
 
@@ -162,7 +174,7 @@ def test_a_retriever_outage_shows_in_the_step_metrics_until_it_is_back(
     recovered_run: tuple[Path, Injector],
 ) -> None:
     run_dir, injector = recovered_run
-    outage: Injected = injector.injected[3]
+    outage: Injected = injector.injected[4]
     records = [record for record in read_metrics(run_dir) if metrics.TIME_STEP in record]
     before, after = records[: outage.step], records[outage.step :]
     assert sum(record[metrics.TOOL_CALLS] for record in before) > 0  # the trajectories search
@@ -179,6 +191,7 @@ def test_the_run_trains_every_step_once_and_counts_the_restarts(recovered_run: t
     assert [record["step"] for record in records] == list(range(1, NUM_STEPS + 1))
     assert sum(record[metrics.ENGINE_RESTARTS] for record in records) == 2
     assert sum(record[metrics.AGENT_LOOP_RESTARTS] for record in records) == 1
+    assert sum(record[metrics.ROLLOUT_WORKER_RESTARTS] for record in records) == 1
     assert all(metrics.FAILED_GROUPS_RETRIED in record for record in records)
     assert read_summary(run_dir)["version"] == NUM_STEPS
 
@@ -235,4 +248,59 @@ def test_a_dead_actor_stops_the_run_naming_its_rank(tmp_path: Path, tiny_llama_p
     assert list((run_dir / "checkpoints").iterdir())
     sound, lines = audit_run(run_dir)
     assert sound, lines
+    wait_until(lambda: not leftovers(tiny_llama_path), 60, "the end of every process of the run")
+
+
+def test_a_dead_rollout_worker_is_restarted_with_its_engine(recovered_run: tuple[Path, Injector]) -> None:
+    run_dir, injector = recovered_run
+    fault = injector.injected[2]
+    assert fault.part == "rollout worker 0"
+    failed, recovered = first_event(run_dir, fault, "failed"), first_event(run_dir, fault, "recovered")
+    assert "its process died" in failed["message"]
+    assert "with the current weights" in recovered["message"]
+    # The plan found one engine after it (the dead worker's engine did not outlive it) and the run went on.
+    assert recovered["time"] <= first_event(run_dir, injector.injected[3], "failed")["time"]
+
+
+def test_a_dead_buffer_worker_stops_the_run_and_it_resumes_from_its_checkpoint(
+    tmp_path: Path, tiny_llama_path: Path
+) -> None:
+    # The buffer worker holds the prompts issued and the groups finished since the last checkpoint, which
+    # exist nowhere else: the run stops, naming it and how to resume, and the resumed run loses and repeats
+    # no prompt.
+    num_steps = 5
+    arith = {"task_name": "arith", "task_args": {"num_train": 64, "num_test": 4}}
+    config = _faulted_config(tmp_path, tiny_llama_path, num_steps, 1, agentloop=arith)
+    run_dir = tmp_path / "run"
+
+    def plan(injector: Injector) -> None:
+        injector.after_steps(2)
+        (buffer,) = worker_pids("BufferWorker")
+        injector.signal(buffer, signal.SIGKILL, "buffer worker")
+
+    injector = Injector(run_dir, plan)
+    injector.start()
+    with pytest.raises(RunnerError, match="buffer worker died") as stopped:
+        run(config)  # type: ignore[arg-type]
+    injector.join(timeout=60)
+    if injector.error is not None:
+        raise injector.error
+    (fault,) = injector.injected
+    fatal = first_event(run_dir, fault, "fatal")
+    print(f"buffer worker SIGKILL (async): the run stopped naming it after {fatal['time'] - fault.at:.1f} s")
+    assert fatal["time"] - fault.at <= NAMED_WITHIN_S
+    assert "checkpoint.resume_from=latest" in str(stopped.value)
+    assert [event["part"] for event in fault_events(run_dir)] == ["buffer worker"]  # no other part blamed
+    wait_until(lambda: not leftovers(tiny_llama_path), 60, "the end of every process of the run")
+
+    resumed = _faulted_config(tmp_path, tiny_llama_path, num_steps, 1, agentloop=arith, resume=True)
+    run(resumed)  # type: ignore[arg-type]
+    records = [record for record in read_metrics(run_dir) if metrics.TIME_STEP in record]
+    assert [record["step"] for record in records] == list(range(1, num_steps + 1))
+    sound, lines = audit_run(run_dir)
+    assert sound, lines
+    prompts = read_summary(run_dir)["prompts"]
+    assert prompts["trained"] == 2 * num_steps
+    parts = ("trained", "handed_back", "dropped", "inflight", "buffered")
+    assert prompts["issued"] == sum(prompts[part] for part in parts)
     wait_until(lambda: not leftovers(tiny_llama_path), 60, "the end of every process of the run")

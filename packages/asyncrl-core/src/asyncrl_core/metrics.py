@@ -58,6 +58,8 @@ ENGINE_RESTARTS: Final = "rollout/engine_restarts"
 """Engine processes restarted during the step (they died or stopped answering `/health`)."""
 AGENT_LOOP_RESTARTS: Final = "rollout/agent_loop_restarts"
 """Agent-loop workers restarted during the step (their process died); their groups were issued again."""
+ROLLOUT_WORKER_RESTARTS: Final = "rollout/rollout_worker_restarts"
+"""Rollout workers restarted during the step (their process died), each with its engine."""
 
 
 def data_staleness_ratio(staleness: int) -> str:

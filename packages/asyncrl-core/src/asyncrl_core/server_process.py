@@ -248,6 +248,29 @@ class ServerProcess:
                 raise
 
 
+def end_orphaned_group(pid: int, timeout_s: float = 10.0) -> bool:
+    """SIGKILL the process group that the server process `pid` leads after its parent died (nothing holds
+    its `ServerProcess` any more; its parent-death SIGTERM may still be running its shutdown), and wait up
+    to `timeout_s` for its leader to end, so that its ports are free. Nothing happens when `pid` is gone or
+    leads no group of its own (another process took its id). Whether it is gone (or a zombie) in time."""
+    import psutil
+
+    try:
+        if os.getpgid(pid) != pid:
+            return True
+        os.killpg(pid, signal.SIGKILL)
+        leader = psutil.Process(pid)
+        deadline = time.monotonic() + timeout_s
+        # Whoever adopted it reaps it; a zombie holds no port.
+        while leader.status() != psutil.STATUS_ZOMBIE:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(POLL_S)
+    except (ProcessLookupError, psutil.NoSuchProcess):
+        pass
+    return True
+
+
 def http_ok(url: str, *, headers: Mapping[str, str] | None = None, timeout_s: float = 5.0) -> bool:
     """Whether a GET of `url` answers 200 (any failure to connect is False). Never goes through a proxy."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))

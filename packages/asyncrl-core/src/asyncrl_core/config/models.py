@@ -576,6 +576,11 @@ class RolloutConfig(Section):
     engine_unresponsive_s: Annotated[Float, Field(gt=0.0)] = 15.0
     """Seconds an engine process may leave `/health` unanswered before it counts as failed (it is then
     killed and restarted)."""
+    max_worker_restarts: NonNegativeInt = 3
+    """Times over the run a dead rollout worker (the process that owns an engine and watches it) is
+    restarted, all rollout workers together: its engine goes with it and is started again on its address
+    with the actor's current weights. One more death stops the run. With `sglang.weight_transport:
+    distributed` the first death stops the run (a restarted engine cannot join the weight-update group)."""
 
     def instances_from_placement(self, root: AsyncRLConfig) -> int | None:
         """Instances the placement and parallel sizes give, or `None` when they give none."""

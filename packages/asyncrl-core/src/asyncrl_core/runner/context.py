@@ -96,7 +96,10 @@ class RunContext:
                 except RayActorError as error:
                     died = True
                     if self.workers.agent_loops[index] is loop:  # not restarted through its other watch
-                        self.liveness.agent_loop_died(index, error)
+                        self.liveness.agent_loop_died(index, error)  # unless the buffer worker died
+                except Exception as error:
+                    self.liveness.check_buffer("the rollout of a batch", error)
+                    raise
             if not died:
                 return
             counts = self.workers.get(self.workers.buffer.counts.remote(), "the buffer's counts")
@@ -141,6 +144,9 @@ class RunContext:
             except RayActorError as error:
                 index = list(refs).index(ready[0])
                 raise self.liveness.fatal(f"{part} {index}", f"died during {what}: {error}") from error
+            except Exception as error:  # a batch lost with the buffer worker that handed it out, ...
+                self.liveness.check_buffer(what, error)
+                raise
         return self.workers.get(list(refs), what, key)
 
     def wait_batch(self, take: Callable[[], Any]) -> Handoff:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from asyncrl_core.runner.liveness import ACTOR_WATCH_GROUP
+from asyncrl_core.runner.liveness import ACTOR, ACTOR_WATCH_GROUP, AGENT_LOOP, BUFFER, ROLLOUT_WORKER
 from asyncrl_core.runner.placement import Placement, Slot
 from asyncrl_core.runner.timeouts import CONTROL_TIMEOUT_S, TimeoutKey, timed_out, timeout_of
 from asyncrl_core.runner.workers import (
@@ -76,8 +76,9 @@ class WorkerGroups:
     ) -> None:
         self.config = config
         self._handles: list[Any] = []
-        self.on_death: Callable[[str, str], None] | None = None
-        """Told `(part, message)` when `get` finds a worker dead (the run's fault record)."""
+        self.on_death: Callable[[str, str], RunnerError] | None = None
+        """Told `(part, message)` when `get` finds a worker dead (the run's fault record); the error `get`
+        raises then."""
         self._started = False
         self.stopped = stopped if stopped is not None else []
         """Where `stop` says what it stopped (the run's message on an interruption)."""
@@ -123,6 +124,9 @@ class WorkerGroups:
                 share = ()
             slot = placement.slot(share, f"engine {index}") if share else placement.head_slot()
             self.rollout_slots.append(slot)
+
+        def rollout(index: int, **replacing: Any) -> Any:
+            slot = self.rollout_slots[index]
             # The engine binds where the cluster's other nodes can reach it (placement.engine_bind_host).
             engine_config = config.model_copy(
                 update={
@@ -135,17 +139,19 @@ class WorkerGroups:
                     )
                 }
             )
-            self.rollouts.append(
-                self._keep(
-                    rollout_class.options(**placement.options(slot), max_concurrency=ROLLOUT_CALLS).remote(
-                        engine_config,
-                        model_path=rollout_model_path,
-                        index=index,
-                        devices=slot.local_devices,
-                        run_dir=run_dir,
-                    )
+            return self._keep(
+                rollout_class.options(**placement.options(slot), max_concurrency=ROLLOUT_CALLS).remote(
+                    engine_config,
+                    model_path=rollout_model_path,
+                    index=index,
+                    devices=slot.local_devices,
+                    run_dir=run_dir,
+                    **replacing,
                 )
             )
+
+        self._rollout = rollout
+        self.rollouts.extend(rollout(index) for index in range(num_instances))
 
         actor_devices = config.cluster.devices_of("actor")
         world_size = config.actor_data_parallel_size * config.actor.tensor_parallel_size
@@ -191,6 +197,11 @@ class WorkerGroups:
             [*endpoints, *versions], "the start of the engines and the actor", "runner.startup_timeout_s"
         )
         self.endpoints: list[EngineEndpoint] = started[: len(endpoints)]
+        self.engine_pids: list[int | None] = self.get(
+            [rollout.pid.remote() for rollout in self.rollouts], "the engines' process ids"
+        )
+        """Each engine's process id (None for an `external` one), for the worker that replaces a dead
+        rollout worker (`restart_rollout`); kept current across restarts (`refresh_engine_pid`)."""
         self.nodes["engines"] = [endpoint.url for endpoint in self.endpoints]
         self.start_times["engines and actor"] = time.perf_counter() - stage_started
         stage_started = time.perf_counter()
@@ -246,6 +257,33 @@ class WorkerGroups:
         )
         return self.agent_loops[index]
 
+    def restart_rollout(self, index: int) -> EngineEndpoint:
+        """A new rollout worker in place of worker `index` (whose process died): it ends the dead worker's
+        engine and starts its own on the same port. Returns the endpoint of that engine once it is healthy;
+        it serves the model it started with, so the actor's current weights go in next."""
+        import urllib.parse
+
+        import ray
+
+        old = self.rollouts[index]
+        ray.kill(old)
+        self._handles.remove(old)
+        port = urllib.parse.urlsplit(self.endpoints[index].url).port
+        self.rollouts[index] = self._rollout(index, port=port, replaces_pid=self.engine_pids[index])
+        endpoint: EngineEndpoint = self.get(
+            self.rollouts[index].endpoint.remote(),
+            f"restarting rollout worker {index}",
+            "runner.startup_timeout_s",
+        )
+        self.refresh_engine_pid(index)
+        return endpoint
+
+    def refresh_engine_pid(self, index: int) -> None:
+        """Read again the process id of engine `index` (after a restart of it)."""
+        self.engine_pids[index] = self.get(
+            self.rollouts[index].pid.remote(), f"the process id of engine {index}"
+        )
+
     def _keep(self, handle: Any) -> Any:
         self._handles.append(handle)
         return handle
@@ -264,22 +302,22 @@ class WorkerGroups:
         except RayActorError as error:
             part = self.part_of(getattr(error, "actor_id", None))
             if self.on_death is not None:
-                self.on_death(part, f"died during {what}: {error}")
+                raise self.on_death(part, f"died during {what}: {error}") from error
             raise RunnerError(f"{part} died during {what}: {error}") from error
 
     def part_of(self, actor_id: str | None) -> str:
         """What the Ray actor `actor_id` (hex) is in the run: `actor rank 0`, `agent-loop worker 1`, ..."""
         roles = [
-            *(("actor rank", index, handle) for index, handle in enumerate(self.actors)),
-            *(("agent-loop worker", index, handle) for index, handle in enumerate(self.agent_loops)),
-            *(("the rollout worker of engine", index, handle) for index, handle in enumerate(self.rollouts)),
+            *((ACTOR, index, handle) for index, handle in enumerate(self.actors)),
+            *((AGENT_LOOP, index, handle) for index, handle in enumerate(self.agent_loops)),
+            *((ROLLOUT_WORKER, index, handle) for index, handle in enumerate(self.rollouts)),
         ]
         for role, index, handle in roles:
             if actor_id is not None and handle._actor_id.hex() == actor_id:
                 return f"{role} {index}"
         buffer = getattr(self, "buffer", None)  # absent while the workers start
         if actor_id is not None and buffer is not None and buffer._actor_id.hex() == actor_id:
-            return "the buffer worker"
+            return BUFFER
         return "a worker"
 
     def sync_weights(self, mode: str) -> dict[str, float]:
@@ -316,6 +354,7 @@ class WorkerGroups:
             self._give_back_devices()
             return
         if self._started:
+            self.buffer.close.remote()  # ends the driver's watch of it
             # A rank busy with a step or a sync closes once that call returns (its calls run in turn).
             leaving = [actor.close_weight_transport.remote(self.endpoints) for actor in self.actors]
             for loop in self.agent_loops:

@@ -1,24 +1,31 @@
-"""The driver's watch over the run's engines, agent-loop workers, their tools and the actor ranks, and what
-it does when one fails.
+"""The driver's watch over the run's engines and their rollout workers, the agent-loop workers and their
+tools, the actor ranks and the buffer worker, and what it does when one fails.
 
-Each engine's `RolloutWorker.watch()`, each agent-loop worker's `serve()` and `watch_tools()`, and each actor
-rank's `watch()` are pending Ray calls while the part works; the driver waits on them in the same `ray.wait`
-as the data, so a failure is seen as soon as Ray reports it:
+Each engine's `RolloutWorker.watch()`, each agent-loop worker's `serve()` and `watch_tools()`, each actor
+rank's `watch()` and the buffer worker's `watch()` are pending Ray calls while the part works; the driver
+waits on them in the same `ray.wait` as the data, so a failure is seen as soon as Ray reports it:
 
 - an engine process that exits or stops answering `/health` (`rollout.engine_unresponsive_s`) is restarted
   on its address and given the actor's current weights, up to `rollout.max_engine_restarts` times in the
   run; its requests meanwhile go to the other engines or wait for it (`asyncrl_sglang.pool`);
+- a rollout worker whose process died (its engine is ended with it) is started again in its place: it
+  starts the engine on the same address, which is given the actor's current weights, up to
+  `rollout.max_worker_restarts` times; the engine's requests meanwhile fare as above;
 - an agent-loop worker whose process died is started again, and the groups it had admitted are handed back
   to be issued again, up to `agentloop.max_worker_restarts` times;
 - a tool that starts failing (a retriever that died: the agent loops' calls fail) is named, and so is its
   return (its calls succeed again); its calls meanwhile come back to the model as errors, counted in the
   step's `rollout/tool_errors`;
 - a dead actor rank stops the run at once, naming the rank, even while the driver waits for data;
-- anything else (a worker's error, a dead buffer or rollout worker, restarts spent) stops the run with a
-  `RunnerError` naming the part.
+- a dead buffer worker stops the run at once: it held what exists nowhere else (the prompt ledger, the
+  loader's position and the finished groups since the last checkpoint), so the run resumes from that
+  checkpoint, which loses and repeats no prompt. A failure of any other part is first checked against it:
+  its callers fail when it dies, and the part to name is the buffer worker;
+- anything else (a worker's error, restarts spent) stops the run with a `RunnerError` naming the part.
 
 Every failure and recovery is a line of `faults.jsonl` in the run folder (unix time, part, event, message)
-and a warning on the log; the step's metrics count the restarts.
+and a warning on the log; the step's metrics count the restarts. The error a run stops with says how to
+resume it.
 """
 
 from __future__ import annotations
@@ -39,19 +46,25 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 FAULTS_FILE = "faults.jsonl"
-"""One JSON object per line: `time` (unix seconds), `part` (`engine 0`, `agent-loop worker 1`, `actor rank
-0`, `tool search`), `event` (`failed`, `recovered`, `fatal`) and `message`."""
+"""One JSON object per line: `time` (unix seconds), `part` (`engine 0`, `rollout worker 0`, `agent-loop
+worker 1`, `actor rank 0`, `buffer worker`, `tool search`), `event` (`failed`, `recovered`, `fatal`) and
+`message`."""
 ENGINE = "engine"
+ROLLOUT_WORKER = "rollout worker"
 AGENT_LOOP = "agent-loop worker"
 TOOLS = "the tools of agent-loop worker"
 ACTOR = "actor rank"
+BUFFER = "buffer worker"
+"""The one buffer worker of a run (no index)."""
+BUFFER_PROBE_S = 10.0
+"""Longest the driver waits for the buffer worker to answer whether it is alive."""
 ACTOR_WATCH_GROUP = "liveness"
 """The concurrency group of `ActorWorker.watch` (`runner.groups`), beside the rank's serial calls."""
 
 
 class Liveness:
-    """Watches `workers`' engines, actor ranks and the agent loops' tools from creation, and the agent loops'
-    generation once `serve` starts it."""
+    """Watches `workers`' engines, actor ranks, buffer worker and the agent loops' tools from creation, and
+    the agent loops' generation once `serve` starts it."""
 
     def __init__(self, workers: WorkerGroups, run_dir: Path) -> None:
         self.workers = workers
@@ -61,8 +74,10 @@ class Liveness:
         self._serving = False
         self.num_engine_restarts = 0
         self.num_agent_loop_restarts = 0
+        self.num_rollout_worker_restarts = 0
         self._step_engine_restarts = 0
         self._step_agent_loop_restarts = 0
+        self._step_rollout_worker_restarts = 0
         self._failing_tools: dict[str, set[int]] = {}
         """Tool name -> the agent-loop workers whose last call of it failed."""
         for index, rollout in enumerate(workers.rollouts):
@@ -71,7 +86,8 @@ class Liveness:
             self._watched[loop.watch_tools.remote()] = (TOOLS, index)
         for rank, actor in enumerate(workers.actors):
             self._watched[actor.watch.options(concurrency_group=ACTOR_WATCH_GROUP).remote()] = (ACTOR, rank)
-        workers.on_death = lambda part, message: self.record(part, "fatal", message)
+        self._watched[workers.buffer.watch.remote()] = (BUFFER, 0)
+        workers.on_death = self.fatal
 
     # --- what the drivers call ----------------------------------------------------------------------------
 
@@ -102,18 +118,22 @@ class Liveness:
         from ray.exceptions import RayActorError
 
         kind, index = self._watched.pop(ref)
-        part = f"{AGENT_LOOP if kind == TOOLS else kind} {index}"
+        part = BUFFER if kind == BUFFER else f"{AGENT_LOOP if kind == TOOLS else kind} {index}"
         try:
             result: Any = ray.get(ref, timeout=0)
         except RayActorError as error:
             if kind in (AGENT_LOOP, TOOLS):
-                self.agent_loop_died(index, error)
+                self.agent_loop_died(index, error)  # unless the buffer worker died
                 return
-            if kind == ACTOR:
-                raise self.fatal(part, f"died during {during}: {error}") from error
-            raise self.fatal(part, f"its worker died: {error}") from error
+            if kind == ENGINE:
+                self._restart_rollout_worker(index, error)
+                return
+            raise self.fatal(part, f"died during {during}: {error}") from error
         except Exception as error:
+            self.check_buffer(during, error)
             raise self.fatal(part, f"failed: {error}") from error
+        if kind == BUFFER:
+            raise self.fatal(part, f"stopped being watched during {during}")
         if kind == ENGINE:
             if result is not None:
                 self._restart_engine(result)
@@ -138,6 +158,19 @@ class Liveness:
                 raise
         return self.workers.sync_weights(mode)
 
+    def check_buffer(self, what: str, error: Exception) -> None:
+        """After `error` in `what`: if the buffer worker is dead, the `RunnerError` naming it (its callers'
+        calls fail when it dies, and a batch it handed out by reference is lost with it)."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        try:
+            ray.get(self.workers.buffer.watch.remote(0.0), timeout=BUFFER_PROBE_S)
+        except RayActorError as death:
+            raise self.fatal(BUFFER, f"died during {what}: {death}") from error
+        except GetTimeoutError:
+            return  # busy, not dead: the error raised stands
+
     def check_actors(self, what: str, error: Exception) -> None:
         """After `error` in `what`: if an actor rank's worker is dead, the `RunnerError` naming it."""
         import ray
@@ -156,14 +189,35 @@ class Liveness:
         counts = {
             metrics.ENGINE_RESTARTS: float(self._step_engine_restarts),
             metrics.AGENT_LOOP_RESTARTS: float(self._step_agent_loop_restarts),
+            metrics.ROLLOUT_WORKER_RESTARTS: float(self._step_rollout_worker_restarts),
         }
-        self._step_engine_restarts = self._step_agent_loop_restarts = 0
+        self._step_engine_restarts = self._step_agent_loop_restarts = self._step_rollout_worker_restarts = 0
         return counts
 
     def fatal(self, part: str, message: str) -> RunnerError:
-        """Record that `part` failed beyond repair; the error the run stops with."""
+        """Record that `part` failed beyond repair; the error the run stops with, which says how to resume
+        the run."""
         self.record(part, "fatal", message)
-        return RunnerError(f"{part} {message}")
+        if part == BUFFER:
+            message += (
+                "; it held the prompt ledger, the loader's position and the finished groups since the last "
+                "checkpoint, which exist nowhere else, so it is not restarted in the run"
+            )
+        return RunnerError(f"{part} {message}\n{self._resume_hint()}")
+
+    def _resume_hint(self) -> str:
+        from asyncrl_core.runner.checkpoint import checkpoints
+
+        saved = checkpoints(self.faults_path.parent)
+        if not saved:
+            return (
+                "No checkpoint was written (checkpoint.save_every_steps), so the run cannot be resumed: "
+                "start it again."
+            )
+        return (
+            f"Resume the run from its last checkpoint ({saved[-1]}) with checkpoint.resume_from=latest: no "
+            "prompt is lost or trained twice."
+        )
 
     def record(self, part: str, event: str, message: str, at: float | None = None) -> None:
         """Append an event to `faults.jsonl` (and warn)."""
@@ -207,10 +261,41 @@ class Liveness:
         endpoint: EngineEndpoint = self.workers.get(
             rollout.restart.remote(), f"restarting {part}", "runner.startup_timeout_s"
         )
-        if endpoint != self.workers.endpoints[failure.index]:
+        self.workers.refresh_engine_pid(failure.index)
+        self._rejoin(part, failure.index, endpoint)
+        self.record(
+            part, "recovered", f"restarted ({self.num_engine_restarts} of {limit}) with the current weights"
+        )
+
+    def _restart_rollout_worker(self, index: int, error: Exception) -> None:
+        part = f"{ROLLOUT_WORKER} {index}"
+        self.record(part, "failed", f"its process died, and its engine is ended with it: {error}")
+        limit = self.config.rollout.max_worker_restarts
+        if self.num_rollout_worker_restarts >= limit:
+            raise self.fatal(part, f"died, and its {limit} restarts (rollout.max_worker_restarts) are spent")
+        if self.config.rollout.sglang.weight_transport == "distributed":
             raise self.fatal(
                 part,
-                f"came back at {endpoint.url}, not at {self.workers.endpoints[failure.index].url} where the "
+                "died with its engine; a restarted engine cannot join the weight-update group of "
+                "rollout.sglang.weight_transport: distributed, so it is not restarted",
+            )
+        self.num_rollout_worker_restarts += 1
+        self._step_rollout_worker_restarts += 1
+        endpoint = self.workers.restart_rollout(index)
+        self._rejoin(part, index, endpoint)
+        self.record(
+            part,
+            "recovered",
+            f"restarted ({self.num_rollout_worker_restarts} of {limit}) with its engine, which has the "
+            "current weights",
+        )
+
+    def _rejoin(self, part: str, index: int, endpoint: EngineEndpoint) -> None:
+        """Engine `index`, started again at `endpoint`, takes the actor's current weights and is watched."""
+        if endpoint != self.workers.endpoints[index]:
+            raise self.fatal(
+                part,
+                f"came back at {endpoint.url}, not at {self.workers.endpoints[index].url} where the "
                 "agent loops send (another process holds that port)",
             )
         # It serves the weights it started with: the actor's current ones go in before it is watched again.
@@ -219,10 +304,7 @@ class Liveness:
             f"pushing the weights into the restarted {part}",
             "actor.train_timeout_s",
         )
-        self._watched[rollout.watch.remote()] = (ENGINE, failure.index)
-        self.record(
-            part, "recovered", f"restarted ({self.num_engine_restarts} of {limit}) with the current weights"
-        )
+        self._watched[self.workers.rollouts[index].watch.remote()] = (ENGINE, index)
 
     def _tool_health(self, index: int, event: ToolHealth) -> None:
         """Record a tool's outage when the first worker sees it fail, and its return when the last one that
@@ -240,7 +322,9 @@ class Liveness:
 
     def agent_loop_died(self, index: int, error: Exception) -> None:
         """Agent-loop worker `index` died: restart it and hand back its groups (`RunnerError` when its
-        restarts are spent). Its other watched calls are dropped; the new worker's replace them."""
+        restarts are spent). Its other watched calls are dropped; the new worker's replace them. A dead
+        buffer worker fails the calls of every agent-loop worker: then the `RunnerError` names it."""
+        self.check_buffer(f"the run of agent-loop worker {index}", error)
         for ref, (kind, watched) in list(self._watched.items()):
             if watched == index and kind in (AGENT_LOOP, TOOLS):
                 del self._watched[ref]

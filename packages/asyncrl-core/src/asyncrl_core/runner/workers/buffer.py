@@ -95,6 +95,17 @@ class BufferWorker:
         """Group id -> the agent-loop worker that admitted it, while the group is in flight."""
         self._step_retried = 0
         self._step_dropped = 0
+        self._closed = threading.Event()
+
+    def watch(self, timeout_s: float | None = None) -> bool:
+        """Block until `close` (or for `timeout_s`); whether it was closed. The driver keeps one call pending
+        for the whole run, beside the others, to learn at once when this worker's process dies; one with
+        `timeout_s=0` asks whether it is alive without waiting for any lock."""
+        return self._closed.wait(timeout_s)
+
+    def close(self) -> None:
+        """End the pending `watch` calls."""
+        self._closed.set()
 
     def admit(self, max_groups: int, timeout_s: float, worker_index: int = 0) -> list[tuple[int, int]]:
         """Admit up to `max_groups` new prompts for agent-loop worker `worker_index`, waiting up to

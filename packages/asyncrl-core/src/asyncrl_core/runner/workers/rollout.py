@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from asyncrl_core.runner.rollout_backend import rollout_backend
 from asyncrl_core.runner.workers.common import RunnerError, pin_to_cores
+from asyncrl_core.server_process import end_orphaned_group
 
 if TYPE_CHECKING:
     from asyncrl_core.config import AsyncRLConfig
@@ -39,10 +40,22 @@ class RolloutWorker:
     `watch` returns when the process exits or stops answering `/health` for `rollout.engine_unresponsive_s`
     (the process is then killed, so the requests it held fail at once); `restart` starts it again on the
     same address. Both run beside the other calls (the Ray actor serves several at once).
+
+    A worker that takes the place of one that died gets the dead one's engine `port` and process id
+    (`replaces_pid`): that engine, orphaned, is ended first (its whole process group), so the new engine
+    starts on the address the agent loops send to.
     """
 
     def __init__(
-        self, config: AsyncRLConfig, *, model_path: str, index: int, devices: Sequence[int], run_dir: Path
+        self,
+        config: AsyncRLConfig,
+        *,
+        model_path: str,
+        index: int,
+        devices: Sequence[int],
+        run_dir: Path,
+        port: int | None = None,
+        replaces_pid: int | None = None,
     ) -> None:
         gpu = config.cluster.device_type == "gpu"
         if not gpu:
@@ -86,7 +99,11 @@ class RolloutWorker:
         self._stopped = threading.Event()
         self._base_port = rollout.sglang.base_port
         self._backend = backend
-        self.engines = self._launch(self._base_port)
+        if replaces_pid is not None and not end_orphaned_group(replaces_pid):
+            raise RunnerError(
+                f"the engine process {replaces_pid} of the rollout worker that died did not end within 10 s"
+            )
+        self.engines = self._launch(port if port is not None else self._base_port)
         self.num_restarts = 0
         """Restarts of the engine process so far (`engine_counters` tells its readings apart by it)."""
 
