@@ -130,3 +130,31 @@ def test_a_process_forked_after_a_start_starts_servers_of_its_own(tmp_path: Path
     assert lines[-1] == "child exit 0", result.stdout + result.stderr
     assert lines[0].startswith("child started "), result.stdout
     assert lines[0].endswith(" alive True"), result.stdout
+
+
+def test_the_orphaned_group_of_a_server_is_ended_and_nothing_else() -> None:
+    from asyncrl_core.server_process import end_orphaned_group
+
+    # A server that ignores SIGTERM, leading its own group with a child of its own.
+    script = "import signal, subprocess, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    script += "subprocess.Popen(['sleep', '600'])\nprint('serving', flush=True)\ntime.sleep(600)\n"
+    server = subprocess.Popen(
+        [sys.executable, "-c", script], start_new_session=True, stdout=subprocess.PIPE, text=True
+    )
+    bystander = subprocess.Popen(["sleep", "600"])  # in this process's group
+    try:
+        assert server.stdout is not None and server.stdout.readline() == "serving\n"
+        (child,) = psutil.Process(server.pid).children()
+        assert end_orphaned_group(bystander.pid)  # it leads no group: left alone
+        assert bystander.poll() is None
+        assert end_orphaned_group(server.pid, timeout_s=WAIT_S)
+        assert server.wait(timeout=WAIT_S) == -signal.SIGKILL
+        psutil.wait_procs([child], timeout=WAIT_S)
+        assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+        assert end_orphaned_group(server.pid)  # gone: nothing to do
+    finally:
+        for process in (server, bystander):
+            process.kill()
+            process.wait(timeout=WAIT_S)
+        if server.stdout is not None:
+            server.stdout.close()
