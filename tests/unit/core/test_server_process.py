@@ -143,7 +143,8 @@ def test_the_orphaned_group_of_a_server_is_ended_and_nothing_else() -> None:
     )
     bystander = subprocess.Popen(["sleep", "600"])  # in this process's group
     try:
-        assert server.stdout is not None and server.stdout.readline() == "serving\n"
+        assert server.stdout is not None
+        assert server.stdout.readline() == "serving\n"
         (child,) = psutil.Process(server.pid).children()
         assert end_orphaned_group(bystander.pid)  # it leads no group: left alone
         assert bystander.poll() is None
