@@ -201,7 +201,9 @@ class WorkerGroups:
             [rollout.pid.remote() for rollout in self.rollouts], "the engines' process ids"
         )
         """Each engine's process id (None for an `external` one), for the worker that replaces a dead
-        rollout worker (`restart_rollout`); kept current across restarts (`refresh_engine_pid`)."""
+        rollout worker (`restart_rollout`); kept current across restarts (`engine_restarted`)."""
+        self.engine_restarts = [0] * len(self.rollouts)
+        """Each engine's restarts so far, by either kind (its process, its rollout worker)."""
         self.nodes["engines"] = [endpoint.url for endpoint in self.endpoints]
         self.start_times["engines and actor"] = time.perf_counter() - stage_started
         stage_started = time.perf_counter()
@@ -269,17 +271,24 @@ class WorkerGroups:
         ray.kill(old)
         self._handles.remove(old)
         port = urllib.parse.urlsplit(self.endpoints[index].url).port
-        self.rollouts[index] = self._rollout(index, port=port, replaces_pid=self.engine_pids[index])
+        self.rollouts[index] = self._rollout(
+            index,
+            port=port,
+            replaces_pid=self.engine_pids[index],
+            num_restarts=self.engine_restarts[index] + 1,
+        )
         endpoint: EngineEndpoint = self.get(
             self.rollouts[index].endpoint.remote(),
             f"restarting rollout worker {index}",
             "runner.startup_timeout_s",
         )
-        self.refresh_engine_pid(index)
+        self.engine_restarted(index)
         return endpoint
 
-    def refresh_engine_pid(self, index: int) -> None:
-        """Read again the process id of engine `index` (after a restart of it)."""
+    def engine_restarted(self, index: int) -> None:
+        """Engine `index` was started again (by its rollout worker, or by a new one): count it, and read its
+        new process id."""
+        self.engine_restarts[index] += 1
         self.engine_pids[index] = self.get(
             self.rollouts[index].pid.remote(), f"the process id of engine {index}"
         )

@@ -261,7 +261,7 @@ class Liveness:
         endpoint: EngineEndpoint = self.workers.get(
             rollout.restart.remote(), f"restarting {part}", "runner.startup_timeout_s"
         )
-        self.workers.refresh_engine_pid(failure.index)
+        self.workers.engine_restarted(failure.index)
         self._rejoin(part, failure.index, endpoint)
         self.record(
             part, "recovered", f"restarted ({self.num_engine_restarts} of {limit}) with the current weights"

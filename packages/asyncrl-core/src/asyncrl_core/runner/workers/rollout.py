@@ -43,7 +43,8 @@ class RolloutWorker:
 
     A worker that takes the place of one that died gets the dead one's engine `port` and process id
     (`replaces_pid`): that engine, orphaned, is ended first (its whole process group), so the new engine
-    starts on the address the agent loops send to.
+    starts on the address the agent loops send to; and the number of engine processes started before its
+    own (`num_restarts`), so that its counters' readings are told apart from the dead one's.
     """
 
     def __init__(
@@ -56,6 +57,7 @@ class RolloutWorker:
         run_dir: Path,
         port: int | None = None,
         replaces_pid: int | None = None,
+        num_restarts: int = 0,
     ) -> None:
         gpu = config.cluster.device_type == "gpu"
         if not gpu:
@@ -104,7 +106,7 @@ class RolloutWorker:
                 f"the engine process {replaces_pid} of the rollout worker that died did not end within 10 s"
             )
         self.engines = self._launch(port if port is not None else self._base_port)
-        self.num_restarts = 0
+        self.num_restarts = num_restarts
         """Restarts of the engine process so far (`engine_counters` tells its readings apart by it)."""
 
     def endpoint(self) -> EngineEndpoint:
