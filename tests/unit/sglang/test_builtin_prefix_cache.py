@@ -23,11 +23,6 @@ from asyncrl_sglang.builtin.sampling import SamplingOptions
 BLOCK = 4
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tiny_llama_path: Path) -> EngineModel:
-    return EngineModel.from_pretrained(tiny_llama_path)
-
-
 def _assert_same(cached: list[Request], reference: list[Request]) -> None:
     for got, want in zip(cached, reference, strict=True):
         assert got.output_ids == want.output_ids
