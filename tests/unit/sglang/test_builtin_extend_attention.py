@@ -181,6 +181,7 @@ def test_a_sequence_that_does_not_fit_is_refused_changing_nothing() -> None:
         ([[1, 2], list(range(10))], [0, 1], [0, 8], "sequence 1: 10 tokens from position 8"),
         ([[1, 2], []], [0, 1], [0, 0], "sequence 1: 0 tokens"),
         ([[1, 2]], [0, 1], [0], "1 sequences but 2 slots"),
+        ([], [], [], "0 sequences"),
     ):
         with pytest.raises(ValueError, match=named):
             model.prefill_packed(sequences, cache, slots, starts)

@@ -109,6 +109,7 @@ def extend_attention(
     per_block = ROWS // group  # query tokens per program
     batch = slots.shape[0]
     out = torch.empty((tokens, num_heads, head_dim), device=q.device, dtype=q.dtype)
+    dim_pad = max(16, 1 << (head_dim - 1).bit_length())
     kernel[(batch, max(1, -(-max_seqlen // per_block)), kv_heads)](
         q,
         keys,
@@ -126,12 +127,14 @@ def extend_attention(
         TOKENS=per_block,
         ROWS=ROWS,
         HEAD_DIM=head_dim,
-        DIM_PAD=max(16, 1 << (head_dim - 1).bit_length()),
+        DIM_PAD=dim_pad,
         BLOCK_N=BLOCK_N,
         # The dots take float32 operands: in IEEE precision for a float32 model (Triton's default for float32
         # dots is TF32), so it matches SDPA; TF32 for bfloat16 (exact on bfloat16 inputs, and finer than
         # bfloat16 for the softmax weights).
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        # Five float32 tiles of ROWS (or BLOCK_N) x DIM_PAD live at once: 8 warps past a head dim of 64.
+        num_warps=4 if dim_pad <= 64 else 8,
     )
     return out
 

@@ -513,8 +513,10 @@ class EngineModel:
         num = len(sequences)
         starts = [0] * num if starts is None else list(starts)
         lengths = [len(s) for s in sequences]
-        if len(slots) != num or len(starts) != num:
-            raise ValueError(f"{num} sequences but {len(slots)} slots and {len(starts)} starts")
+        if num == 0 or len(slots) != num or len(starts) != num:
+            raise ValueError(
+                f"{num} sequences but {len(slots)} slots and {len(starts)} starts (one each, >= 1)"
+            )
         for row, (slot, start, length) in enumerate(zip(slots, starts, lengths, strict=True)):
             if length == 0 or start < 0 or start + length > cache.capacity or not 0 <= slot < cache.num_slots:
                 raise ValueError(
