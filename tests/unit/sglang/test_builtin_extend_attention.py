@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -216,12 +215,12 @@ def _greedy(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> li
 
 
 def test_engine_turns_over_cached_prefixes_match_a_full_recompute(
-    tiny_llama_path: Path, engines: list[Engine]
+    tiny_model: EngineModel, engines: list[Engine]
 ) -> None:
     """The engine's packed prefills over prefix-cache hits (second turns of different lengths in one batch,
     beside a fresh prompt): every output and prompt logprob equals the model's full forward of the whole
     sequence without a cache, and greedy tokens are its argmax."""
-    model = EngineModel.from_pretrained(tiny_llama_path)
+    model = tiny_model
     engine = Engine(model, kv_block_size=4)
     engine.start()
     engines.append(engine)
