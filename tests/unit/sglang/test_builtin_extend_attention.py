@@ -7,18 +7,14 @@ and bfloat16."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-import threading
 
 import pytest
 import torch
+from engine_testing import generate_together, run_interpreted, start_engine
 
 from asyncrl_sglang.builtin import extend_attention
-from asyncrl_sglang.builtin.engine import Engine, Request
+from asyncrl_sglang.builtin.engine import Engine
 from asyncrl_sglang.builtin.model import EngineModel, KVCache, ModelConfig
-from asyncrl_sglang.builtin.sampling import SamplingOptions
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 
@@ -103,16 +99,7 @@ def test_the_kernel_and_the_packed_prefill_equal_the_references_under_the_interp
     """On the CPU, under Triton's interpreter: the kernel alone against `torch_extend_attention`, and the
     model's packed prefill with it against the reference path and the padded prefill. A process of its own:
     the interpreter must be chosen before Triton is first imported."""
-    result = subprocess.run(
-        [sys.executable, "-c", KERNEL_CHECKS],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.strip() == "ok"
+    run_interpreted(KERNEL_CHECKS)
 
 
 def test_not_available_on_the_cpu() -> None:
@@ -187,33 +174,6 @@ def test_a_sequence_that_does_not_fit_is_refused_changing_nothing() -> None:
     assert not cache.kv.any()
 
 
-def _greedy(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> list[Request]:
-    """Greedy requests with output and prompt logprobs, submitted at once; waits for every one."""
-    remaining = [len(prompts)]
-    done = threading.Event()
-
-    def on_update(_request: Request, finished: bool) -> None:
-        if finished:  # scheduler thread only
-            remaining[0] -= 1
-            if remaining[0] == 0:
-                done.set()
-
-    requests = [
-        Request(
-            rid=f"r{index}-{len(prompt)}",
-            prompt_ids=prompt,
-            options=SamplingOptions(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True),
-            return_logprob=True,
-            logprob_start_len=len(prompt) - 3,
-            on_update=on_update,
-        )
-        for index, prompt in enumerate(prompts)
-    ]
-    engine.call(lambda: [engine.add_request(r) for r in requests], timeout_s=120)
-    assert done.wait(120), "generation did not finish"
-    return requests
-
-
 def test_engine_turns_over_cached_prefixes_match_a_full_recompute(
     tiny_model: EngineModel, engines: list[Engine]
 ) -> None:
@@ -221,17 +181,15 @@ def test_engine_turns_over_cached_prefixes_match_a_full_recompute(
     beside a fresh prompt): every output and prompt logprob equals the model's full forward of the whole
     sequence without a cache, and greedy tokens are its argmax."""
     model = tiny_model
-    engine = Engine(model, kv_block_size=4)
-    engine.start()
-    engines.append(engine)
+    engine = start_engine(engines, model, kv_block_size=4)
     first = [list(range(10, 31)), list(range(40, 53))]
-    turn1 = _greedy(engine, first, 6)
+    turn1 = generate_together(engine, first, 6, num_prompt_logprobs=3)
     second = [
         first[0] + turn1[0].output_ids + [60, 61, 62],
         first[1] + turn1[1].output_ids + [70],
         [100, 101, 102, 103, 104],
     ]
-    turn2 = _greedy(engine, second, 6)
+    turn2 = generate_together(engine, second, 6, num_prompt_logprobs=3)
     assert [request.cached_tokens > 0 for request in turn2] == [True, True, False]
     for request in turn1 + turn2:
         tokens = request.prompt_ids + request.output_ids
