@@ -7,14 +7,19 @@ and bfloat16."""
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
 from engine_testing import generate_together, run_interpreted, start_engine
 
+from asyncrl_core.errors import EngineControlError
 from asyncrl_sglang.builtin import extend_attention
+from asyncrl_sglang.builtin.__main__ import launch_arguments, parse_args
 from asyncrl_sglang.builtin.engine import Engine
+from asyncrl_sglang.builtin.info import server_args
 from asyncrl_sglang.builtin.model import EngineModel, KVCache, ModelConfig
+from asyncrl_sglang.launcher import builtin_command
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 
@@ -172,6 +177,46 @@ def test_a_sequence_that_does_not_fit_is_refused_changing_nothing() -> None:
         with pytest.raises(ValueError, match=named):
             model.prefill_packed(sequences, cache, slots, starts)
     assert not cache.kv.any()
+
+
+def test_attention_backend_torch_native_reaches_the_model_and_server_info(tiny_llama_path: Path) -> None:
+    """SGLang's `--attention-backend` (also `rollout.sglang.extra_args: {attention_backend: torch_native}`):
+    `torch_native` builds the model without the attention kernels, a choice a move of its weights keeps, and
+    `/server_info` reports it; a backend the engine lacks is refused before any engine starts."""
+    command = builtin_command(
+        model_path="m",
+        host="127.0.0.1",
+        port=5,
+        max_running_requests=2,
+        extra_args={"attention_backend": "torch_native"},
+    )
+    args = parse_args(list(command.argv[3:]))
+    assert args.attention_backend == "torch_native"
+    reported = launch_arguments(
+        args,
+        model_path=tiny_llama_path,
+        tokenizer_path=None,
+        context_length=64,
+        device="cpu",
+        dtype="float32",
+        command="",
+    )
+    assert server_args(reported)["attention_backend"] == "torch_native"
+    assert parse_args(["--model-path", "m"]).attention_backend == "triton"
+    with pytest.raises(EngineControlError, match="attention-backend"):
+        builtin_command(
+            model_path="m",
+            host="127.0.0.1",
+            port=5,
+            max_running_requests=2,
+            extra_args={"attention_backend": "fa3"},
+        )
+    model = EngineModel.from_pretrained(tiny_llama_path, attention_kernels=False)
+    assert model._attention_requested is False
+    model.move_weights(torch.device("meta"))
+    assert model._attention_requested is False
+    assert not model.decode_kernel
+    assert not model.extend_kernel
 
 
 def test_engine_turns_over_cached_prefixes_match_a_full_recompute(

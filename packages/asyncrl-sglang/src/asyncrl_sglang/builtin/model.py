@@ -190,7 +190,12 @@ class EngineModel:
     """
 
     def __init__(
-        self, config: ModelConfig, device: torch.device, dtype: torch.dtype, fused_kernels: bool = True
+        self,
+        config: ModelConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        fused_kernels: bool = True,
+        attention_kernels: bool = True,
     ) -> None:
         self.config = config
         self.device = device
@@ -257,12 +262,14 @@ class EngineModel:
         self._rope_cos = torch.empty(0, device=device)
         self._rope_sin = torch.empty(0, device=device)
         self._ensure_rope(c.max_position_embeddings)
-        self.decode_kernel = decode_attention.available(device)
-        """Whether `decode` uses the Triton kernel that reads each row's KV up to its own length (CUDA with
-        Triton; set False to measure the masked SDPA it replaces)."""
-        self.extend_kernel = extend_attention.available(device)
+        self._attention_requested = attention_kernels
+        self.decode_kernel = attention_kernels and decode_attention.available(device)
+        """Whether `decode` uses the Triton kernel that reads each row's KV up to its own length (requested,
+        the default, and CUDA with Triton; set False to measure the masked SDPA it replaces)."""
+        self.extend_kernel = attention_kernels and extend_attention.available(device)
         """Whether `prefill_packed` attends with the Triton kernel that reads each sequence's cached KV in
-        place (CUDA with Triton; set False to measure the per-sequence SDPA, its reference)."""
+        place (requested, the default, and CUDA with Triton; set False to measure the per-sequence SDPA, its
+        reference)."""
         self._fused_requested = fused_kernels
         self.fused_kernels = fused_kernels and fused.available(device)
         """Whether the forwards use the fused Triton kernels (`fused_kernels.py`: residual add + RMSNorm,
@@ -277,16 +284,18 @@ class EngineModel:
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         fused_kernels: bool = True,
+        attention_kernels: bool = True,
     ) -> EngineModel:
         """Build from a HuggingFace folder (`config.json` + `*.safetensors`); all parameters must be there.
-        `fused_kernels=False` keeps torch's elementwise ops where the fused kernels would run."""
+        `fused_kernels=False` keeps torch's elementwise ops where the fused kernels would run;
+        `attention_kernels=False` keeps SDPA where the decode and extend attention kernels would run."""
         folder = Path(path)
         try:
             raw = read_hf_config(folder)
         except AsyncRLError as error:
             raise ModelLoadError(str(error)) from None
         config = ModelConfig.from_dict(raw)
-        model = cls(config, torch.device(device), dtype, fused_kernels)
+        model = cls(config, torch.device(device), dtype, fused_kernels, attention_kernels)
         files = sorted(folder.glob("*.safetensors"))
         if not files:
             raise ModelLoadError(f"no *.safetensors file in {folder}")
@@ -310,9 +319,10 @@ class EngineModel:
         dtype: torch.dtype = torch.float32,
         seed: int = 0,
         fused_kernels: bool = True,
+        attention_kernels: bool = True,
     ) -> EngineModel:
         """A model with random weights (normal, std 0.02; norms at 1), for benchmarks."""
-        model = cls(config, torch.device(device), dtype, fused_kernels)
+        model = cls(config, torch.device(device), dtype, fused_kernels, attention_kernels)
         generator = torch.Generator().manual_seed(seed)
         for name in sorted(model.required_names()):
             view = model.named[name]
@@ -364,7 +374,7 @@ class EngineModel:
         """Move every parameter (and the rope tables) to `device`; the named views are rebuilt to match."""
         if device == self.device:
             return
-        moved = EngineModel(self.config, device, self.dtype, self._fused_requested)
+        moved = EngineModel(self.config, device, self.dtype, self._fused_requested, self._attention_requested)
         moved.load_named_tensors([(name, self.named[name]) for name in sorted(self.required_names())])
         self.__dict__.update(moved.__dict__)
 
