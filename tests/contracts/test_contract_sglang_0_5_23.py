@@ -77,6 +77,7 @@ SERVER_ARGS = {
     "max_queued_requests", "context_length", "weight_version", "device", "dtype", "enable_metrics",
     "random_seed", "load_format", "disable_cuda_graph", "disable_radix_cache", "disable_overlap_schedule",
     "skip_server_warmup", "log_level", "tp_size", "dp_size", "pp_size", "enable_dp_attention",
+    "attention_backend",
 }  # fmt: skip
 # Flags of `python -m asyncrl_sglang.builtin` that are no ServerArgs field: `/server_info` leaves them out
 # (`launch_command` shows them). `--random-weights` is reported as SGLang names it, `load_format: dummy`;

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import re
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 import pytest
 from agents_testing import ScriptedEngine, check_alignment, mini_reader, smollm2_tokenizer
@@ -240,7 +241,12 @@ async def test_tool_timeout_becomes_an_observation(task: SearchR1MiniTask) -> No
     assert "timed out after 0.2 s" in tokenizer.decode(trajectory.token_ids[trajectory.prompt_len :])
 
 
-class RefusingEngine:
+@dataclass
+class FailingEngine:
+    """An engine whose every request fails with `error`."""
+
+    error: Exception
+
     async def generate(
         self,
         input_ids: Sequence[int],
@@ -249,49 +255,33 @@ class RefusingEngine:
         rid: str | None = None,
         routing_key: str | None = None,
     ) -> Generation:
-        raise GenerationError("prompt too long for the context")
+        raise self.error
 
 
-async def test_engine_refusal_fails_the_group_with_the_engines_error(task: SearchR1MiniTask) -> None:
-    # A refused request (a 400) would be refused again: the group fails with that error, which the runner
-    # takes as permanent (the prompt is dropped with it as the reason), instead of training on empty
-    # trajectories.
+# A refused request (a 400) would be refused again: the group fails with that error, which the runner takes as
+# permanent (the prompt is dropped with it as the reason), instead of training on empty trajectories. An
+# engine no one reaches raises its own error, which the runner may retry.
+@pytest.mark.parametrize(
+    "error",
+    [
+        GenerationError("prompt too long for the context"),
+        EngineUnavailableError("engine at http://127.0.0.1:1 is not reachable"),
+    ],
+    ids=["refused", "unreachable"],
+)
+async def test_an_engine_failure_fails_the_group_with_the_engines_error(
+    task: SearchR1MiniTask, error: Exception
+) -> None:
     loop = MultiTurnAgentLoop(
         task,
-        RefusingEngine(),
+        FailingEngine(error),
         smollm2_tokenizer(),
         group_size=2,
         sampling=SamplingParams(max_new_tokens=8),
         max_prompt_len=512,
         max_response_len=64,
     )
-    with pytest.raises(GenerationError, match="prompt too long for the context"):
-        await loop.run_group(0)
-
-
-class UnreachableEngine:
-    async def generate(
-        self,
-        input_ids: Sequence[int],
-        sampling: SamplingParams,
-        *,
-        rid: str | None = None,
-        routing_key: str | None = None,
-    ) -> Generation:
-        raise EngineUnavailableError("engine at http://127.0.0.1:1 is not reachable")
-
-
-async def test_unreachable_engine_raises_its_own_error(task: SearchR1MiniTask) -> None:
-    loop = MultiTurnAgentLoop(
-        task,
-        UnreachableEngine(),
-        smollm2_tokenizer(),
-        group_size=3,
-        sampling=SamplingParams(max_new_tokens=8),
-        max_prompt_len=512,
-        max_response_len=64,
-    )
-    with pytest.raises(EngineUnavailableError, match="not reachable"):
+    with pytest.raises(type(error), match=re.escape(str(error))):
         await loop.run_group(0)
 
 

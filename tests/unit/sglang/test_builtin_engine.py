@@ -24,11 +24,6 @@ def _hf_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tiny_llama_path: Path) -> EngineModel:
-    return EngineModel.from_pretrained(tiny_llama_path)
-
-
-@pytest.fixture(scope="module")
 def smollm2_model(smollm2_path: Path) -> EngineModel:
     return EngineModel.from_pretrained(smollm2_path)
 

@@ -24,11 +24,6 @@ PROMPTS = [[5, 6, 7], [11, 12, 13, 14, 15], [21, 22], [31, 32, 33, 34], [41, 42,
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tiny_llama_path: Path) -> EngineModel:
-    return EngineModel.from_pretrained(tiny_llama_path)
-
-
-@pytest.fixture(scope="module")
 def decode_text(tiny_llama_path: Path) -> Callable[[list[int]], str]:
     from transformers import AutoTokenizer
 

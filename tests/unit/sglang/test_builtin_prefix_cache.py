@@ -23,11 +23,6 @@ from asyncrl_sglang.builtin.sampling import SamplingOptions
 BLOCK = 4
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tiny_llama_path: Path) -> EngineModel:
-    return EngineModel.from_pretrained(tiny_llama_path)
-
-
 def _assert_same(cached: list[Request], reference: list[Request]) -> None:
     for got, want in zip(cached, reference, strict=True):
         assert got.output_ids == want.output_ids
@@ -272,8 +267,9 @@ def test_a_retract_on_top_of_an_in_place_update_recomputes_the_kept_kv(
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cached_prefixes_match_a_full_prefill_on_cuda(engines: list[Engine]) -> None:
-    """The CUDA kernels of a prefill over a cached prefix (memory-efficient attention under a mask) against a
-    plain prefill (flash or memory-efficient, causal), float32, greedy, several turns in one batch."""
+    """The CUDA kernels of a packed prefill over cached prefixes (the extend-attention kernel reading them in
+    place) against prefills from position 0 (the same kernel without a prefix), float32, greedy, several
+    turns in one batch."""
     from asyncrl_sglang.builtin.model import ModelConfig
 
     config = ModelConfig.from_dict(

@@ -96,6 +96,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="torch's elementwise ops instead of the fused Triton kernels (RMSNorm, rotary, SiLU) on CUDA",
     )
     parser.add_argument(
+        "--attention-backend",
+        choices=["triton", "torch_native"],
+        default="triton",
+        help="triton: the engine's Triton attention kernels (decode, packed prefill) on CUDA; torch_native: "
+        "SDPA (what the CPU always runs)",
+    )
+    parser.add_argument(
         "--disable-radix-cache",
         action="store_true",
         help="no prefix cache: every prefill computes all its tokens (cached_tokens stays 0)",
@@ -152,6 +159,7 @@ def launch_arguments(
         random_seed=args.random_seed,
         load_format="dummy" if args.random_weights else "safetensors",
         disable_cuda_graph=args.disable_cuda_graph,
+        attention_backend=args.attention_backend,
         disable_radix_cache=args.disable_radix_cache,
         disable_overlap_schedule=args.disable_overlap_schedule,
         skip_server_warmup=args.skip_server_warmup,
@@ -204,11 +212,22 @@ async def _serve(args: argparse.Namespace, model_path: Path, command: str) -> No
     if args.random_weights:
         config = ModelConfig.from_dict(read_hf_config(model_path))
         model = await asyncio.to_thread(
-            EngineModel.random, config, device, dtype, args.random_seed, not args.disable_fused_kernels
+            EngineModel.random,
+            config,
+            device,
+            dtype,
+            args.random_seed,
+            fused_kernels=not args.disable_fused_kernels,
+            attention_kernels=args.attention_backend == "triton",
         )
     else:
         model = await asyncio.to_thread(
-            EngineModel.from_pretrained, model_path, device, dtype, not args.disable_fused_kernels
+            EngineModel.from_pretrained,
+            model_path,
+            device,
+            dtype,
+            fused_kernels=not args.disable_fused_kernels,
+            attention_kernels=args.attention_backend == "triton",
         )
     load_weight_s = time.perf_counter() - loading
     tokenizer_path = args.tokenizer_path or str(model_path)

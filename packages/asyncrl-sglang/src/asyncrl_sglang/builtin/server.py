@@ -77,6 +77,9 @@ class ServerArgs:
     random_seed: int = 0
     load_format: str = "safetensors"
     disable_cuda_graph: bool = False
+    attention_backend: Literal["triton", "torch_native"] = "triton"
+    """SGLang's flag: `triton` runs the engine's Triton attention kernels (`decode_attention.py`,
+    `extend_attention.py`) on CUDA, `torch_native` runs SDPA (as the CPU always does)."""
     disable_radix_cache: bool = False
     """The engine runs without its prefix cache (SGLang's flag of the same name)."""
     disable_overlap_schedule: bool = False
