@@ -76,6 +76,25 @@ SMOLLM2_CONFIG: dict[str, Any] = {
 }
 
 
+TINY_SHAPE: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 4,
+}
+"""What `--tiny` changes in SmolLM2's shape."""
+
+
+def random_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The shape of the random model: SmolLM2-135M's, or `--tiny`'s, with `--vocab-size` if given."""
+    config = {**SMOLLM2_CONFIG, **(TINY_SHAPE if args.tiny else {})}
+    if args.vocab_size is not None:
+        config["vocab_size"] = args.vocab_size
+    return config
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -91,6 +110,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model-path", help="a HuggingFace folder (default: SmolLM2-135M from asyncrl_core)")
     parser.add_argument(
         "--random-weights", action="store_true", help="random weights of SmolLM2-135M's shape"
+    )
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="random weights of a tiny Llama (hidden 64, 2 layers, 2 heads of 4, one KV head, FFN 128; implies --random-weights): on a "
+        "CPU its compute is negligible and what remains is the engine's host work per step, which bounds "
+        "the GPU case",
+    )
+    parser.add_argument(
+        "--vocab-size", type=int, help="the random model's vocabulary (default: SmolLM2's, 49152)"
     )
     parser.add_argument("--skip-continuous-batching", action="store_true", help="skip (b)")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="the engine decodes eagerly on CUDA")
@@ -158,7 +187,10 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--json", dest="json_path", help="write the results here")
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.tiny or args.vocab_size is not None:
+        args.random_weights = True
+    return args
 
 
 def build_models(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any, str]:
@@ -169,9 +201,12 @@ def build_models(args: argparse.Namespace, device: torch.device, dtype: torch.dt
 
     if args.random_weights:
         torch.manual_seed(args.seed)
-        hf = LlamaForCausalLM(LlamaConfig(**SMOLLM2_CONFIG)).to(dtype)
-        config = ModelConfig.from_dict(SMOLLM2_CONFIG)
-        description = "random weights, SmolLM2-135M shape"
+        shape = random_config(args)
+        hf = LlamaForCausalLM(LlamaConfig(**shape)).to(dtype)
+        config = ModelConfig.from_dict(shape)
+        description = (
+            f"random weights, {'tiny' if args.tiny else 'SmolLM2-135M'} shape, vocab {shape['vocab_size']}"
+        )
     else:
         if args.model_path:
             path = Path(args.model_path)
@@ -184,6 +219,7 @@ def build_models(args: argparse.Namespace, device: torch.device, dtype: torch.dt
         description = f"{path.name} weights"
     hf = hf.to(device).eval()
     engine_model = EngineModel(config, device, dtype)
+    time_model_calls(engine_model)
     state = hf.state_dict()
     engine_model.load_named_tensors([(n, state[n]) for n in sorted(engine_model.required_names())])
     if args.no_decode_kernel:
@@ -237,7 +273,50 @@ def bench_hf_continuous(hf: Any, prompts: torch.Tensor, new_tokens: int) -> floa
     return generated / elapsed
 
 
-def bench_engine(engine: Any, prompts: torch.Tensor, new_tokens: int) -> float:
+def scheduler_cpu_s(engine: Any) -> tuple[float, float]:
+    """CPU seconds the engine's scheduler thread has used (its host work, and on a CPU device the model's
+    compute with one torch thread), and those of it spent in the model's forward calls (`time_model_calls`
+    on `engine.model`, else 0): unlike wall time, not inflated by other processes on the machine."""
+    spent = MODEL_CPU_S.get(id(engine.model), [0.0])
+    return engine.call(lambda: (time.thread_time(), spent[0]))
+
+
+def cpu_us_per_token_since(engine: Any, before: tuple[float, float], tokens: int) -> tuple[float, float]:
+    """(scheduler CPU us per token, of which in the model's forward calls) since `before`."""
+    total, model = scheduler_cpu_s(engine)
+    return (total - before[0]) * 1e6 / tokens, (model - before[1]) * 1e6 / tokens
+
+
+MODEL_CALLS = ("decode", "prefill_batch", "logits")
+"""The engine model's forward calls that `time_model_calls` times."""
+MODEL_CPU_S: dict[int, list[float]] = {}
+"""Per timed model (by `id`), the CPU seconds spent in its forward calls (`time_model_calls`)."""
+
+
+def time_model_calls(model: Any) -> None:
+    """Make `model`'s forward calls add the CPU seconds of the calling thread spent in them to
+    `MODEL_CPU_S[id(model)]`. On a CPU device that is the model's compute, so the scheduler thread's CPU time less it
+    is the engine's host work; on CUDA it is the host side of the model's launches."""
+    spent = [0.0]
+    for name in MODEL_CALLS:
+        method = getattr(model, name)
+
+        def timed(*args: Any, _method: Any = method, **kwargs: Any) -> Any:
+            began = time.thread_time()
+            try:
+                return _method(*args, **kwargs)
+            finally:
+                spent[0] += time.thread_time() - began
+
+        setattr(model, name, timed)
+    MODEL_CPU_S[id(model)] = spent
+
+
+def bench_engine(
+    engine: Any, prompts: torch.Tensor, new_tokens: int, cpu_us_per_token: dict[str, float] | None = None
+) -> float:
+    """Tokens/s of B requests submitted at once; `cpu_us_per_token["engine"]` gets the scheduler thread's CPU
+    microseconds per generated token."""
     from asyncrl_sglang.builtin.engine import Request
     from asyncrl_sglang.builtin.sampling import SamplingOptions
 
@@ -257,12 +336,16 @@ def bench_engine(engine: Any, prompts: torch.Tensor, new_tokens: int) -> float:
         Request(rid=f"bench-{i}", prompt_ids=row, options=options, on_update=on_update)
         for i, row in enumerate(prompts.tolist())
     ]
+    cpu_before = scheduler_cpu_s(engine)
     started = time.perf_counter()
     engine.call(lambda: [engine.add_request(r) for r in requests])
     if not done.wait(3600):
         raise RuntimeError("the engine did not finish within an hour")
     elapsed = time.perf_counter() - started
     assert all(len(r.output_ids) == new_tokens for r in requests)
+    if cpu_us_per_token is not None:
+        total, model = cpu_us_per_token_since(engine, cpu_before, len(requests) * new_tokens)
+        cpu_us_per_token["engine"], cpu_us_per_token["model"] = total, model
     return len(requests) * new_tokens / elapsed
 
 
@@ -346,6 +429,10 @@ class AgenticResult:
     prefill_tokens: int
     cached_tokens: int
     prefill_busy_share: float
+    cpu_us_per_token: float
+    """CPU microseconds of the scheduler thread per generated token (`scheduler_cpu_s`)."""
+    model_cpu_us_per_token: float
+    """Of `cpu_us_per_token`, those in the model's forward calls (0 unless `time_model_calls`)."""
     turns: list[list[Any]] = field(default_factory=lambda: list[list[Any]]())
     """Per trajectory, its finished turn requests in order."""
 
@@ -439,11 +526,15 @@ def run_agentic(
     first = [make(index, 0, prompts[index]) for index in range(num_trajectories)]
     counters = engine.counters
     before = (counters.prefill_tokens_total, _cached_total(counters), counters.prefill_busy_us)
+    cpu_before = scheduler_cpu_s(engine)
     started = time.perf_counter()
     engine.call(lambda: [engine.add_request(r) for r in first])
     if not done.wait(timeout_s):
         raise RuntimeError(f"the agentic workload did not finish within {timeout_s} s")
     elapsed = time.perf_counter() - started
+    cpu_us, model_cpu_us = cpu_us_per_token_since(
+        engine, cpu_before, sum(len(r.output_ids) for turns_of in history for r in turns_of)
+    )
     generated = sum(len(r.output_ids) for turns_of in history for r in turns_of)
     prefill_busy_s = (counters.prefill_busy_us - before[2]) / 1e6
     return AgenticResult(
@@ -453,6 +544,8 @@ def run_agentic(
         prefill_tokens=counters.prefill_tokens_total - before[0],
         cached_tokens=_cached_total(counters) - before[1],
         prefill_busy_share=prefill_busy_s / elapsed,
+        cpu_us_per_token=cpu_us,
+        model_cpu_us_per_token=model_cpu_us,
         turns=history,
     )
 
@@ -556,6 +649,14 @@ def main() -> int:
             f"{agentic['prefill_tokens']} tokens, {agentic['cached_tokens']} from the prefix cache, prefill "
             f"{100 * agentic['prefill_busy_share']:.0f}% of the time"
         )
+        fixed = max(rows, key=lambda r: r["batch"])
+        print(
+            f"scheduler thread CPU per token: agentic {agentic['cpu_us_per_token']:.1f} us (host "
+            f"{agentic['host_us_per_token']:.1f} us outside the model's calls), fixed-shape "
+            f"{fixed['engine_cpu_us_per_token']:.1f} us (host {fixed['engine_host_us_per_token']:.1f} us); "
+            f"agentic / fixed in tokens per CPU second {agentic['over_fixed_cpu']:.2f}, per host second "
+            f"{agentic['over_fixed_host']:.2f}"
+        )
     if switch is not None:
         print(f"\nside by side ({compared[switch][1]} on / off, alternating):")
         print(
@@ -641,7 +742,10 @@ def measure(
         engine.start()
         try:
             bench_engine(engine, prompts[:, :16], 4)  # warm-up (and CUDA graph capture)
-            row["engine"] = bench_engine(engine, prompts, args.new_tokens)
+            cpu: dict[str, float] = {}
+            row["engine"] = bench_engine(engine, prompts, args.new_tokens, cpu)
+            row["engine_cpu_us_per_token"] = cpu["engine"]
+            row["engine_host_us_per_token"] = cpu["engine"] - cpu["model"]
             if batch in http_sizes:
                 row["engine_http"] = bench_http(engine, prompts, args.new_tokens)
         finally:
@@ -660,6 +764,10 @@ def measure(
         fixed = max(rows, key=lambda r: r["batch"])
         agentic["fixed_batch"] = fixed["batch"]
         agentic["over_fixed"] = agentic["tokens_per_s"] / fixed["engine"]
+        # The same ratio in scheduler CPU time per token (what bounds a host-bound engine; robust to load).
+        agentic["host_us_per_token"] = agentic["cpu_us_per_token"] - agentic["model_cpu_us_per_token"]
+        agentic["over_fixed_cpu"] = fixed["engine_cpu_us_per_token"] / agentic["cpu_us_per_token"]
+        agentic["over_fixed_host"] = fixed["engine_host_us_per_token"] / agentic["host_us_per_token"]
     return rows, agentic
 
 

@@ -299,13 +299,17 @@ class Engine:
     def _publish(self) -> None:
         """Swap in a new `snapshot` (scheduler thread only; O(running), the queue keeps its own totals). A
         finished request whose slot the step in flight still decodes is not running."""
-        running = [r for r in self.running if not r.finished]
+        num_running = num_used_tokens = 0
+        for r in self.running:  # once per step and per finish: plain loop, no property calls
+            if r.finish_reason is None:
+                num_running += 1
+                num_used_tokens += len(r.prompt_ids) + len(r.output_ids)
         self.snapshot = EngineSnapshot(
-            num_running=len(running),
+            num_running=num_running,
             num_waiting=len(self.waiting),
             num_waiting_tokens=self.waiting.num_tokens,
             num_retracted_waiting=self.waiting.num_retracted,
-            num_used_tokens=sum(r.num_tokens for r in running),
+            num_used_tokens=num_used_tokens,
             counters=dataclasses.replace(self.counters),
             kv_cache_bytes=self.kv_cache_bytes,
             cuda_graph_batch_sizes=tuple(self.cuda_graph_batch_sizes),
@@ -734,7 +738,10 @@ class Engine:
         """Each running request's position in the next decode step: its last token's, plus `pending` (the
         steps launched whose tokens the host has not read). A finished request whose slot is still decoded
         keeps its last position (what it writes there is never read)."""
-        return [r.num_tokens - 1 + (0 if r.finished else pending) for r in self.running]
+        return [
+            len(r.prompt_ids) + len(r.output_ids) - (1 if r.finish_reason is not None else 1 - pending)
+            for r in self.running
+        ]
 
     def _launch_decode(self, previous: _LaunchedStep | None) -> _LaunchedStep:
         """Launch one decode step for every running request and its sampling, without waiting for the device.
@@ -789,13 +796,16 @@ class Engine:
         """Append each request's token, finish who is done, tell the clients."""
         # Published before any client hears of this step: one told of a token sees its request running.
         self._publish()
+        counters = self.counters
         for request, (token, logprob, top) in zip(requests, sampled, strict=True):
+            if request.finish_reason is not None:
+                continue  # aborted by the callback of an earlier row of this step: its token is dropped
             request.output_ids.append(token)
             if request.return_logprob:
                 request.output_logprobs.append(logprob)
                 if request.top_logprobs_num > 0:
                     request.output_top_logprobs.append(top)
-            self.counters.generation_tokens_total += 1
+            counters.generation_tokens_total += 1
             reason = self._finish_reason(request, token)
             if reason is not None:
                 self._finish(request, reason)
@@ -839,15 +849,16 @@ class Engine:
         pending = text.endswith("\ufffd") and len(ids) - read < STOP_TEXT_MAX_PENDING_TOKENS
         window = request.stop_tail + (text.rstrip("\ufffd") if pending else text)[len(known) :]
         if not pending:
-            longest = max(len(s) for s in request.options.stop)
+            longest = max(map(len, request.options.stop))
             request.stop_prefix_offset, request.stop_read_offset = read, len(ids)
             request.stop_tail = window[max(0, len(window) - longest + 1) :]
-        best: tuple[int, str] | None = None
+        best: str | None = None
+        best_index = len(window)
         for stop in request.options.stop:
-            index = window.find(stop)
-            if index >= 0 and (best is None or index < best[0]):
-                best = (index, stop)
-        return None if best is None else best[1]
+            index = window.find(stop, 0, best_index + len(stop))
+            if 0 <= index < best_index:
+                best, best_index = stop, index
+        return best
 
     def _finish(self, request: Request, reason: dict[str, Any]) -> None:
         request.finish_reason = reason
@@ -912,7 +923,7 @@ class _LaunchedStep:
         """The step's draws on the host, after waiting for this step only (not for one launched later)."""
         if self.ready is not None:
             self.ready.synchronize()
-        return unpack_samples(self.requests, self.results.tolist(), self.top_num)
+        return unpack_samples(self.requests, self.results, self.top_num)
 
 
 class _DecodeGraphs:
