@@ -219,7 +219,7 @@ def build_models(args: argparse.Namespace, device: torch.device, dtype: torch.dt
         description = f"{path.name} weights"
     hf = hf.to(device).eval()
     engine_model = EngineModel(config, device, dtype)
-    time_model_calls(engine_model)
+    time_device_work(engine_model)
     state = hf.state_dict()
     engine_model.load_named_tensors([(n, state[n]) for n in sorted(engine_model.required_names())])
     if args.no_decode_kernel:
@@ -274,42 +274,48 @@ def bench_hf_continuous(hf: Any, prompts: torch.Tensor, new_tokens: int) -> floa
 
 
 def scheduler_cpu_s(engine: Any) -> tuple[float, float]:
-    """CPU seconds the engine's scheduler thread has used (its host work, and on a CPU device the model's
-    compute with one torch thread), and those of it spent in the model's forward calls (`time_model_calls`
-    on `engine.model`, else 0): unlike wall time, not inflated by other processes on the machine."""
-    spent = MODEL_CPU_S.get(id(engine.model), [0.0])
-    return engine.call(lambda: (time.thread_time(), spent[0]))
+    """CPU seconds the engine's scheduler thread has used, and those of it spent in device work
+    (`time_device_work`): unlike wall time, neither is inflated by other processes on the machine."""
+    return engine.call(lambda: (time.thread_time(), DEVICE_WORK_S[0]))
 
 
 def cpu_us_per_token_since(engine: Any, before: tuple[float, float], tokens: int) -> tuple[float, float]:
-    """(scheduler CPU us per token, of which in the model's forward calls) since `before`."""
-    total, model = scheduler_cpu_s(engine)
-    return (total - before[0]) * 1e6 / tokens, (model - before[1]) * 1e6 / tokens
+    """(scheduler CPU us per token, of which in device work) since `before` (a `scheduler_cpu_s`)."""
+    total, device_work = scheduler_cpu_s(engine)
+    return (total - before[0]) * 1e6 / tokens, (device_work - before[1]) * 1e6 / tokens
 
 
-MODEL_CALLS = ("decode", "prefill_batch", "logits")
-"""The engine model's forward calls that `time_model_calls` times."""
-MODEL_CPU_S: dict[int, list[float]] = {}
-"""Per timed model (by `id`), the CPU seconds spent in its forward calls (`time_model_calls`)."""
+DEVICE_WORK_S = [0.0]
+"""CPU seconds that the scheduler thread spent in the model's forward calls and the sampling operators, once
+`time_device_work` has wrapped them."""
 
 
-def time_model_calls(model: Any) -> None:
-    """Make `model`'s forward calls add the CPU seconds of the calling thread spent in them to
-    `MODEL_CPU_S[id(model)]`. On a CPU device that is the model's compute, so the scheduler thread's CPU time less it
-    is the engine's host work; on CUDA it is the host side of the model's launches."""
-    spent = [0.0]
-    for name in MODEL_CALLS:
-        method = getattr(model, name)
+def _timed(function: Any) -> Any:
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        began = time.thread_time()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            DEVICE_WORK_S[0] += time.thread_time() - began
 
-        def timed(*args: Any, _method: Any = method, **kwargs: Any) -> Any:
-            began = time.thread_time()
-            try:
-                return _method(*args, **kwargs)
-            finally:
-                spent[0] += time.thread_time() - began
+    return timed
 
-        setattr(model, name, timed)
-    MODEL_CPU_S[id(model)] = spent
+
+def time_device_work(model: Any) -> None:
+    """Count the scheduler thread's CPU time in device work into `DEVICE_WORK_S`: the model's forward calls
+    and the sampling operators the engine launches. On a CPU device that is the compute, so the thread's CPU
+    time less it is the engine's host work per step (scheduling, bookkeeping, stop strings, clients), which
+    a GPU cannot hide; on CUDA it is the host side of the launches."""
+    import asyncrl_sglang.builtin.engine as engine_module
+
+    for name in ("decode", "prefill_batch", "logits"):
+        setattr(model, name, _timed(getattr(model, name)))
+    for name in ("sample_on_device", "sample_tokens"):
+        function = getattr(engine_module, name)
+        if not getattr(function, "device_work", False):
+            timed = _timed(function)
+            timed.device_work = True
+            setattr(engine_module, name, timed)
 
 
 def bench_engine(
@@ -344,8 +350,8 @@ def bench_engine(
     elapsed = time.perf_counter() - started
     assert all(len(r.output_ids) == new_tokens for r in requests)
     if cpu_us_per_token is not None:
-        total, model = cpu_us_per_token_since(engine, cpu_before, len(requests) * new_tokens)
-        cpu_us_per_token["engine"], cpu_us_per_token["model"] = total, model
+        total, device_work = cpu_us_per_token_since(engine, cpu_before, len(requests) * new_tokens)
+        cpu_us_per_token["engine"], cpu_us_per_token["device_work"] = total, device_work
     return len(requests) * new_tokens / elapsed
 
 
@@ -431,8 +437,8 @@ class AgenticResult:
     prefill_busy_share: float
     cpu_us_per_token: float
     """CPU microseconds of the scheduler thread per generated token (`scheduler_cpu_s`)."""
-    model_cpu_us_per_token: float
-    """Of `cpu_us_per_token`, those in the model's forward calls (0 unless `time_model_calls`)."""
+    device_work_cpu_us_per_token: float
+    """Of `cpu_us_per_token`, those in device work (`time_device_work`)."""
     turns: list[list[Any]] = field(default_factory=lambda: list[list[Any]]())
     """Per trajectory, its finished turn requests in order."""
 
@@ -532,7 +538,7 @@ def run_agentic(
     if not done.wait(timeout_s):
         raise RuntimeError(f"the agentic workload did not finish within {timeout_s} s")
     elapsed = time.perf_counter() - started
-    cpu_us, model_cpu_us = cpu_us_per_token_since(
+    cpu_us, device_work_cpu_us = cpu_us_per_token_since(
         engine, cpu_before, sum(len(r.output_ids) for turns_of in history for r in turns_of)
     )
     generated = sum(len(r.output_ids) for turns_of in history for r in turns_of)
@@ -545,7 +551,7 @@ def run_agentic(
         cached_tokens=_cached_total(counters) - before[1],
         prefill_busy_share=prefill_busy_s / elapsed,
         cpu_us_per_token=cpu_us,
-        model_cpu_us_per_token=model_cpu_us,
+        device_work_cpu_us_per_token=device_work_cpu_us,
         turns=history,
     )
 
@@ -652,7 +658,7 @@ def main() -> int:
         fixed = max(rows, key=lambda r: r["batch"])
         print(
             f"scheduler thread CPU per token: agentic {agentic['cpu_us_per_token']:.1f} us (host "
-            f"{agentic['host_us_per_token']:.1f} us outside the model's calls), fixed-shape "
+            f"{agentic['host_us_per_token']:.1f} us outside the model and sampling), fixed-shape "
             f"{fixed['engine_cpu_us_per_token']:.1f} us (host {fixed['engine_host_us_per_token']:.1f} us); "
             f"agentic / fixed in tokens per CPU second {agentic['over_fixed_cpu']:.2f}, per host second "
             f"{agentic['over_fixed_host']:.2f}"
@@ -745,7 +751,7 @@ def measure(
             cpu: dict[str, float] = {}
             row["engine"] = bench_engine(engine, prompts, args.new_tokens, cpu)
             row["engine_cpu_us_per_token"] = cpu["engine"]
-            row["engine_host_us_per_token"] = cpu["engine"] - cpu["model"]
+            row["engine_host_us_per_token"] = cpu["engine"] - cpu["device_work"]
             if batch in http_sizes:
                 row["engine_http"] = bench_http(engine, prompts, args.new_tokens)
         finally:
@@ -765,7 +771,7 @@ def measure(
         agentic["fixed_batch"] = fixed["batch"]
         agentic["over_fixed"] = agentic["tokens_per_s"] / fixed["engine"]
         # The same ratio in scheduler CPU time per token (what bounds a host-bound engine; robust to load).
-        agentic["host_us_per_token"] = agentic["cpu_us_per_token"] - agentic["model_cpu_us_per_token"]
+        agentic["host_us_per_token"] = agentic["cpu_us_per_token"] - agentic["device_work_cpu_us_per_token"]
         agentic["over_fixed_cpu"] = fixed["engine_cpu_us_per_token"] / agentic["cpu_us_per_token"]
         agentic["over_fixed_host"] = fixed["engine_host_us_per_token"] / agentic["host_us_per_token"]
     return rows, agentic
