@@ -276,7 +276,7 @@ def bench_hf_continuous(hf: Any, prompts: torch.Tensor, new_tokens: int) -> floa
 def scheduler_cpu_s(engine: Any) -> tuple[float, float]:
     """CPU seconds the engine's scheduler thread has used, and those of it spent in device work
     (`time_device_work`): unlike wall time, neither is inflated by other processes on the machine."""
-    return engine.call(lambda: (time.thread_time(), DEVICE_WORK_S[0]))
+    return engine.call(lambda: (time.thread_time(), DEVICE_WORK["cpu_s"]))
 
 
 def cpu_us_per_token_since(engine: Any, before: tuple[float, float], tokens: int) -> tuple[float, float]:
@@ -285,24 +285,28 @@ def cpu_us_per_token_since(engine: Any, before: tuple[float, float], tokens: int
     return (total - before[0]) * 1e6 / tokens, (device_work - before[1]) * 1e6 / tokens
 
 
-DEVICE_WORK_S = [0.0]
-"""CPU seconds that the scheduler thread spent in the model's forward calls and the sampling operators, once
-`time_device_work` has wrapped them."""
+DEVICE_WORK: dict[str, float] = {"cpu_s": 0.0, "decode_steps": 0, "decode_rows": 0}
+"""Once `time_device_work` has wrapped the engine's device work: the CPU seconds the scheduler thread spent
+in the model's forward calls and the sampling operators, and the decode steps sampled and their rows (the
+decode batch, finished rows still decoded included)."""
 
 
-def _timed(function: Any) -> Any:
+def _timed(function: Any, decode_steps: bool = False) -> Any:
     def timed(*args: Any, **kwargs: Any) -> Any:
+        if decode_steps:
+            DEVICE_WORK["decode_steps"] += 1
+            DEVICE_WORK["decode_rows"] += len(args[0])
         began = time.thread_time()
         try:
             return function(*args, **kwargs)
         finally:
-            DEVICE_WORK_S[0] += time.thread_time() - began
+            DEVICE_WORK["cpu_s"] += time.thread_time() - began
 
     return timed
 
 
 def time_device_work(model: Any) -> None:
-    """Count the scheduler thread's CPU time in device work into `DEVICE_WORK_S`: the model's forward calls
+    """Count the scheduler thread's CPU time in device work into `DEVICE_WORK`: the model's forward calls
     and the sampling operators the engine launches. On a CPU device that is the compute, so the thread's CPU
     time less it is the engine's host work per step (scheduling, bookkeeping, stop strings, clients), which
     a GPU cannot hide; on CUDA it is the host side of the launches."""
@@ -313,7 +317,7 @@ def time_device_work(model: Any) -> None:
     for name in ("sample_on_device", "sample_tokens"):
         function = getattr(engine_module, name)
         if not getattr(function, "device_work", False):
-            timed = _timed(function)
+            timed = _timed(function, decode_steps=name == "sample_on_device")
             timed.device_work = True
             setattr(engine_module, name, timed)
 
@@ -439,6 +443,11 @@ class AgenticResult:
     """CPU microseconds of the scheduler thread per generated token (`scheduler_cpu_s`)."""
     device_work_cpu_us_per_token: float
     """Of `cpu_us_per_token`, those in device work (`time_device_work`)."""
+    longest_trajectory_tokens: int
+    """Output tokens of the longest trajectory: no schedule takes fewer decode steps."""
+    decode_steps: int
+    decode_rows: int
+    """Rows of those decode steps (`time_device_work`): their mean is the batch's occupancy."""
     turns: list[list[Any]] = field(default_factory=lambda: list[list[Any]]())
     """Per trajectory, its finished turn requests in order."""
 
@@ -533,6 +542,7 @@ def run_agentic(
     counters = engine.counters
     before = (counters.prefill_tokens_total, _cached_total(counters), counters.prefill_busy_us)
     cpu_before = scheduler_cpu_s(engine)
+    steps_before = (DEVICE_WORK["decode_steps"], DEVICE_WORK["decode_rows"])
     started = time.perf_counter()
     engine.call(lambda: [engine.add_request(r) for r in first])
     if not done.wait(timeout_s):
@@ -552,6 +562,9 @@ def run_agentic(
         prefill_busy_share=prefill_busy_s / elapsed,
         cpu_us_per_token=cpu_us,
         device_work_cpu_us_per_token=device_work_cpu_us,
+        longest_trajectory_tokens=max(sum(len(r.output_ids) for r in turns_of) for turns_of in history),
+        decode_steps=int(DEVICE_WORK["decode_steps"] - steps_before[0]),
+        decode_rows=int(DEVICE_WORK["decode_rows"] - steps_before[1]),
         turns=history,
     )
 
@@ -663,6 +676,15 @@ def main() -> int:
             f"agentic / fixed in tokens per CPU second {agentic['over_fixed_cpu']:.2f}, per host second "
             f"{agentic['over_fixed_host']:.2f}"
         )
+        if agentic["decode_steps"]:
+            print(
+                f"agentic decode steps: {agentic['decode_steps']}, mean batch "
+                f"{agentic['decode_rows'] / agentic['decode_steps']:.0f} rows (of {args.agentic}), "
+                f"{agentic['generated_tokens'] / agentic['decode_steps']:.0f} tokens per step; the longest "
+                f"trajectory has {agentic['longest_trajectory_tokens']} tokens, so no schedule takes fewer "
+                f"steps and at equal cost per step agentic / fixed is at most "
+                f"{agentic['generated_tokens'] / (agentic['longest_trajectory_tokens'] * args.agentic):.2f}"
+            )
     if switch is not None:
         print(f"\nside by side ({compared[switch][1]} on / off, alternating):")
         print(
