@@ -35,6 +35,20 @@ shape (hidden 576, 30 layers, 9 heads, 3 KV heads, FFN 1536, vocab 49152, tied).
 
 `--compare-overlap` measures the engine rows and (f) with the overlap scheduler on, then off (SGLang's
 `--disable-overlap-schedule`), `--rounds` times in one process, and prints each round and on / off.
+
+The engine's host work: the scheduler thread's CPU time per generated token is measured for (c) and (f) (CPU
+time, unlike wall time, is not inflated by other processes), split into device work (the model's forward
+calls and the sampling operators; on a CPU their compute) and the rest, the host work (scheduling,
+bookkeeping, stop strings, prefix-cache bookkeeping, clients), which a GPU cannot hide. `--tiny` (a random
+Llama of hidden 64 and 2 layers; `--vocab-size` for its vocabulary) makes the compute small on a CPU, so
+that the host work per token, which bounds a host-bound GPU engine, is measured on any machine:
+
+    python benchmarks/system/engine.py --device cpu --tiny --vocab-size 4096 --batch-sizes 256 \
+        --http-batch-sizes --prompt-len 128 --new-tokens 256 --skip-hf --agentic 256 --prefill-interval 8
+
+(f) also prints its decode steps, their mean batch, and the bound that the longest trajectory puts on
+agentic / fixed: no schedule takes fewer decode steps than its tokens, so at an equal cost per step the
+ratio is at most the generated tokens over (longest trajectory x trajectories).
 """
 
 from __future__ import annotations
@@ -114,9 +128,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--tiny",
         action="store_true",
-        help="random weights of a tiny Llama (hidden 64, 2 layers, 2 heads of 4, one KV head, FFN 128; implies --random-weights): on a "
-        "CPU its compute is negligible and what remains is the engine's host work per step, which bounds "
-        "the GPU case",
+        help="random weights of a tiny Llama (hidden 64, 2 layers, 2 heads of 4, one KV head, FFN 128; "
+        "implies --random-weights): on a CPU its compute is small, and the engine's host work per token, "
+        "which bounds a host-bound GPU engine, shows",
     )
     parser.add_argument(
         "--vocab-size", type=int, help="the random model's vocabulary (default: SmolLM2's, 49152)"

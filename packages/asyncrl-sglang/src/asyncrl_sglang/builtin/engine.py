@@ -612,9 +612,10 @@ class Engine:
     def _continues(self, step: _LaunchedStep, positions: list[int]) -> bool:
         """Whether the next decode step may launch from `step`'s ids before the host reads them: the running
         batch stays the step's (no admission due that a slot could take), the KV cache holds one more
-        position for every row (at its `positions`, `_decode_positions(pending=1)`), fewer than a quarter of the rows are finished requests (decoded for nothing
-        until a sync frees them), and some request goes on after `step`'s token (when every one ends there by
-        length, the next step would be wasted whole: a batch of equal lengths ends as without overlap).
+        position for every row (the next step's `positions`, `_decode_positions(pending=1)`), fewer than a
+        quarter of the rows are finished requests (decoded for nothing until a sync frees them), and some
+        request goes on after `step`'s token (when every one ends there by length, the next step would be
+        wasted whole: a batch of equal lengths ends as without overlap).
         """
         running = self.running
         if running != step.requests:  # requests compare by identity
