@@ -1,6 +1,6 @@
 """The agent loop's overhead per turn against the generation time of the same turn.
 
-Runs searchr1-mini groups through `AgentLoopWorker` against the built-in engine (SmolLM2-135M-Instruct on
+Runs searchr1-mini groups through `MultiTurnAgentLoop` against the built-in engine (SmolLM2-135M-Instruct on
 the CPU, shown a worked demonstration so that it writes `<search>` calls) and the real retrieval server (BM25,
 loopback HTTP), then reports per model turn: generation (the `/generate` round trip), parsing (decoding
 the turn and parsing its tags), the tool round trip (per search call), and bookkeeping (appending ids, masks,
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from asyncrl_agents.loop import AgentLoopWorker
+from asyncrl_agents.loop import MultiTurnAgentLoop
 from asyncrl_agents.tasks.searchr1 import SearchR1MiniTask
 from asyncrl_core.metrics import (
     TRAJECTORY_BOOKKEEPING_S,
@@ -85,9 +85,9 @@ class FixedWordsEngine:
         return Generation(ids, [-0.5] * len(ids), "", "stop", (VersionSpan(0, 0, len(ids)),))
 
 
-async def run_groups(worker: AgentLoopWorker, num_groups: int) -> tuple[list[Group], float]:
+async def run_groups(loop: MultiTurnAgentLoop, num_groups: int) -> tuple[list[Group], float]:
     started = time.perf_counter()
-    groups = await asyncio.gather(*(worker.run_group(index) for index in range(num_groups)))
+    groups = await asyncio.gather(*(loop.run_group(index) for index in range(num_groups)))
     return list(groups), time.perf_counter() - started
 
 
@@ -113,20 +113,20 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         with serve_builtin(model, context_length=2048, num_threads=args.threads) as server:
             task = SearchR1MiniTask(**task_args)
             async with SGLangClient(server.url) as client:
-                worker = AgentLoopWorker(task, client, model, **settings)  # type: ignore[arg-type]
+                loop = MultiTurnAgentLoop(task, client, model, **settings)  # type: ignore[arg-type]
                 # Warm up the engine, the tokenizer and the HTTP connections with one short request.
                 await client.generate([1, 2, 3], SamplingParams(max_new_tokens=2))
                 log("engine warm; measuring")
-                groups, wall_s = await run_groups(worker, args.groups)
+                groups, wall_s = await run_groups(loop, args.groups)
                 log(f"engine run done in {wall_s:.1f} s")
                 results["builtin_engine"] = per_turn(groups, wall_s)
-                await worker.aclose()
+                await loop.aclose()
         task = SearchR1MiniTask(**task_args)
-        worker = AgentLoopWorker(task, FixedWordsEngine(worker.tokenizer), worker.tokenizer, **settings)  # type: ignore[arg-type]
-        await run_groups(worker, 1)
-        groups, wall_s = await run_groups(worker, args.groups)
+        loop = MultiTurnAgentLoop(task, FixedWordsEngine(loop.tokenizer), loop.tokenizer, **settings)  # type: ignore[arg-type]
+        await run_groups(loop, 1)
+        groups, wall_s = await run_groups(loop, args.groups)
         results["fixed_words"] = per_turn(groups, wall_s)
-        await worker.aclose()
+        await loop.aclose()
     return results
 
 

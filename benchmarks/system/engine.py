@@ -49,6 +49,16 @@ that the host work per token, which bounds a host-bound GPU engine, is measured 
 (f) also prints its decode steps, their mean batch, and the bound that the longest trajectory puts on
 agentic / fixed: no schedule takes fewer decode steps than its tokens, so at an equal cost per step the
 ratio is at most the generated tokens over (longest trajectory x trajectories).
+
+`--compare-extend-attention` measures only the model's prefill of agentic turns: `--extend-batch` sequences
+of `--extend-new-tokens` new tokens each over 200-1,200 cached positions, prefilled right-padded
+(`prefill_batch`: each layer gathers every row's KV up to the longest context and runs a masked SDPA) and
+packed (`prefill_packed`: the extend-attention kernel reading the KV in place on CUDA, one SDPA per sequence
+elsewhere; on CUDA also packed with the kernel off), alternating, `--rounds` times, and prints ms per prefill
+and padded / packed:
+
+    python benchmarks/system/engine.py --device cuda --random-weights --dtype bfloat16 \
+        --compare-extend-attention --rounds 3
 """
 
 from __future__ import annotations
@@ -188,10 +198,26 @@ def parse_args() -> argparse.Namespace:
         "times",
     )
     parser.add_argument(
+        "--compare-extend-attention",
+        action="store_true",
+        help="time the padded prefill (KV gathered per layer, masked SDPA) against the packed prefill (the "
+        "extend-attention kernel on CUDA) on agentic turns, `--rounds` times; print padded / packed, exit",
+    )
+    parser.add_argument(
+        "--extend-batch", type=int, default=32, help="sequences per prefill of --compare-extend-attention"
+    )
+    parser.add_argument(
+        "--extend-new-tokens",
+        type=int,
+        default=100,
+        help="new tokens of each sequence of --compare-extend-attention (over 200-1,200 cached positions)",
+    )
+    parser.add_argument(
         "--rounds",
         type=int,
         default=1,
-        help="rounds of --compare-decode-kernel / --compare-fused-kernels / --compare-overlap",
+        help="rounds of --compare-decode-kernel / --compare-fused-kernels / --compare-overlap / "
+        "--compare-extend-attention",
     )
     parser.add_argument(
         "--profile",
@@ -613,6 +639,12 @@ def main() -> int:
         reference = hf(check.unsqueeze(0)).logits[0].float()
         difference = (engine_model.forward_logits(check) - reference).abs().max().item()
     print(f"same model: max |engine logits - transformers logits| = {difference:.3g}", flush=True)
+    if args.compare_extend_attention:
+        extend = compare_extend_attention(args, engine_model, device)
+        if args.json_path:
+            result = {"args": vars(args), "device": str(device), "dtype": str(dtype), "model": description}
+            Path(args.json_path).write_text(json.dumps({**result, "extend_attention": extend}, indent=2))
+        return 0
     # What --compare-* switches (a model attribute, or the engine option OVERLAP) and what "off" runs.
     compared = {
         "decode_kernel": (args.compare_decode_kernel, "decode kernel", "masked SDPA"),
@@ -725,6 +757,82 @@ def main() -> int:
 
 OVERLAP = "overlap_schedule"
 """The engine option `--compare-overlap` switches (`Engine(overlap_schedule=...)`)."""
+
+
+def compare_extend_attention(args: argparse.Namespace, model: Any, device: torch.device) -> dict[str, Any]:
+    """Milliseconds per prefill of agentic turns, right-padded against packed, alternating `--rounds` times
+    (a drift of the machine falls on both); prints each round and padded / packed of the rounds' medians."""
+    from asyncrl_sglang.builtin.model import KVCache
+
+    rng = random.Random(args.seed)
+    batch, new_tokens = args.extend_batch, args.extend_new_tokens
+    prefixes = [rng.randint(200, 1200) for _ in range(batch)]
+    sequences = [[rng.randrange(3, model.config.vocab_size) for _ in range(new_tokens)] for _ in range(batch)]
+    slots = list(range(batch))
+    # Capacity as the engine grows it (steps of 256). The cached prefixes' KV is random: attention reads it
+    # all the same, and both paths read the same values.
+    capacity = -(-(max(prefixes) + new_tokens + 1) // 256) * 256
+    cache = KVCache(model.config, batch, capacity, device, model.dtype)
+    cache.kv.normal_(generator=torch.Generator(device=device).manual_seed(args.seed))
+    kernel = model.extend_kernel
+
+    def packed(use_kernel: bool) -> Callable[[], torch.Tensor]:
+        def run() -> torch.Tensor:
+            model.extend_kernel = use_kernel
+            return model.prefill_packed(sequences, cache, slots, prefixes)
+
+        return run
+
+    variants: dict[str, Callable[[], torch.Tensor]] = {
+        "padded": lambda: model.prefill_batch(sequences, cache, slots, prefixes),
+        "packed": packed(kernel),
+    }
+    if kernel:
+        variants["packed_sdpa"] = packed(False)
+    names = {
+        "padded": "padded, KV gathered + masked SDPA",
+        "packed": f"packed, {'extend kernel' if kernel else 'SDPA per sequence'}",
+        "packed_sdpa": "packed, SDPA per sequence",
+    }
+    print(
+        f"\nprefill of {batch} sequences x {new_tokens} new tokens over {min(prefixes)}-{max(prefixes)} "
+        f"cached positions (mean {sum(prefixes) / batch:.0f}), ms per prefill:",
+        flush=True,
+    )
+    outputs = {name: run() for name, run in variants.items()}  # warm-up (compiles the kernels)
+    padded = torch.cat([outputs["padded"][row, :new_tokens] for row in range(batch)])
+    difference = max((out - padded).abs().max().item() for name, out in outputs.items() if name != "padded")
+    print(f"max |packed - padded| hidden state = {difference:.3g}", flush=True)
+    iterations = 5 if device.type == "cuda" else 1
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for round_index in range(args.rounds):
+        for name, run in variants.items():
+            synchronize(device)
+            began = time.perf_counter()
+            for _ in range(iterations):
+                run()
+            synchronize(device)
+            times[name].append((time.perf_counter() - began) / iterations * 1e3)
+        figures = ", ".join(f"{names[name]} {times[name][-1]:.2f}" for name in variants)
+        print(f"round {round_index + 1}: {figures}", flush=True)
+    model.extend_kernel = kernel
+    medians = {name: sorted(values)[len(values) // 2] for name, values in times.items()}
+    ratios = {
+        f"padded_over_{name}": medians["padded"] / medians[name] for name in variants if name != "padded"
+    }
+    print(
+        "padded / packed: "
+        + ", ".join(f"{names[k.removeprefix('padded_over_')]} {v:.2f}x" for k, v in ratios.items())
+    )
+    return {
+        "batch": batch,
+        "new_tokens": new_tokens,
+        "prefixes": prefixes,
+        "extend_kernel": kernel,
+        "max_hidden_difference": difference,
+        "ms_per_prefill": times,
+        **ratios,
+    }
 
 
 def print_ratios(

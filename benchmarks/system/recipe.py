@@ -3,7 +3,7 @@
 Warm-starts the configured model on the task's demonstrations (`asyncrl_core.actor.warm_start`), starts
 the built-in engine (`asyncrl_sglang.launcher`) and the task's retrieval server on the rollout core, and
 trains `TorchActor` on the actor core, with the weights synced into the engine after every step
-(`sync_weights`, `TensorTransport`, `rollout.pause_mode`). Groups come from `AgentLoopWorker` against an
+(`sync_weights`, `TensorTransport`, `rollout.pause_mode`). Groups come from `MultiTurnAgentLoop` against an
 `EnginePool`, as in a run. `--mode async` keeps generating while the actor trains (at most
 `rollout_buffer.max_buffered_groups` groups in flight or waiting, the oldest trained first);
 `--mode sync` generates a whole batch, then trains.
@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
-from asyncrl_agents.loop import AgentLoopWorker
+from asyncrl_agents.loop import MultiTurnAgentLoop
 from asyncrl_core import plugins
 from asyncrl_core.config import AsyncRLConfig, load_config
 from asyncrl_core.errors import PromptTooLongError
@@ -113,7 +113,7 @@ async def rl_loop(
             task = make_task(task_name, {**task_args, **served})
             pool = engines.pool()
             sampling = rollout.sampling
-            worker = AgentLoopWorker(
+            loop = MultiTurnAgentLoop(
                 task,
                 pool,
                 model,
@@ -130,7 +130,7 @@ async def rl_loop(
                 max_turns=config.agentloop.max_turns,
                 max_concurrent_groups=max_buffered,
             )
-            prompts = list(range(len(worker.dataset(config.data.split))))
+            prompts = list(range(len(loop.dataset(config.data.split))))
             rng = random.Random(config.runner.seed)
             order: list[int] = []
 
@@ -150,7 +150,7 @@ async def rl_loop(
             async def one_group(ticket: int) -> None:
                 while True:
                     try:
-                        group = await worker.run_group(next_prompt(), split=config.data.split)
+                        group = await loop.run_group(next_prompt(), split=config.data.split)
                         break
                     except PromptTooLongError:
                         continue
@@ -235,7 +235,7 @@ async def rl_loop(
             for job in list(running):
                 job.cancel()
             await asyncio.gather(*running, return_exceptions=True)
-            await worker.aclose()
+            await loop.aclose()
             await pool.aclose()
     return {"steps": steps}
 

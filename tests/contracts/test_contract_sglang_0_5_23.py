@@ -75,8 +75,16 @@ SERVER_INFO_OPTIONAL = {"status", "kv_event_sources"}  # in the handshake of som
 SERVER_ARGS = {
     "model_path", "served_model_name", "tokenizer_path", "host", "port", "grpc_port", "max_running_requests",
     "max_queued_requests", "context_length", "weight_version", "device", "dtype", "enable_metrics",
-    "random_seed", "load_format", "disable_cuda_graph", "disable_radix_cache", "tp_size", "dp_size",
-    "pp_size", "enable_dp_attention",
+    "random_seed", "load_format", "disable_cuda_graph", "disable_radix_cache", "disable_overlap_schedule",
+    "skip_server_warmup", "log_level", "tp_size", "dp_size", "pp_size", "enable_dp_attention",
+    "attention_backend",
+}  # fmt: skip
+# Flags of `python -m asyncrl_sglang.builtin` that are no ServerArgs field: `/server_info` leaves them out
+# (`launch_command` shows them). `--random-weights` is reported as SGLang names it, `load_format: dummy`;
+# `--api-key` is a field the engine never echoes.
+BUILTIN_ONLY_FLAGS = {
+    "port_file", "api_key", "max_n", "weight_version_route", "random_weights", "disable_fused_kernels",
+    "num_threads",
 }  # fmt: skip
 STARTUP_TIME_KEYS = {"load_weight", "kv_cache_allocation", "scheduler_e2e", "cuda_graph"}
 GRAPH_PHASES = {"prefill", "decode", "target_verify", "draft_prefill", "draft_decode", "draft_extend"}
@@ -456,3 +464,38 @@ def test_the_launch_command_shown_is_the_arguments_with_the_api_key_redacted() -
 
     shown = launch_command(["--model-path", "m", "--api-key", "k", "--port", "1", "--api-key=k2"])
     assert shown == "--model-path m --api-key <redacted> --port 1 --api-key=<redacted>"
+
+
+def test_server_info_reports_every_sglang_flag_the_engine_takes() -> None:
+    # Every flag is given a value other than its default; each one SGLang has must come back under its name.
+    from asyncrl_sglang.builtin.__main__ import launch_arguments, parse_args
+    from asyncrl_sglang.builtin.info import server_args
+
+    argv = [
+        "--model-path", "m", "--tokenizer-path", "t", "--served-model-name", "s", "--host", "::1",
+        "--port", "1", "--port-file", "p", "--grpc-port", "2", "--api-key", "k",
+        "--max-running-requests", "3", "--max-queued-requests", "4", "--max-n", "5", "--context-length", "6",
+        "--weight-version", "v", "--device", "cuda:1", "--dtype", "float16", "--enable-metrics",
+        "--random-seed", "7", "--random-weights", "--weight-version-route", "old", "--disable-cuda-graph",
+        "--disable-overlap-schedule", "--disable-fused-kernels", "--disable-radix-cache",
+        "--skip-server-warmup", "--num-threads", "8", "--log-level", "debug",
+    ]  # fmt: skip
+    args = parse_args(argv)
+    arguments = launch_arguments(
+        args,
+        model_path=Path(args.model_path),
+        tokenizer_path=args.tokenizer_path,
+        context_length=args.context_length,
+        device=args.device,
+        dtype=args.dtype,
+        command=" ".join(argv),
+    )
+    reported = server_args(arguments)
+    for flag, value in vars(args).items():
+        if flag in BUILTIN_ONLY_FLAGS:
+            assert flag not in reported, flag
+        else:
+            assert flag in SERVER_ARGS, f"--{flag}: not a ServerArgs field of SGLang 0.5.23"
+            assert reported[flag] == value, flag
+    assert reported["load_format"] == "dummy"
+    assert set(reported) <= SERVER_ARGS, set(reported) - SERVER_ARGS

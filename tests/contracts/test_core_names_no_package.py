@@ -59,7 +59,7 @@ def test_the_other_packages_are_found() -> None:
 def test_the_guard_sees_imports_and_strings_but_not_docstrings_or_comments() -> None:
     source = '''"""Module docstring naming asyncrl_agents."""
 import asyncrl_sglang.client  # a comment naming asyncrl_megatron
-TARGET = "asyncrl_agents.loop:AgentLoopWorker"
+TARGET = "asyncrl_agents.loop:MultiTurnAgentLoop"
 """An attribute docstring naming asyncrl_megatron."""
 def f():
     """A function docstring naming asyncrl_sglang."""

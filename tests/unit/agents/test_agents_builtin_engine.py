@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from agents_testing import RecordingClient, check_alignment, smollm2_tokenizer
 
-from asyncrl_agents.loop import AgentLoopWorker
+from asyncrl_agents.loop import MultiTurnAgentLoop
 from asyncrl_agents.tasks.searchr1 import INVALID_TURN_OBSERVATION, SearchR1MiniTask
 from asyncrl_core.types import NO_VERSION, Generation, SamplingParams
 
@@ -32,7 +32,7 @@ async def test_multi_turn_group_on_the_builtin_engine(tmp_path: Path) -> None:
         task = SearchR1MiniTask(**task_args)
         async with SGLangClient(server.url) as client:
             recorder = RecordingClient(client)
-            worker = AgentLoopWorker(
+            loop = MultiTurnAgentLoop(
                 task,
                 recorder,
                 model,
@@ -43,11 +43,11 @@ async def test_multi_turn_group_on_the_builtin_engine(tmp_path: Path) -> None:
                 context_len=context_len,
                 max_turns=3,
             )
-            group = await worker.run_group(5)
-            await worker.aclose()
+            group = await loop.run_group(5)
+            await loop.aclose()
 
     tokenizer = smollm2_tokenizer()
-    prompt = worker.prompt_ids(task.dataset("train")[5])
+    prompt = loop.prompt_ids(task.dataset("train")[5])
     assert len(group.trajectories) == 3
     for trajectory in group.trajectories:
         # A random model writes no tags: turns are invalid (corrected, then continued) until a limit or EOS.
@@ -108,7 +108,7 @@ async def test_every_turn_of_a_trajectory_goes_to_one_engine_of_a_pool(tmp_path:
         task = SearchR1MiniTask(**task_args)
         engines = [LoggingClient(first.url), LoggingClient(second.url)]
         async with EnginePool(engines) as pool:
-            worker = AgentLoopWorker(
+            loop = MultiTurnAgentLoop(
                 task,
                 pool,
                 model,
@@ -120,8 +120,8 @@ async def test_every_turn_of_a_trajectory_goes_to_one_engine_of_a_pool(tmp_path:
                 context_len=1024,
                 max_turns=3,
             )
-            groups = await asyncio.gather(worker.run_group(1), worker.run_group(2))
-            await worker.aclose()
+            groups = await asyncio.gather(loop.run_group(1), loop.run_group(2))
+            await loop.aclose()
 
     # A turn's rid is its trajectory's id with the turn number appended.
     engines_of: dict[str, set[int]] = defaultdict(set)

@@ -12,7 +12,7 @@ import signal
 import pytest
 from agents_testing import ScriptedEngine, mini_reader, smollm2_tokenizer
 
-from asyncrl_agents.loop import AgentLoopWorker
+from asyncrl_agents.loop import MultiTurnAgentLoop
 from asyncrl_agents.retrieval import RetrievalServer
 from asyncrl_agents.tasks.searchr1 import SearchR1MiniTask
 from asyncrl_core import metrics
@@ -30,7 +30,7 @@ async def test_a_retriever_outage_shows_in_the_step_metrics_until_it_is_back(
     url = server.start()
     task = SearchR1MiniTask(retriever_url=f"{url}/retrieve", search_timeout_s=5.0)
     told: list[ToolHealth] = []
-    loop = AgentLoopWorker(
+    loop = MultiTurnAgentLoop(
         task,
         ScriptedEngine(smollm2_tokenizer(), mini_reader),
         smollm2_tokenizer(),

@@ -6,12 +6,13 @@ import asyncio
 import logging
 import re
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 import pytest
 from agents_testing import ScriptedEngine, check_alignment, mini_reader, smollm2_tokenizer
 from pydantic import ValidationError
 
-from asyncrl_agents.loop import AgentLoopWorker
+from asyncrl_agents.loop import MultiTurnAgentLoop
 from asyncrl_agents.tasks.searchr1 import INVALID_TURN_OBSERVATION, SearchR1MiniArguments, SearchR1MiniTask
 from asyncrl_core import metrics
 from asyncrl_core.errors import AsyncRLError, EngineUnavailableError, GenerationError, PromptTooLongError
@@ -42,7 +43,7 @@ def find(task: SearchR1MiniTask, prefix: str) -> tuple[int, TaskSample]:
     return index, samples[index]
 
 
-def worker(task: SearchR1MiniTask, engine: ScriptedEngine, **kwargs: object) -> AgentLoopWorker:
+def make_loop(task: SearchR1MiniTask, engine: ScriptedEngine, **kwargs: object) -> MultiTurnAgentLoop:
     options: dict[str, object] = {
         "group_size": 2,
         "sampling": SamplingParams(max_new_tokens=64, temperature=1.0),
@@ -50,13 +51,13 @@ def worker(task: SearchR1MiniTask, engine: ScriptedEngine, **kwargs: object) -> 
         "max_response_len": 1024,
     }
     options.update(kwargs)
-    return AgentLoopWorker(task, engine, smollm2_tokenizer(), **options)  # type: ignore[arg-type]
+    return MultiTurnAgentLoop(task, engine, smollm2_tokenizer(), **options)  # type: ignore[arg-type]
 
 
 async def test_single_hop_search_then_answer(task: SearchR1MiniTask) -> None:
     tokenizer = smollm2_tokenizer()
     engine = ScriptedEngine(tokenizer, mini_reader)
-    loop = worker(task, engine)
+    loop = make_loop(task, engine)
     index, sample = find(task, "Who founded")
     group = await loop.run_group(index, sample, group_id=7)
     assert group.group_id == 7
@@ -81,7 +82,7 @@ async def test_single_hop_search_then_answer(task: SearchR1MiniTask) -> None:
 
 async def test_multi_hop_answer_needs_the_retrieved_passages(task: SearchR1MiniTask) -> None:
     engine = ScriptedEngine(smollm2_tokenizer(), mini_reader)
-    loop = worker(task, engine, group_size=3)
+    loop = make_loop(task, engine, group_size=3)
     index, sample = find(task, "In which city was the founder of")
     group = await loop.run_group(index, sample)
     prompt = loop.prompt_ids(sample)
@@ -96,23 +97,23 @@ async def test_multi_hop_answer_needs_the_retrieved_passages(task: SearchR1MiniT
 async def test_wrong_answer_scores_zero_and_answer_with_inner_tags_is_parsed(task: SearchR1MiniTask) -> None:
     index, sample = find(task, "Who founded")
     engine = ScriptedEngine(smollm2_tokenizer(), lambda _: "<answer> The <b>Nobody</b> </answer>")
-    group = await worker(task, engine, group_size=1).run_group(index, sample)
+    group = await make_loop(task, engine, group_size=1).run_group(index, sample)
     (trajectory,) = group.trajectories
     assert trajectory.finish_reason == "answer"
     assert trajectory.reward == 0.0
     assert trajectory.num_turns == 1
 
     engine = ScriptedEngine(smollm2_tokenizer(), lambda _: f"<answer> {sample.answers[0]}. </answer>")
-    group = await worker(task, engine, group_size=1).run_group(index, sample)
+    group = await make_loop(task, engine, group_size=1).run_group(index, sample)
     assert group.trajectories[0].reward == 1.0  # normalised: case, punctuation and articles do not matter
 
 
 async def test_version_spans_become_per_token_versions(task: SearchR1MiniTask) -> None:
     engine = ScriptedEngine(smollm2_tokenizer(), mini_reader, version=4, switch_version_at=3)
     index, sample = find(task, "Who founded")
-    group = await worker(task, engine, group_size=1).run_group(index, sample)
+    group = await make_loop(task, engine, group_size=1).run_group(index, sample)
     (trajectory,) = group.trajectories
-    check_alignment(trajectory, engine.calls, worker(task, engine).prompt_ids(sample))
+    check_alignment(trajectory, engine.calls, make_loop(task, engine).prompt_ids(sample))
     assert trajectory.version_range() == (4, 5)
     assert (trajectory.earliest_version, trajectory.latest_version) == (4, 5)
     assert group.version_range() == (4, 5)
@@ -127,7 +128,7 @@ async def test_invalid_turn_gets_search_r1_correction(task: SearchR1MiniTask) ->
     turns = iter(["I think <search> is never closed, and I keep talking on and on", "<answer> x </answer>"])
     engine = ScriptedEngine(tokenizer, lambda _: next(turns))
     index, sample = find(task, "Who founded")
-    loop = worker(task, engine, group_size=1, sampling=SamplingParams(max_new_tokens=12))
+    loop = make_loop(task, engine, group_size=1, sampling=SamplingParams(max_new_tokens=12))
     (trajectory,) = (await loop.run_group(index, sample)).trajectories
     response = tokenizer.decode(trajectory.token_ids[trajectory.prompt_len :])
     assert INVALID_TURN_OBSERVATION in response
@@ -139,7 +140,7 @@ async def test_invalid_turn_gets_search_r1_correction(task: SearchR1MiniTask) ->
 async def test_end_of_message_without_answer_ends_the_episode(task: SearchR1MiniTask) -> None:
     engine = ScriptedEngine(smollm2_tokenizer(), lambda _: "I do not know.<|im_end|>")
     index, sample = find(task, "Who founded")
-    (trajectory,) = (await worker(task, engine, group_size=1).run_group(index, sample)).trajectories
+    (trajectory,) = (await make_loop(task, engine, group_size=1).run_group(index, sample)).trajectories
     assert trajectory.finish_reason == "stop"
     assert trajectory.reward == 0.0
     assert trajectory.num_turns == 1
@@ -151,7 +152,7 @@ async def test_max_turns_ends_cleanly_without_running_the_last_tool(task: Search
     engine = ScriptedEngine(smollm2_tokenizer(), lambda _: "<search> Who </search>")
     index, sample = find(task, "Who founded")
     (trajectory,) = (
-        await worker(task, engine, group_size=1, max_turns=3).run_group(index, sample)
+        await make_loop(task, engine, group_size=1, max_turns=3).run_group(index, sample)
     ).trajectories
     assert trajectory.finish_reason == "max_turns"
     assert trajectory.num_turns == 3
@@ -165,7 +166,7 @@ async def test_context_budget_cuts_observations_and_ends_the_episode(task: Searc
     engine = ScriptedEngine(tokenizer, lambda _: "<search> company founded by </search>")
     index, sample = find(task, "Who founded")
     budget = 100
-    loop = worker(task, engine, group_size=1, max_response_len=budget, max_turns=10)
+    loop = make_loop(task, engine, group_size=1, max_response_len=budget, max_turns=10)
     (trajectory,) = (await loop.run_group(index, sample)).trajectories
     assert trajectory.finish_reason == "context"
     assert trajectory.response_len <= budget
@@ -177,7 +178,7 @@ async def test_context_budget_cuts_observations_and_ends_the_episode(task: Searc
 
     context_len = trajectory.prompt_len + 40
     engine = ScriptedEngine(tokenizer, lambda _: "<search> company founded by </search>")
-    loop = worker(
+    loop = make_loop(
         task,
         engine,
         group_size=1,
@@ -202,7 +203,7 @@ async def test_tool_failure_becomes_an_observation_a_warning_and_a_step_metric(
         engine = ScriptedEngine(tokenizer, lambda _: next(turns))
         index, sample = find(task, "Who founded")
         with caplog.at_level(logging.WARNING, logger="asyncrl_agents.loop"):
-            group = await worker(task, engine, group_size=1).run_group(index, sample)
+            group = await make_loop(task, engine, group_size=1).run_group(index, sample)
         (trajectory,) = group.trajectories
         assert trajectory.finish_reason == "answer"
         assert trajectory.metrics["num_tool_errors"] == 1
@@ -232,7 +233,7 @@ async def test_tool_timeout_becomes_an_observation(task: SearchR1MiniTask) -> No
     tokenizer = smollm2_tokenizer()
     turns = iter(["<search> anything </search>", "<answer> x </answer>"])
     engine = ScriptedEngine(tokenizer, lambda _: next(turns))
-    loop = worker(task, engine, group_size=1, tool_timeout_s=0.2)
+    loop = make_loop(task, engine, group_size=1, tool_timeout_s=0.2)
     loop._tools = {"search": SlowTool()}  # the task's own tools are real; this one hangs on purpose
     index, sample = find(task, "Who founded")
     (trajectory,) = (await loop.run_group(index, sample)).trajectories
@@ -240,7 +241,12 @@ async def test_tool_timeout_becomes_an_observation(task: SearchR1MiniTask) -> No
     assert "timed out after 0.2 s" in tokenizer.decode(trajectory.token_ids[trajectory.prompt_len :])
 
 
-class RefusingEngine:
+@dataclass
+class FailingEngine:
+    """An engine whose every request fails with `error`."""
+
+    error: Exception
+
     async def generate(
         self,
         input_ids: Sequence[int],
@@ -249,61 +255,45 @@ class RefusingEngine:
         rid: str | None = None,
         routing_key: str | None = None,
     ) -> Generation:
-        raise GenerationError("prompt too long for the context")
+        raise self.error
 
 
-async def test_engine_refusal_fails_the_group_with_the_engines_error(task: SearchR1MiniTask) -> None:
-    # A refused request (a 400) would be refused again: the group fails with that error, which the runner
-    # takes as permanent (the prompt is dropped with it as the reason), instead of training on empty
-    # trajectories.
-    loop = AgentLoopWorker(
+# A refused request (a 400) would be refused again: the group fails with that error, which the runner takes as
+# permanent (the prompt is dropped with it as the reason), instead of training on empty trajectories. An
+# engine no one reaches raises its own error, which the runner may retry.
+@pytest.mark.parametrize(
+    "error",
+    [
+        GenerationError("prompt too long for the context"),
+        EngineUnavailableError("engine at http://127.0.0.1:1 is not reachable"),
+    ],
+    ids=["refused", "unreachable"],
+)
+async def test_an_engine_failure_fails_the_group_with_the_engines_error(
+    task: SearchR1MiniTask, error: Exception
+) -> None:
+    loop = MultiTurnAgentLoop(
         task,
-        RefusingEngine(),
+        FailingEngine(error),
         smollm2_tokenizer(),
         group_size=2,
         sampling=SamplingParams(max_new_tokens=8),
         max_prompt_len=512,
         max_response_len=64,
     )
-    with pytest.raises(GenerationError, match="prompt too long for the context"):
-        await loop.run_group(0)
-
-
-class UnreachableEngine:
-    async def generate(
-        self,
-        input_ids: Sequence[int],
-        sampling: SamplingParams,
-        *,
-        rid: str | None = None,
-        routing_key: str | None = None,
-    ) -> Generation:
-        raise EngineUnavailableError("engine at http://127.0.0.1:1 is not reachable")
-
-
-async def test_unreachable_engine_raises_its_own_error(task: SearchR1MiniTask) -> None:
-    loop = AgentLoopWorker(
-        task,
-        UnreachableEngine(),
-        smollm2_tokenizer(),
-        group_size=3,
-        sampling=SamplingParams(max_new_tokens=8),
-        max_prompt_len=512,
-        max_response_len=64,
-    )
-    with pytest.raises(EngineUnavailableError, match="not reachable"):
+    with pytest.raises(type(error), match=re.escape(str(error))):
         await loop.run_group(0)
 
 
 async def test_prompt_too_long_is_refused(task: SearchR1MiniTask) -> None:
     engine = ScriptedEngine(smollm2_tokenizer(), mini_reader)
     with pytest.raises(PromptTooLongError, match="max_prompt_len"):
-        await worker(task, engine, max_prompt_len=20).run_group(0)
+        await make_loop(task, engine, max_prompt_len=20).run_group(0)
 
 
 async def test_many_groups_run_at_once_within_the_limit(task: SearchR1MiniTask) -> None:
     engine = ScriptedEngine(smollm2_tokenizer(), mini_reader, delay_s=0.02)
-    loop = worker(task, engine, group_size=2, max_concurrent_groups=3)
+    loop = make_loop(task, engine, group_size=2, max_concurrent_groups=3)
     samples = task.dataset("train")
     indices = [i for i, s in enumerate(samples) if "Who founded" in s.messages[-1].content][:8]
     groups = await asyncio.gather(*(loop.run_group(i) for i in indices))
@@ -315,7 +305,7 @@ async def test_many_groups_run_at_once_within_the_limit(task: SearchR1MiniTask) 
 
 async def test_demonstrations_are_shown_as_earlier_turns(task: SearchR1MiniTask) -> None:
     engine = ScriptedEngine(smollm2_tokenizer(), mini_reader)
-    loop = worker(task, engine, num_demonstrations=2, max_prompt_len=2048)
+    loop = make_loop(task, engine, num_demonstrations=2, max_prompt_len=2048)
     index, sample = find(task, "In which city was the founder of")
     messages = loop.messages(sample)
     assert [m.role for m in messages] == ["user", "assistant", "user", "assistant", "user"]
@@ -324,13 +314,13 @@ async def test_demonstrations_are_shown_as_earlier_turns(task: SearchR1MiniTask)
     assert all(t.reward == 1.0 for t in group.trajectories)
 
 
-def test_worker_rejects_bad_settings(task: SearchR1MiniTask) -> None:
+def test_loop_rejects_bad_settings(task: SearchR1MiniTask) -> None:
     engine = ScriptedEngine(smollm2_tokenizer(), mini_reader)
     bad: Mapping[str, object] = {"group_size": 0}
     with pytest.raises(ValueError, match="group_size"):
-        worker(task, engine, **bad)
+        make_loop(task, engine, **bad)
     with pytest.raises(ValueError, match="context_len"):
-        worker(task, engine, context_len=100, max_prompt_len=512)
+        make_loop(task, engine, context_len=100, max_prompt_len=512)
 
 
 def searches_then_answer(num_searches: int, answer: str) -> Callable[[str], str]:
@@ -351,14 +341,14 @@ async def test_searchr1_gives_a_final_answer_turn_after_max_turns(retriever_url:
     assert task.max_turns == max_turns + 1
     index, sample = find(task, "Who founded")
     engine = ScriptedEngine(smollm2_tokenizer(), searches_then_answer(max_turns, sample.answers[0]))
-    (answered,) = (await worker(task, engine, group_size=1).run_group(index, sample)).trajectories
+    (answered,) = (await make_loop(task, engine, group_size=1).run_group(index, sample)).trajectories
     assert answered.finish_reason == "answer"
     assert answered.num_turns == max_turns + 1
     assert answered.metrics["num_tool_calls"] == max_turns
     assert answered.reward == 1.0
     # A model that keeps searching: the final turn's search is not run, and no answer scores 0.
     searching = ScriptedEngine(smollm2_tokenizer(), lambda _: "<search> Who </search>")
-    (exhausted,) = (await worker(task, searching, group_size=1).run_group(index, sample)).trajectories
+    (exhausted,) = (await make_loop(task, searching, group_size=1).run_group(index, sample)).trajectories
     assert exhausted.finish_reason == "max_turns"
     assert exhausted.num_turns == max_turns + 1
     assert exhausted.metrics["num_tool_calls"] == max_turns
@@ -372,7 +362,7 @@ async def test_model_turns_count_every_turn(retriever_url: str) -> None:
     assert task.max_turns == 2
     index, sample = find(task, "Who founded")
     engine = ScriptedEngine(smollm2_tokenizer(), searches_then_answer(2, sample.answers[0]))
-    (trajectory,) = (await worker(task, engine, group_size=1).run_group(index, sample)).trajectories
+    (trajectory,) = (await make_loop(task, engine, group_size=1).run_group(index, sample)).trajectories
     assert trajectory.finish_reason == "max_turns"
     assert trajectory.num_turns == 2
     assert trajectory.metrics["num_tool_calls"] == 1

@@ -6,7 +6,7 @@ import re
 
 from agents_testing import ScriptedEngine, smollm2_tokenizer
 
-from asyncrl_agents.loop import AgentLoopWorker
+from asyncrl_agents.loop import MultiTurnAgentLoop
 from asyncrl_core import plugins
 from asyncrl_core.protocols import Task
 from asyncrl_core.types import SamplingParams
@@ -31,7 +31,7 @@ async def test_third_party_task_runs_through_the_agent_loop() -> None:
     assert isinstance(task, Task)
     tokenizer = smollm2_tokenizer()
     engine = ScriptedEngine(tokenizer, calculator_user)
-    worker = AgentLoopWorker(
+    loop = MultiTurnAgentLoop(
         task,
         engine,
         tokenizer,
@@ -44,8 +44,8 @@ async def test_third_party_task_runs_through_the_agent_loop() -> None:
         assert extra_args == {}
         samples = task.dataset("train")
         index = next(i for i, s in enumerate(samples) if s.messages[-1].content.startswith("A crate holds"))
-        group = await worker.run_group(index)
-    await worker.aclose()
+        group = await loop.run_group(index)
+    await loop.aclose()
     for trajectory in group.trajectories:
         assert trajectory.finish_reason == "answer"
         assert trajectory.reward == 1.0

@@ -221,6 +221,23 @@ def test_dry_run_finds_a_missing_task_module(task_site: Path, capsys: pytest.Cap
     assert "`json` has no `no_such_attribute`" in capsys.readouterr().err
 
 
+def test_dry_run_checks_the_default_rollout_backend(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A second distribution declaring `sglang` makes the default backend ambiguous: the run would fail when
+    # its workers load it, so the dry run must refuse the configuration first.
+    site = tmp_path / "site"
+    info = site / "twin_backend-0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: twin-backend\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[asyncrl.rollout_backends]\nsglang = json:loads\n")
+    monkeypatch.syspath_prepend(str(site))
+    assert main(["--dry-run", str(MINI)]) == EXIT_INVALID
+    error = capsys.readouterr().err
+    assert "rollout.rollout_backend: declared more than once (" in error
+    assert "twin-backend 0.1 -> json:loads" in error
+
+
 def test_dry_run_checks_the_task_arguments(task_site: Path, capsys: pytest.CaptureFixture[str]) -> None:
     base = ["--dry-run", str(MINI), "agentloop.task_name=typed"]
     assert main([*base, "agentloop.task_args={corpus: c.jsonl, topk: 5}"]) == 0

@@ -146,10 +146,10 @@ async def test_sync_rollout_replaces_failed_groups_by_the_kind_of_their_error(
 
 
 COUNTING_LOOP = '''
-from asyncrl_agents.loop import AgentLoopWorker
+from asyncrl_agents.loop import MultiTurnAgentLoop
 
 
-class CountingLoop(AgentLoopWorker):
+class CountingLoop(MultiTurnAgentLoop):
     """The multi-turn loop, counting the groups it runs."""
 
     built = []

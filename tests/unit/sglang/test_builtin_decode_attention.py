@@ -5,18 +5,14 @@ masked SDPA it replaces. On the CPU the Triton kernel runs under Triton's interp
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-import threading
 
 import pytest
 import torch
+from engine_testing import generate_together, run_interpreted
 
 from asyncrl_sglang.builtin import decode_attention
 from asyncrl_sglang.builtin.engine import Engine, Request
 from asyncrl_sglang.builtin.model import EngineModel, ModelConfig
-from asyncrl_sglang.builtin.sampling import SamplingOptions
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 
@@ -72,16 +68,7 @@ def test_the_kernel_equals_the_masked_sdpa_under_the_interpreter() -> None:
     """On the CPU, under Triton's interpreter (float32, to 1e-5): the kernel alone against SDPA under a
     length mask, and the model's decode step with it against the step with SDPA. A process of its own: the
     interpreter must be chosen before Triton is first imported."""
-    result = subprocess.run(
-        [sys.executable, "-c", INTERPRETED_CHECKS],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.strip() == "ok"
+    run_interpreted(INTERPRETED_CHECKS)
 
 
 def test_splits_spread_a_small_batch_and_not_a_full_one() -> None:
@@ -110,34 +97,6 @@ def _config(kv_heads: int) -> ModelConfig:
     )
 
 
-def _generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> list[Request]:
-    """Greedy requests with logprobs of different lengths, submitted at once; waits for every one."""
-    remaining = [len(prompts)]
-    done = threading.Event()
-
-    def on_update(_request: Request, finished: bool) -> None:
-        if finished:  # scheduler thread only
-            remaining[0] -= 1
-            if remaining[0] == 0:
-                done.set()
-
-    requests = [
-        Request(
-            rid=f"r{index}",
-            prompt_ids=prompt,
-            options=SamplingOptions(
-                max_new_tokens=max_new_tokens - 3 * index, temperature=0.0, ignore_eos=True
-            ),
-            return_logprob=True,
-            on_update=on_update,
-        )
-        for index, prompt in enumerate(prompts)
-    ]
-    engine.call(lambda: [engine.add_request(r) for r in requests], timeout_s=120)
-    assert done.wait(120), "generation did not finish"
-    return requests
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_engine_with_the_kernel_and_cuda_graphs_matches_the_masked_sdpa_on_cuda() -> None:
@@ -153,7 +112,7 @@ def test_the_engine_with_the_kernel_and_cuda_graphs_matches_the_masked_sdpa_on_c
         engine = Engine(model, max_running_requests=8, use_cuda_graphs=True, context_length=512)
         engine.start()
         try:
-            results.append(_generate(engine, prompts, 60))
+            results.append(generate_together(engine, prompts, [60 - 3 * i for i in range(len(prompts))]))
         finally:
             engine.stop()
     for got, want in zip(*results, strict=True):

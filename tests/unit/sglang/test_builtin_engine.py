@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from engine_testing import WAIT_S, start_engine
 
 from asyncrl_sglang.builtin.engine import Engine, Request
 from asyncrl_sglang.builtin.model import EngineModel, KVCache, ModelLoadError
 from asyncrl_sglang.builtin.sampling import SamplingOptions
-
-WAIT_S = 120.0
 
 
 def _hf_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
@@ -26,28 +24,8 @@ def _hf_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tiny_llama_path: Path) -> EngineModel:
-    return EngineModel.from_pretrained(tiny_llama_path)
-
-
-@pytest.fixture(scope="module")
 def smollm2_model(smollm2_path: Path) -> EngineModel:
     return EngineModel.from_pretrained(smollm2_path)
-
-
-@pytest.fixture
-def engine_factory() -> Iterator[list[Engine]]:
-    engines: list[Engine] = []
-    yield engines
-    for engine in engines:
-        engine.stop()
-
-
-def _start(engines: list[Engine], model: EngineModel, **kwargs: object) -> Engine:
-    engine = Engine(model, **kwargs)  # type: ignore[arg-type]
-    engine.start()
-    engines.append(engine)
-    return engine
 
 
 def _submit(engine: Engine, prompt: list[int], **options: object) -> tuple[Request, threading.Event]:
@@ -213,11 +191,11 @@ def test_kv_cached_decode_equals_full_recompute(smollm2_model: EngineModel) -> N
 
 # ---------------------------------------------------------------------------------------------- the scheduler
 def test_greedy_generation_matches_recompute_and_transformers(
-    smollm2_path: Path, smollm2_model: EngineModel, engine_factory: list[Engine]
+    smollm2_path: Path, smollm2_model: EngineModel, engines: list[Engine]
 ) -> None:
     from transformers import AutoModelForCausalLM
 
-    engine = _start(engine_factory, smollm2_model)
+    engine = start_engine(engines, smollm2_model)
     prompt = [1, 504, 3458, 282, 4649, 314, 253, 3100, 30]
     request = _generate(
         engine, prompt, max_new_tokens=16, temperature=0.0, ignore_eos=True, return_logprob=True
@@ -233,10 +211,8 @@ def test_greedy_generation_matches_recompute_and_transformers(
     assert generated[0, len(prompt) :].tolist() == request.output_ids
 
 
-def test_batching_does_not_change_greedy_tokens(
-    smollm2_model: EngineModel, engine_factory: list[Engine]
-) -> None:
-    engine = _start(engine_factory, smollm2_model, max_running_requests=4)
+def test_batching_does_not_change_greedy_tokens(smollm2_model: EngineModel, engines: list[Engine]) -> None:
+    engine = start_engine(engines, smollm2_model, max_running_requests=4)
     prompts = [
         [1, 504, 3458, 282],
         [1, 19, 2132, 314, 1345, 28, 7, 5, 99, 23, 88],
@@ -258,9 +234,9 @@ def test_batching_does_not_change_greedy_tokens(
 
 
 def test_top_k_one_is_greedy_and_logprobs_are_the_tempered_distribution(
-    tiny_model: EngineModel, engine_factory: list[Engine]
+    tiny_model: EngineModel, engines: list[Engine]
 ) -> None:
-    engine = _start(engine_factory, tiny_model)
+    engine = start_engine(engines, tiny_model)
     prompt = [1, 2, 3, 4, 5]
     greedy = _generate(engine, prompt, max_new_tokens=8, temperature=0.0, ignore_eos=True)
     top1 = _generate(
@@ -292,9 +268,9 @@ def test_top_k_one_is_greedy_and_logprobs_are_the_tempered_distribution(
 
 
 def test_sampling_seed_reproduces_tokens_across_batches(
-    tiny_model: EngineModel, engine_factory: list[Engine]
+    tiny_model: EngineModel, engines: list[Engine]
 ) -> None:
-    engine = _start(engine_factory, tiny_model)
+    engine = start_engine(engines, tiny_model)
     options = {"max_new_tokens": 12, "temperature": 1.0, "top_p": 0.9, "ignore_eos": True, "sampling_seed": 7}
     alone = _generate(engine, [5, 6, 7], **options).output_ids
     noise = [_submit(engine, [9, 9, 9, i], max_new_tokens=20, ignore_eos=True) for i in range(3)]
@@ -306,8 +282,8 @@ def test_sampling_seed_reproduces_tokens_across_batches(
     assert other_seed != alone
 
 
-def test_top_k_and_top_p_restrict_the_support(tiny_model: EngineModel, engine_factory: list[Engine]) -> None:
-    engine = _start(engine_factory, tiny_model)
+def test_top_k_and_top_p_restrict_the_support(tiny_model: EngineModel, engines: list[Engine]) -> None:
+    engine = start_engine(engines, tiny_model)
     prompt = [3, 1, 4, 1, 5]
     request = _generate(engine, prompt, max_new_tokens=30, temperature=5.0, top_k=3, ignore_eos=True)
     tokens = prompt + request.output_ids
@@ -320,8 +296,8 @@ def test_top_k_and_top_p_restrict_the_support(tiny_model: EngineModel, engine_fa
     assert nucleus.output_ids == greedy.output_ids
 
 
-def test_stop_token_ids_eos_and_lengths(tiny_model: EngineModel, engine_factory: list[Engine]) -> None:
-    engine = _start(engine_factory, tiny_model, context_length=40)
+def test_stop_token_ids_eos_and_lengths(tiny_model: EngineModel, engines: list[Engine]) -> None:
+    engine = start_engine(engines, tiny_model, context_length=40)
     prompt = [7, 8, 9]
     greedy = _generate(engine, prompt, max_new_tokens=10, temperature=0.0, ignore_eos=True).output_ids
     stop_at = greedy[4]
@@ -332,7 +308,7 @@ def test_stop_token_ids_eos_and_lengths(tiny_model: EngineModel, engine_factory:
     assert stopped.output_ids == greedy[: first + 1]
     assert stopped.finish_reason == {"type": "stop", "matched": stop_at}
     # An EOS id (the engine's) stops unless ignore_eos.
-    engine_eos = _start(engine_factory, tiny_model, eos_token_ids=[stop_at])
+    engine_eos = start_engine(engines, tiny_model, eos_token_ids=[stop_at])
     assert _generate(engine_eos, prompt, max_new_tokens=10, temperature=0.0).finish_reason == {
         "type": "stop",
         "matched": stop_at,
@@ -347,8 +323,8 @@ def test_stop_token_ids_eos_and_lengths(tiny_model: EngineModel, engine_factory:
     assert unlimited.finish_reason == {"type": "length", "length": 40 - len(prompt)}
 
 
-def test_running_limit_and_fifo_queue(tiny_model: EngineModel, engine_factory: list[Engine]) -> None:
-    engine = _start(engine_factory, tiny_model, max_running_requests=2)
+def test_running_limit_and_fifo_queue(tiny_model: EngineModel, engines: list[Engine]) -> None:
+    engine = start_engine(engines, tiny_model, max_running_requests=2)
     engine.call(lambda: engine.pause("in_place"))
     submitted = [_submit(engine, [1, 2, i + 3], max_new_tokens=200, ignore_eos=True) for i in range(5)]
     assert engine.call(lambda: (engine.num_running, engine.num_waiting)) == (0, 5)
@@ -364,9 +340,9 @@ def test_running_limit_and_fifo_queue(tiny_model: EngineModel, engine_factory: l
 
 
 # ---------------------------------------------------------------------------------------------- pause modes
-def test_retract_recomputes_under_new_weights(tiny_llama_path: Path, engine_factory: list[Engine]) -> None:
+def test_retract_recomputes_under_new_weights(tiny_llama_path: Path, engines: list[Engine]) -> None:
     model = EngineModel.from_pretrained(tiny_llama_path)
-    engine = _start(engine_factory, model)
+    engine = start_engine(engines, model)
     prompt = [11, 12, 13, 14]
     old_reference, _ = _greedy_reference(model, prompt, 30)
     request, done = _submit(engine, prompt, max_new_tokens=30, temperature=0.0, ignore_eos=True)
@@ -391,11 +367,9 @@ def test_retract_recomputes_under_new_weights(tiny_llama_path: Path, engine_fact
     ]
 
 
-def test_in_place_keeps_old_kv_and_uses_new_weights(
-    tiny_llama_path: Path, engine_factory: list[Engine]
-) -> None:
+def test_in_place_keeps_old_kv_and_uses_new_weights(tiny_llama_path: Path, engines: list[Engine]) -> None:
     model = EngineModel.from_pretrained(tiny_llama_path)
-    engine = _start(engine_factory, model)
+    engine = start_engine(engines, model)
     prompt = [21, 22, 23, 24, 25]
     request, done = _submit(engine, prompt, max_new_tokens=24, temperature=0.0, ignore_eos=True)
     _wait_tokens(request, 3)
@@ -435,9 +409,9 @@ def test_in_place_keeps_old_kv_and_uses_new_weights(
 
 
 def test_abort_pause_finishes_everything_with_partial_output(
-    tiny_model: EngineModel, engine_factory: list[Engine]
+    tiny_model: EngineModel, engines: list[Engine]
 ) -> None:
-    engine = _start(engine_factory, tiny_model, max_running_requests=1)
+    engine = start_engine(engines, tiny_model, max_running_requests=1)
     running, running_done = _submit(engine, [1, 2, 3], max_new_tokens=1000, ignore_eos=True)
     waiting, waiting_done = _submit(engine, [4, 5, 6], max_new_tokens=10, ignore_eos=True)
     _wait_tokens(running, 2)
@@ -452,10 +426,10 @@ def test_abort_pause_finishes_everything_with_partial_output(
     assert engine.call(engine.is_idle)
 
 
-def test_flush_and_release_need_an_idle_engine(tiny_model: EngineModel, engine_factory: list[Engine]) -> None:
+def test_flush_and_release_need_an_idle_engine(tiny_model: EngineModel, engines: list[Engine]) -> None:
     from asyncrl_sglang.builtin.engine import EngineBusyError
 
-    engine = _start(engine_factory, tiny_model)
+    engine = start_engine(engines, tiny_model)
     request, done = _submit(engine, [1, 2, 3], max_new_tokens=1000, ignore_eos=True)
     _wait_tokens(request, 1)
     engine.call(lambda: engine.pause("in_place"))

@@ -8,7 +8,6 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,18 +20,6 @@ from asyncrl_sglang.builtin.snapshot import WaitingQueue
 
 WAIT_S = 120.0
 LONG = SamplingOptions(max_new_tokens=40, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tiny_llama_path: Path) -> EngineModel:
-    return EngineModel.from_pretrained(tiny_llama_path)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_llama_path: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(tiny_llama_path))
 
 
 @pytest.fixture

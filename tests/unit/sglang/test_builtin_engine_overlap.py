@@ -14,18 +14,13 @@ from typing import Any
 
 import pytest
 import torch
+from engine_testing import WAIT_S, start_engine
 
 from asyncrl_sglang.builtin.engine import Engine, Request
 from asyncrl_sglang.builtin.model import EngineModel
 from asyncrl_sglang.builtin.sampling import SamplingOptions
 
-WAIT_S = 120.0
 PROMPTS = [[5, 6, 7], [11, 12, 13, 14, 15], [21, 22], [31, 32, 33, 34], [41, 42, 43, 44, 45, 46]]
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tiny_llama_path: Path) -> EngineModel:
-    return EngineModel.from_pretrained(tiny_llama_path)
 
 
 @pytest.fixture(scope="module")
@@ -38,13 +33,6 @@ def decode_text(tiny_llama_path: Path) -> Callable[[list[int]], str]:
         return str(tokenizer.decode(ids, skip_special_tokens=True))
 
     return decode
-
-
-def _start(engines: list[Engine], model: EngineModel, **kwargs: Any) -> Engine:
-    engine = Engine(model, **kwargs)
-    engine.start()
-    engines.append(engine)
-    return engine
 
 
 @dataclass
@@ -197,14 +185,14 @@ def test_overlap_gives_the_non_overlapped_loops_tokens_and_logprobs(
         "decode_text": decode_text,
         "use_cuda_graphs": device == "cuda",
     }
-    reference = _start(engines, model, **options)
+    reference = start_engine(engines, model, **options)
     sampled = _generate(reference, PROMPTS[0], _seeded(12, ignore_eos=True))
     stop_token = sampled[5]
     # A stop string inside a later token's text: its first match ends the request early.
     stop_text = next(text for t in sampled[6:] if len(text := decode_text([t]).strip()) >= 2)
     runs: list[list[Tracked]] = []
     for overlap in (False, True):
-        engine = _start(engines, model, **options, overlap_schedule=overlap)
+        engine = start_engine(engines, model, **options, overlap_schedule=overlap)
         runs.append(_mixed_workload(engine, stop_token, stop_text))
     plain, overlapped = runs
     for a, b in zip(plain, overlapped, strict=True):
@@ -245,10 +233,10 @@ def test_a_request_finished_at_step_n_gets_nothing_from_step_n_plus_1(
     """Requests finish one by one (stop id, EOS, max_new_tokens) while the others decode on, overlapped: each
     keeps exactly the tokens the non-overlapped rules give it, heard once, and the engine counts only those;
     a client told of a finish never reads a snapshot that runs its request."""
-    engine = _start(engines, tiny_model, max_running_requests=8)
+    engine = start_engine(engines, tiny_model, max_running_requests=8)
     sampled = _generate(engine, PROMPTS[1], _seeded(16, ignore_eos=True))
     stop_at, eos_at = sampled[4], sampled[8]
-    engine_eos = _start(engines, tiny_model, max_running_requests=8, eos_token_ids=[eos_at])
+    engine_eos = start_engine(engines, tiny_model, max_running_requests=8, eos_token_ids=[eos_at])
     options = [
         _seeded(16, stop_token_ids=frozenset({stop_at})),
         _seeded(16),
@@ -279,7 +267,7 @@ def test_a_request_finished_at_step_n_gets_nothing_from_step_n_plus_1(
 def test_an_abort_adds_no_token_after_it(tiny_model: EngineModel, engines: list[Engine]) -> None:
     """An abort from another request's callback (inside the step being read, with the next step in flight)
     and an abort through `call` both end their request with the tokens it had."""
-    engine = _start(engines, tiny_model, max_running_requests=4)
+    engine = start_engine(engines, tiny_model, max_running_requests=4)
     long = SamplingOptions(max_new_tokens=60, temperature=0.0, ignore_eos=True)
     at_abort: dict[str, int] = {}
     victim = _request(engine, PROMPTS[2], long)
@@ -314,7 +302,7 @@ def test_pauses_and_weight_updates_under_load_keep_their_promises(
     clients heard and recomputes the rest under the new weights; an abort pause ends everyone with what they
     heard; requests that finished before keep their lengths."""
     model = EngineModel.from_pretrained(tiny_llama_path)
-    engine = _start(engines, model, max_running_requests=4)
+    engine = start_engine(engines, model, max_running_requests=4)
     references = {i: _recomputed(model, PROMPTS[i], 40) for i in range(4)}
     lengths = [40, 40, 3, 5]
     tracked = [

@@ -10,18 +10,14 @@ of the norm's sum, the library behind rsqrt and exp), so they and the whole mode
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-import threading
 
 import pytest
 import torch
+from engine_testing import generate_together, run_interpreted
 
 from asyncrl_sglang.builtin import fused_kernels
 from asyncrl_sglang.builtin.engine import Engine, Request
 from asyncrl_sglang.builtin.model import EngineModel, ModelConfig
-from asyncrl_sglang.builtin.sampling import SamplingOptions
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 
@@ -224,16 +220,7 @@ def test_the_kernels_and_the_model_equal_torch_under_the_interpreter() -> None:
     (43 in bfloat16 / 33 in float32 with torch, 9 fused; +2 for a prefill over cached prefixes), with every
     fused kernel launched when the model is set to use them. A process of its own: the interpreter must be
     chosen before Triton is first imported."""
-    result = subprocess.run(
-        [sys.executable, "-c", INTERPRETED_CHECKS],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.strip() == "ok"
+    run_interpreted(INTERPRETED_CHECKS)
 
 
 def test_not_available_on_the_cpu() -> None:
@@ -307,34 +294,6 @@ def test_the_kernels_in_bfloat16_are_within_bfloat16_ulps_of_torch_on_cuda() -> 
     assert _within_ulps(fused_kernels.silu_mul(gate_up), torch.nn.functional.silu(gate), 1)
 
 
-def _generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> list[Request]:
-    """Greedy requests with logprobs of different lengths, submitted at once; waits for every one."""
-    remaining = [len(prompts)]
-    done = threading.Event()
-
-    def on_update(_request: Request, finished: bool) -> None:
-        if finished:  # scheduler thread only
-            remaining[0] -= 1
-            if remaining[0] == 0:
-                done.set()
-
-    requests = [
-        Request(
-            rid=f"r{index}",
-            prompt_ids=prompt,
-            options=SamplingOptions(
-                max_new_tokens=max_new_tokens - 3 * index, temperature=0.0, ignore_eos=True
-            ),
-            return_logprob=True,
-            on_update=on_update,
-        )
-        for index, prompt in enumerate(prompts)
-    ]
-    engine.call(lambda: [engine.add_request(r) for r in requests], timeout_s=120)
-    assert done.wait(120), "generation did not finish"
-    return requests
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_engine_with_the_fused_kernels_and_cuda_graphs_matches_torch_on_cuda() -> None:
@@ -351,8 +310,8 @@ def test_the_engine_with_the_fused_kernels_and_cuda_graphs_matches_torch_on_cuda
         engine = Engine(model, max_running_requests=8, use_cuda_graphs=True, context_length=512)
         engine.start()
         try:
-            results.append(_generate(engine, prompts[:1], 8))  # fills the prefix cache
-            results.append(_generate(engine, prompts, 60))
+            results.append(generate_together(engine, prompts[:1], 8))  # fills the prefix cache
+            results.append(generate_together(engine, prompts, [60 - 3 * i for i in range(len(prompts))]))
         finally:
             engine.stop()
     for got, want in zip(results[1], results[3], strict=True):

@@ -9,36 +9,22 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 from aiohttp import ClientTimeout
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from asyncrl_sglang.builtin.engine import Engine, Request
 from asyncrl_sglang.builtin.grpc_service import SchedulerService, start_grpc_server
-from asyncrl_sglang.builtin.model import EngineModel
 from asyncrl_sglang.builtin.sampling import SamplingOptions
-from asyncrl_sglang.builtin.server import BuiltinServer, ServerArgs
+from asyncrl_sglang.builtin.server import BuiltinServer
 
 WAIT_S = 60.0
 LONG = {"max_new_tokens": 60, "ignore_eos": True, "temperature": 0.0}
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tiny_llama_path: Path) -> EngineModel:
-    return EngineModel.from_pretrained(tiny_llama_path)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_llama_path: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(tiny_llama_path))
 
 
 @dataclass
@@ -53,44 +39,23 @@ class Served:
 
 
 @pytest.fixture
-async def make_served(
-    tiny_model: EngineModel, tokenizer: Any, tiny_llama_path: Path
-) -> AsyncIterator[Callable[..., Any]]:
+async def make_served(make_client: Callable[..., Any]) -> AsyncIterator[Callable[..., Any]]:
     """Start an engine with its HTTP and gRPC fronts (`ServerArgs` overrides); all stop at teardown."""
-    started: list[tuple[Engine, TestClient[Any, Any], grpc.aio.Server, grpc.aio.Channel]] = []
+    started: list[tuple[grpc.aio.Server, grpc.aio.Channel]] = []
 
     async def make(**overrides: Any) -> Served:
-        args = ServerArgs(
-            model_path=str(tiny_llama_path),
-            served_model_name="tiny",
-            tokenizer_path=str(tiny_llama_path),
-            **{"context_length": 2048, "max_running_requests": 8, **overrides},
-        )
-        engine = Engine(
-            tiny_model,
-            max_running_requests=args.max_running_requests,
-            context_length=args.context_length,
-            eos_token_ids=[tokenizer.eos_token_id],
-            decode_text=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-        )
-        engine.start()
-        server = BuiltinServer(engine, tokenizer, args)
-        server.ready = True
-        client: TestClient[Any, Any] = TestClient(TestServer(server.app, host="127.0.0.1"))
-        await client.start_server()
-        service = SchedulerService(engine, server.gate, server.info, server.generation.limits)
+        client, server = await make_client(**overrides)
+        service = SchedulerService(server.engine, server.gate, server.info, server.generation.limits)
         service.ready = True
         grpc_server, port = await start_grpc_server(service, "127.0.0.1", 0, None)
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-        started.append((engine, client, grpc_server, channel))
+        started.append((grpc_server, channel))
         return Served(client, server, pb_grpc.SglangSchedulerStub(channel))
 
     yield make
-    for engine, client, grpc_server, channel in started:
+    for grpc_server, channel in started:
         await channel.close()
         await grpc_server.stop(grace=None)
-        await client.close()
-        await asyncio.to_thread(engine.stop)
 
 
 async def _post(served: Served, **body: Any) -> tuple[int, Any]:

@@ -7,12 +7,12 @@ import importlib.util
 import itertools
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from engine_testing import WAIT_S, generate_together, start_engine
 
 from asyncrl_sglang.builtin.engine import Engine, Request
 from asyncrl_sglang.builtin.gate import AdmissionGate
@@ -20,48 +20,7 @@ from asyncrl_sglang.builtin.info import Load
 from asyncrl_sglang.builtin.model import EngineModel, KVCache
 from asyncrl_sglang.builtin.sampling import SamplingOptions
 
-WAIT_S = 120.0
 BLOCK = 4
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tiny_llama_path: Path) -> EngineModel:
-    return EngineModel.from_pretrained(tiny_llama_path)
-
-
-def _start(engines: list[Engine], model: EngineModel, **kwargs: Any) -> Engine:
-    engine = Engine(model, kv_block_size=BLOCK, **kwargs)
-    engine.start()
-    engines.append(engine)
-    return engine
-
-
-def _generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int = 8) -> list[Request]:
-    """Greedy requests with logprobs, submitted at once (one prefill batch); waits for every one."""
-    remaining = [len(prompts)]
-    done = threading.Event()
-
-    def on_update(_request: Request, finished: bool) -> None:
-        # Called on the scheduler thread only: no lock needed.
-        if finished:
-            remaining[0] -= 1
-            if remaining[0] == 0:
-                done.set()
-
-    options = SamplingOptions(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
-    requests = [
-        Request(
-            rid=f"p{index}-{time.monotonic_ns()}",
-            prompt_ids=prompt,
-            options=options,
-            return_logprob=True,
-            on_update=on_update,
-        )
-        for index, prompt in enumerate(prompts)
-    ]
-    engine.call(lambda: [engine.add_request(r) for r in requests], timeout_s=WAIT_S)
-    assert done.wait(WAIT_S), "generation did not finish"
-    return requests
 
 
 def _assert_same(cached: list[Request], reference: list[Request]) -> None:
@@ -73,11 +32,11 @@ def _assert_same(cached: list[Request], reference: list[Request]) -> None:
 def test_cached_prefixes_give_the_tokens_and_logprobs_of_a_full_prefill(
     tiny_model: EngineModel, engines: list[Engine]
 ) -> None:
-    cached_engine = _start(engines, tiny_model)
-    plain_engine = _start(engines, tiny_model, prefix_cache=False)
+    cached_engine = start_engine(engines, tiny_model, kv_block_size=BLOCK)
+    plain_engine = start_engine(engines, tiny_model, kv_block_size=BLOCK, prefix_cache=False)
     first_turns = [list(range(10, 31)), list(range(40, 53)), [7, 8, 9]]
-    turn1 = _generate(cached_engine, first_turns)
-    _assert_same(turn1, _generate(plain_engine, first_turns))
+    turn1 = generate_together(cached_engine, first_turns)
+    _assert_same(turn1, generate_together(plain_engine, first_turns))
     assert [r.cached_tokens for r in turn1] == [0, 0, 0]
     # Second turns of different lengths in one prefill batch, beside a prompt the cache has never seen and
     # one that shares only part of an earlier prompt.
@@ -87,8 +46,8 @@ def test_cached_prefixes_give_the_tokens_and_logprobs_of_a_full_prefill(
         [100, 101, 102, 103, 104, 105],
         [*range(10, 19), 99, 98],
     ]
-    turn2 = _generate(cached_engine, second_turns)
-    _assert_same(turn2, _generate(plain_engine, second_turns))
+    turn2 = generate_together(cached_engine, second_turns)
+    _assert_same(turn2, generate_together(plain_engine, second_turns))
     # All but the last token of a finished turn are cached, in whole blocks of 4.
     held = [len(first_turns[0]) + 8 - 1, len(first_turns[1]) + 8 - 1]
     assert [r.cached_tokens for r in turn2] == [held[0] // BLOCK * BLOCK, held[1] // BLOCK * BLOCK, 0, 8]
@@ -105,9 +64,9 @@ def test_a_retract_update_drops_the_cache_and_in_place_keeps_it(
     tiny_llama_path: Path, engines: list[Engine]
 ) -> None:
     model = EngineModel.from_pretrained(tiny_llama_path)
-    engine = _start(engines, model)
+    engine = start_engine(engines, model, kv_block_size=BLOCK)
     prompt = list(range(20, 37))
-    (first,) = _generate(engine, [prompt])
+    (first,) = generate_together(engine, [prompt])
     follow_up = prompt + first.output_ids + [5, 6, 7]
     generator = torch.Generator().manual_seed(3)
     new_weights = [
@@ -121,11 +80,13 @@ def test_a_retract_update_drops_the_cache_and_in_place_keeps_it(
     engine.call(engine.resume)
     assert engine.prefix_cache is not None
     assert engine.prefix_cache.num_cached_tokens == 0
-    (after_retract,) = _generate(engine, [follow_up])
+    (after_retract,) = generate_together(engine, [follow_up])
     assert after_retract.cached_tokens == 0
-    reference_engine = _start(engines, EngineModel.from_pretrained(tiny_llama_path), prefix_cache=False)
+    reference_engine = start_engine(
+        engines, EngineModel.from_pretrained(tiny_llama_path), kv_block_size=BLOCK, prefix_cache=False
+    )
     reference_engine.call(lambda: reference_engine.model.load_named_tensors(new_weights))
-    _assert_same([after_retract], _generate(reference_engine, [follow_up]))
+    _assert_same([after_retract], generate_together(reference_engine, [follow_up]))
 
     # in_place: the cache (now holding the follow-up's KV, computed under v2) survives an update to v3 (the
     # old weights), and the same prompt decodes over that v2 KV with the v3 weights.
@@ -133,7 +94,7 @@ def test_a_retract_update_drops_the_cache_and_in_place_keeps_it(
     engine.call(lambda: engine.load_weights(old_weights, "v3"))
     engine.call(engine.resume)
     assert engine.prefix_cache.num_cached_tokens > 0
-    (after_in_place,) = _generate(engine, [follow_up], max_new_tokens=4)
+    (after_in_place,) = generate_together(engine, [follow_up], max_new_tokens=4)
     cached_length = (len(follow_up) - 1) // BLOCK * BLOCK
     assert after_in_place.cached_tokens == cached_length
     # Reference without the engine's code paths: v2 KV for the cached part, then v3 weights token by token.
@@ -157,31 +118,31 @@ def test_a_retract_update_drops_the_cache_and_in_place_keeps_it(
 
 
 def test_flush_empties_the_cache(tiny_model: EngineModel, engines: list[Engine]) -> None:
-    engine = _start(engines, tiny_model)
+    engine = start_engine(engines, tiny_model, kv_block_size=BLOCK)
     prompt = list(range(30, 45))
-    (first,) = _generate(engine, [prompt])
+    (first,) = generate_together(engine, [prompt])
     assert engine.prefix_cache is not None
     assert engine.prefix_cache.num_cached_tokens > 0
     engine.call(engine.flush_cache)
     assert engine.prefix_cache.num_cached_tokens == 0
-    (again,) = _generate(engine, [prompt + first.output_ids])
+    (again,) = generate_together(engine, [prompt + first.output_ids])
     assert again.cached_tokens == 0
 
 
 def test_a_full_pool_evicts_and_keeps_its_accounting(tiny_model: EngineModel, engines: list[Engine]) -> None:
-    engine = _start(engines, tiny_model, prefix_cache_tokens=6 * BLOCK)
+    engine = start_engine(engines, tiny_model, kv_block_size=BLOCK, prefix_cache_tokens=6 * BLOCK)
     prefix_cache = engine.prefix_cache
     assert prefix_cache is not None
     prompts = [[base + i for i in range(13)] for base in (10, 40, 70, 100)]
     for prompt in prompts:
-        _generate(engine, [prompt], max_new_tokens=4)
+        generate_together(engine, [prompt], max_new_tokens=4)
         assert prefix_cache.pool.num_blocks <= 6
         assert prefix_cache.tree.num_blocks == prefix_cache.pool.allocator.num_allocated
     assert prefix_cache.evicted_blocks_total > 0
     # The most recent prompt is still cached; the oldest was evicted first.
-    (last,) = _generate(engine, [prompts[-1]], max_new_tokens=1)
+    (last,) = generate_together(engine, [prompts[-1]], max_new_tokens=1)
     assert last.cached_tokens == 12
-    (oldest,) = _generate(engine, [prompts[0]], max_new_tokens=1)
+    (oldest,) = generate_together(engine, [prompts[0]], max_new_tokens=1)
     assert oldest.cached_tokens == 0
 
 
@@ -201,7 +162,13 @@ def test_agentic_workload_in_ci_size(tiny_model: EngineModel, engines: list[Engi
     what the cache lacks, and every token comes with a finite logprob."""
     bench = _benchmark_module()
     vocab = tiny_model.config.vocab_size
-    engine = _start(engines, tiny_model, max_running_requests=4, decode_text=bench.synthetic_decoder(vocab))
+    engine = start_engine(
+        engines,
+        tiny_model,
+        kv_block_size=BLOCK,
+        max_running_requests=4,
+        decode_text=bench.synthetic_decoder(vocab),
+    )
     result = bench.run_agentic(
         engine, 6, 3, 12, vocab, seed=1, new_tokens=(3, 9), observation_tokens=(2, 6), timeout_s=WAIT_S
     )
@@ -264,7 +231,7 @@ def test_a_retract_on_top_of_an_in_place_update_recomputes_the_kept_kv(
     tiny_llama_path: Path, engines: list[Engine]
 ) -> None:
     model = EngineModel.from_pretrained(tiny_llama_path)
-    engine = _start(engines, model)
+    engine = start_engine(engines, model, kv_block_size=BLOCK)
     started, done = threading.Event(), threading.Event()
 
     def on_update(request: Request, finished: bool) -> None:
@@ -299,9 +266,10 @@ def test_a_retract_on_top_of_an_in_place_update_recomputes_the_kept_kv(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cached_prefixes_match_a_full_prefill_on_cuda() -> None:
-    """The CUDA kernels of a prefill over a cached prefix (memory-efficient attention under a mask) against a
-    plain prefill (flash or memory-efficient, causal), float32, greedy, several turns in one batch."""
+def test_cached_prefixes_match_a_full_prefill_on_cuda(engines: list[Engine]) -> None:
+    """The CUDA kernels of a packed prefill over cached prefixes (the extend-attention kernel reading them in
+    place) against prefills from position 0 (the same kernel without a prefix), float32, greedy, several
+    turns in one batch."""
     from asyncrl_sglang.builtin.model import ModelConfig
 
     config = ModelConfig.from_dict(
@@ -318,20 +286,15 @@ def test_cached_prefixes_match_a_full_prefill_on_cuda() -> None:
         }
     )
     model = EngineModel.random(config, "cuda", torch.float32, seed=3)
-    engines: list[Engine] = []
-    try:
-        cached_engine = _start(engines, model)
-        plain_engine = _start(engines, model, prefix_cache=False)
-        prompts = [[(7 * i + j) % 500 + 3 for j in range(17 + 5 * i)] for i in range(6)]
-        turn1 = _generate(cached_engine, prompts)
-        _assert_same(turn1, _generate(plain_engine, prompts))
-        second = [p + r.output_ids + [9, 10, 11] for p, r in zip(prompts, turn1, strict=True)]
-        turn2 = _generate(cached_engine, second)
-        assert all(r.cached_tokens > 0 for r in turn2)
-        reference = _generate(plain_engine, second)
-        for got, want in zip(turn2, reference, strict=True):
-            assert got.output_ids == want.output_ids
-            assert got.output_logprobs == pytest.approx(want.output_logprobs, abs=1e-4)
-    finally:
-        for engine in engines:
-            engine.stop()
+    cached_engine = start_engine(engines, model, kv_block_size=BLOCK)
+    plain_engine = start_engine(engines, model, kv_block_size=BLOCK, prefix_cache=False)
+    prompts = [[(7 * i + j) % 500 + 3 for j in range(17 + 5 * i)] for i in range(6)]
+    turn1 = generate_together(cached_engine, prompts)
+    _assert_same(turn1, generate_together(plain_engine, prompts))
+    second = [p + r.output_ids + [9, 10, 11] for p, r in zip(prompts, turn1, strict=True)]
+    turn2 = generate_together(cached_engine, second)
+    assert all(r.cached_tokens > 0 for r in turn2)
+    reference = generate_together(plain_engine, second)
+    for got, want in zip(turn2, reference, strict=True):
+        assert got.output_ids == want.output_ids
+        assert got.output_logprobs == pytest.approx(want.output_logprobs, abs=1e-4)

@@ -5,77 +5,28 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from aiohttp import ClientResponse
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 from pydantic import TypeAdapter
 
 from asyncrl_core import metrics
 from asyncrl_core.config import load_config
 from asyncrl_core.errors import EngineUnavailableError
 from asyncrl_sglang.backend import SGLangBackend
-from asyncrl_sglang.builtin.engine import Engine
 from asyncrl_sglang.builtin.model import EngineModel
-from asyncrl_sglang.builtin.server import BuiltinServer, ServerArgs, encode_safetensors
+from asyncrl_sglang.builtin.server import encode_safetensors
 from asyncrl_sglang.wire import GenerateResponse
 
 WAIT_S = 60.0
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 GENERATE_RESPONSES = TypeAdapter(list[GenerateResponse])
 Factory = Callable[..., Any]
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tiny_llama_path: Path) -> EngineModel:
-    return EngineModel.from_pretrained(tiny_llama_path)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_llama_path: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(tiny_llama_path))
-
-
-@pytest.fixture
-async def make_client(
-    tiny_model: EngineModel, tokenizer: Any, tiny_llama_path: Path
-) -> AsyncIterator[Factory]:
-    """Start (engine, server, client) with the given `ServerArgs` overrides; everything stops at teardown."""
-    started: list[tuple[Engine, TestClient[Any, Any]]] = []
-
-    async def make(**overrides: Any) -> tuple[TestClient[Any, Any], BuiltinServer]:
-        args = ServerArgs(
-            model_path=str(tiny_llama_path),
-            served_model_name="tiny",
-            tokenizer_path=str(tiny_llama_path),
-            **{"context_length": 2048, "max_running_requests": 8, **overrides},
-        )
-        engine = Engine(
-            tiny_model,
-            max_running_requests=args.max_running_requests,
-            context_length=args.context_length,
-            weight_version=args.weight_version,
-            eos_token_ids=[tokenizer.eos_token_id],
-            decode_text=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-        )
-        engine.start()
-        server = BuiltinServer(engine, tokenizer, args)
-        server.ready = True
-        client: TestClient[Any, Any] = TestClient(TestServer(server.app, host="127.0.0.1"))
-        await client.start_server()
-        started.append((engine, client))
-        return client, server
-
-    yield make
-    for engine, client in started:
-        await client.close()
-        await asyncio.to_thread(engine.stop)
 
 
 async def _json(response: ClientResponse) -> Any:

@@ -141,7 +141,7 @@ class _Episode:
         self.versions.extend([NO_VERSION] * len(ids))
 
 
-class AgentLoopWorker:
+class MultiTurnAgentLoop:
     """Runs groups of multi-turn trajectories of a task against a `GenerationClient`, many groups at once.
 
     A plain class with async methods: build it in a test, or wrap it in a Ray actor. Every group runs its
@@ -167,7 +167,7 @@ class AgentLoopWorker:
         context_len: the engine's context length (prompt + response); unset means no limit beyond the two
             above.
         max_turns: most model turns; unset uses the task's.
-        max_concurrent_groups: groups this worker runs at once.
+        max_concurrent_groups: groups this loop runs at once.
         tool_timeout_s: longest a tool call may take before it counts as failed.
         num_demonstrations: the task's demonstrations to show before the question, as earlier chat turns.
         min_turn_tokens: the smallest model turn worth generating after an observation.
@@ -280,7 +280,7 @@ class AgentLoopWorker:
         """Run `group_size` trajectories of one prompt and score them.
 
         `sample` defaults to `dataset(split)[prompt_index]`; `group_id` (the buffer's admission id) defaults
-        to a counter of this worker. Each trajectory carries the earliest and latest weight version of its
+        to a counter of this loop. Each trajectory carries the earliest and latest weight version of its
         tokens (from the engine's version spans); `Group.finish_version` is left `NO_VERSION`: the buffer,
         which knows the actor's version, stamps it when it accepts the group.
         """
@@ -467,4 +467,4 @@ class AgentLoopWorker:
 if TYPE_CHECKING:
     # The runner loads this class by its entry point `multi-turn` (`asyncrl.agent_loops`): the type checker
     # holds it to the protocol here.
-    _AGENT_LOOP_FACTORY: AgentLoopFactory = AgentLoopWorker
+    _AGENT_LOOP_FACTORY: AgentLoopFactory = MultiTurnAgentLoop

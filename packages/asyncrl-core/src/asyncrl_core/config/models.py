@@ -636,12 +636,11 @@ class RolloutConfig(Section):
                 f"data.max_response_len {data.max_response_len} = {wanted}; raise it or shorten those "
                 "lengths",
             )
-        if self.rollout_backend != "sglang":
-            from asyncrl_core import plugins
+        from asyncrl_core import plugins
 
-            problem = plugins.check_selectable("asyncrl.rollout_backends", self.rollout_backend)
-            if problem is not None:
-                found.error("rollout.rollout_backend", problem)
+        problem = plugins.check_selectable("asyncrl.rollout_backends", self.rollout_backend)
+        if problem is not None:
+            found.error("rollout.rollout_backend", problem)
 
 
 class ActorCommon(Section):

@@ -14,9 +14,12 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncrl_sglang.builtin import DEFAULT_MAX_N, DEFAULT_MAX_QUEUED_REQUESTS
+
+if TYPE_CHECKING:
+    from asyncrl_sglang.builtin.server import ServerArgs
 
 logger = logging.getLogger("asyncrl_sglang.builtin")
 
@@ -93,6 +96,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="torch's elementwise ops instead of the fused Triton kernels (RMSNorm, rotary, SiLU) on CUDA",
     )
     parser.add_argument(
+        "--attention-backend",
+        choices=["triton", "torch_native"],
+        default="triton",
+        help="triton: the engine's Triton attention kernels (decode, packed prefill) on CUDA; torch_native: "
+        "SDPA (what the CPU always runs)",
+    )
+    parser.add_argument(
         "--disable-radix-cache",
         action="store_true",
         help="no prefix cache: every prefill computes all its tokens (cached_tokens stays 0)",
@@ -114,6 +124,49 @@ def launch_command(argv: list[str]) -> str:
         else:
             shown.append(argument)
     return " ".join(shown)
+
+
+def launch_arguments(
+    args: argparse.Namespace,
+    *,
+    model_path: Path,
+    tokenizer_path: str | None,
+    context_length: int,
+    device: str,
+    dtype: str,
+    command: str,
+) -> ServerArgs:
+    """The launch arguments under SGLang's `ServerArgs` names (what `/server_info` reports): `args` as parsed,
+    with the model path, tokenizer, context length, device and dtype as resolved at start."""
+    from asyncrl_sglang.builtin.server import ServerArgs
+
+    return ServerArgs(
+        model_path=str(model_path),
+        served_model_name=args.served_model_name or model_path.name,
+        tokenizer_path=tokenizer_path,
+        host=args.host,
+        port=args.port,
+        grpc_port=args.grpc_port,
+        api_key=args.api_key,
+        max_running_requests=args.max_running_requests,
+        max_queued_requests=args.max_queued_requests,
+        max_n=args.max_n,
+        context_length=context_length,
+        weight_version=args.weight_version,
+        device=device,
+        dtype=dtype,
+        enable_metrics=args.enable_metrics,
+        random_seed=args.random_seed,
+        load_format="dummy" if args.random_weights else "safetensors",
+        disable_cuda_graph=args.disable_cuda_graph,
+        attention_backend=args.attention_backend,
+        disable_radix_cache=args.disable_radix_cache,
+        disable_overlap_schedule=args.disable_overlap_schedule,
+        skip_server_warmup=args.skip_server_warmup,
+        log_level=args.log_level,
+        weight_version_route=args.weight_version_route,
+        launch_command=command,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,7 +199,7 @@ async def _serve(args: argparse.Namespace, model_path: Path, command: str) -> No
     from asyncrl_sglang.builtin.engine import Engine
     from asyncrl_sglang.builtin.info import Startup, available_memory_gb
     from asyncrl_sglang.builtin.model import EngineModel, ModelConfig
-    from asyncrl_sglang.builtin.server import BuiltinServer, ServerArgs
+    from asyncrl_sglang.builtin.server import BuiltinServer
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
@@ -159,11 +212,22 @@ async def _serve(args: argparse.Namespace, model_path: Path, command: str) -> No
     if args.random_weights:
         config = ModelConfig.from_dict(read_hf_config(model_path))
         model = await asyncio.to_thread(
-            EngineModel.random, config, device, dtype, args.random_seed, not args.disable_fused_kernels
+            EngineModel.random,
+            config,
+            device,
+            dtype,
+            args.random_seed,
+            fused_kernels=not args.disable_fused_kernels,
+            attention_kernels=args.attention_backend == "triton",
         )
     else:
         model = await asyncio.to_thread(
-            EngineModel.from_pretrained, model_path, device, dtype, not args.disable_fused_kernels
+            EngineModel.from_pretrained,
+            model_path,
+            device,
+            dtype,
+            fused_kernels=not args.disable_fused_kernels,
+            attention_kernels=args.attention_backend == "triton",
         )
     load_weight_s = time.perf_counter() - loading
     tokenizer_path = args.tokenizer_path or str(model_path)
@@ -189,31 +253,17 @@ async def _serve(args: argparse.Namespace, model_path: Path, command: str) -> No
         prefix_cache=not args.disable_radix_cache,
         overlap_schedule=not args.disable_overlap_schedule,
     )
-    server_args = ServerArgs(
-        model_path=str(model_path),
-        served_model_name=args.served_model_name or model_path.name,
+    arguments = launch_arguments(
+        args,
+        model_path=model_path,
         tokenizer_path=tokenizer_path if tokenizer is not None else None,
-        host=args.host,
-        port=args.port,
-        grpc_port=args.grpc_port,
-        api_key=args.api_key,
-        max_running_requests=args.max_running_requests,
-        max_queued_requests=args.max_queued_requests,
-        max_n=args.max_n,
         context_length=context_length,
-        weight_version=args.weight_version,
         device=str(device),
         dtype=dtype_name,
-        enable_metrics=args.enable_metrics,
-        random_seed=args.random_seed,
-        load_format="dummy" if args.random_weights else "safetensors",
-        disable_cuda_graph=args.disable_cuda_graph,
-        disable_radix_cache=args.disable_radix_cache,
-        weight_version_route=args.weight_version_route,
-        launch_command=command,
+        command=command,
     )
     engine.start()
-    server = BuiltinServer(engine, tokenizer, server_args)
+    server = BuiltinServer(engine, tokenizer, arguments)
     runner = web.AppRunner(server.app, access_log=None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)

@@ -23,12 +23,13 @@ with torch's CUDA wheels. Without Triton (or on CPU) the engine keeps the masked
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from asyncrl_sglang.builtin._kernel_check import KernelCheck
 
 BLOCK_N = 64
 """Key positions per block of the kernel's loop."""
@@ -37,40 +38,28 @@ TARGET_PROGRAMS = 512
 SMs): a small batch over long contexts still spreads over the GPU."""
 MAX_SPLITS = 16
 
-logger = logging.getLogger(__name__)
-
 _kernel: Any = None
-_checked: dict[torch.device, bool] = {}
 
 
-def available(device: torch.device) -> bool:
-    """Whether the kernel runs on `device`: CUDA, Triton importable, and a first launch there (compiled on
-    the spot) equal to SDPA. Checked once per device; a failure is logged and the engine keeps SDPA."""
-    if device.type != "cuda":
-        return False
-    if device not in _checked:
-        _checked[device] = _self_check(device)
-    return _checked[device]
+def _self_check(device: torch.device) -> None:
+    _load()
+    generator = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(3, 2, 3, 64, device=device, generator=generator)
+    keys = torch.randn(3, 2, 100, 64, device=device, generator=generator)
+    values = torch.randn(3, 2, 100, 64, device=device, generator=generator)
+    lengths = torch.tensor([1, 64, 100], device=device)
+    mask = (torch.arange(100, device=device) < lengths.unsqueeze(1)).view(3, 1, 1, 100)
+    want = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+    for splits in (1, 4):
+        got = decode_attention(q, keys, values, lengths, splits)
+        if not torch.allclose(got, want, atol=1e-4, rtol=1e-4):
+            raise RuntimeError(f"differs from SDPA by {(got - want).abs().max().item():.3g}")
 
 
-def _self_check(device: torch.device) -> bool:
-    try:
-        _load()
-        generator = torch.Generator(device=device).manual_seed(0)
-        q = torch.randn(3, 2, 3, 64, device=device, generator=generator)
-        keys = torch.randn(3, 2, 100, 64, device=device, generator=generator)
-        values = torch.randn(3, 2, 100, 64, device=device, generator=generator)
-        lengths = torch.tensor([1, 64, 100], device=device)
-        mask = (torch.arange(100, device=device) < lengths.unsqueeze(1)).view(3, 1, 1, 100)
-        want = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-        for splits in (1, 4):
-            got = decode_attention(q, keys, values, lengths, splits)
-            if not torch.allclose(got, want, atol=1e-4, rtol=1e-4):
-                raise RuntimeError(f"differs from SDPA by {(got - want).abs().max().item():.3g}")
-    except Exception as error:
-        logger.warning("the Triton decode kernel is unavailable on %s (%s): decode uses SDPA", device, error)
-        return False
-    return True
+available = KernelCheck("the Triton decode kernel is", "decode uses SDPA", _self_check)
+"""`available(device)`: whether the kernel runs on `device`: CUDA, Triton importable, and a first launch
+there (compiled on the spot) equal to SDPA. Checked once per device; a failure is logged and the engine keeps
+SDPA."""
 
 
 def num_splits(batch: int, kv_heads: int) -> int:

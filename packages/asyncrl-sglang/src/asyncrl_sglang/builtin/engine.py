@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -648,7 +649,7 @@ class Engine:
         return grown
 
     def _prefill(self, requests: list[Request]) -> None:
-        """Run prompt + output-so-far of each request into a fresh slot (one right-padded batch) and sample
+        """Run prompt + output-so-far of each request into a fresh slot (one packed batch) and sample
         its next token. A prefix found in the prefix cache is copied into the slot instead of prefilled.
         A re-prefill after a retract takes from the cache only what is valid under the current weights."""
         sequences = [r.prompt_ids + r.output_ids for r in requests]
@@ -669,14 +670,15 @@ class Engine:
         self.counters.prefill_tokens_total += total - sum(starts)
         self.counters.cache_hit_rate = sum(starts) / total
         suffixes = [s[start:] for s, start in zip(sequences, starts, strict=True)]
-        hidden = self.model.prefill_batch(suffixes, cache, slots, starts)
-        last_rows = torch.tensor([len(s) - 1 for s in suffixes], device=hidden.device)
-        last_hidden = hidden[torch.arange(len(requests), device=hidden.device), last_rows]
+        hidden = self.model.prefill_packed(suffixes, cache, slots, starts)  # [total new tokens, hidden]
+        ends = list(itertools.accumulate(len(s) for s in suffixes))
+        last_hidden = hidden[torch.tensor([end - 1 for end in ends], device=hidden.device)]
         for row, request in enumerate(requests):
             if not request.was_running:
                 self.counters.prompt_tokens_total += len(request.prompt_ids)
                 if request.return_logprob and request.logprob_start_len >= 0:
-                    self._input_logprobs(request, hidden[row, : len(suffixes[row])], starts[row])
+                    rows = hidden[ends[row] - len(suffixes[row]) : ends[row]]
+                    self._input_logprobs(request, rows, starts[row])
             request.was_running = True
         self.running.extend(requests)
         # max_new_tokens 0 is prefill only (scoring callers read the input logprobs): nothing is sampled.

@@ -31,17 +31,15 @@ torch (`available`), the model keeps the torch functions below, which are its re
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 from torch import Tensor
 
-logger = logging.getLogger(__name__)
+from asyncrl_sglang.builtin._kernel_check import KernelCheck
 
 _kernels: dict[str, Any] = {}
 """The compiled kernels by name (`add_rms_norm`, `rotary`, `silu_mul`), built at the first use."""
-_checked: dict[torch.device, bool] = {}
 
 SILU_BLOCK = 1024
 """Most columns of `silu_mul` per program."""
@@ -63,29 +61,6 @@ def torch_rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------- kernels
-def available(device: torch.device) -> bool:
-    """Whether the fused kernels run on `device`: CUDA, Triton importable, and a first launch of each there
-    (compiled on the spot) equal to the torch functions, in float32 and bfloat16. Checked once per device; a
-    failure is logged and the model keeps torch."""
-    if device.type != "cuda":
-        return False
-    if device not in _checked:
-        _checked[device] = _self_check(device)
-    return _checked[device]
-
-
-def _self_check(device: torch.device) -> bool:
-    try:
-        for dtype in (torch.float32, torch.bfloat16):
-            self_check(device, dtype)
-    except Exception as error:
-        logger.warning(
-            "the fused Triton kernels are unavailable on %s (%s): the model uses torch", device, error
-        )
-        return False
-    return True
-
-
 def self_check(device: torch.device, dtype: torch.dtype) -> None:
     """Run each kernel once on random inputs (odd sizes, 9 query and 3 KV heads, positions past 0, a KV cache
     write) and raise `AssertionError` where it differs from torch beyond a few float32 ulps (two bfloat16 ulps
@@ -131,6 +106,17 @@ def self_check(device: torch.device, dtype: torch.dtype) -> None:
     torch.testing.assert_close(
         silu_mul(gate_up), torch.nn.functional.silu(gate) * up, atol=tolerance, rtol=tolerance
     )
+
+
+def _self_check(device: torch.device) -> None:
+    for dtype in (torch.float32, torch.bfloat16):
+        self_check(device, dtype)
+
+
+available = KernelCheck("the fused Triton kernels are", "the model uses torch", _self_check)
+"""`available(device)`: whether the fused kernels run on `device`: CUDA, Triton importable, and a first launch
+of each there (compiled on the spot) equal to the torch functions, in float32 and bfloat16. Checked once per
+device; a failure is logged and the model keeps torch."""
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -7,12 +7,15 @@ tensor sent under its HuggingFace name straight into place. Tied embeddings shar
 
 Three entry points:
 - `forward_logits(input_ids)`: a plain full-sequence forward without a cache (reference and tests).
-- `prefill(input_ids, cache, slot)`, `prefill_batch(...)`: run prompts into KV-cache slots (hidden states).
+- `prefill(input_ids, cache, slot)`, `prefill_packed(...)`: run prompts into KV-cache slots (hidden states);
+  `prefill_packed` (what the engine runs) concatenates the sequences without padding and reads cached
+  prefixes in place. `prefill_batch(...)`, the same right-padded, is its reference in tests and benchmarks.
 - `decode(input_ids, positions, cache)`: one token for each of the first `B` slots, batched.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -25,7 +28,7 @@ from torch import Tensor
 
 from asyncrl_core.errors import AsyncRLError
 from asyncrl_core.models import read_hf_config
-from asyncrl_sglang.builtin import decode_attention
+from asyncrl_sglang.builtin import decode_attention, extend_attention
 from asyncrl_sglang.builtin import fused_kernels as fused
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
@@ -187,7 +190,12 @@ class EngineModel:
     """
 
     def __init__(
-        self, config: ModelConfig, device: torch.device, dtype: torch.dtype, fused_kernels: bool = True
+        self,
+        config: ModelConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        fused_kernels: bool = True,
+        attention_kernels: bool = True,
     ) -> None:
         self.config = config
         self.device = device
@@ -254,9 +262,14 @@ class EngineModel:
         self._rope_cos = torch.empty(0, device=device)
         self._rope_sin = torch.empty(0, device=device)
         self._ensure_rope(c.max_position_embeddings)
-        self.decode_kernel = decode_attention.available(device)
-        """Whether `decode` uses the Triton kernel that reads each row's KV up to its own length (CUDA with
-        Triton; set False to measure the masked SDPA it replaces)."""
+        self._attention_requested = attention_kernels
+        self.decode_kernel = attention_kernels and decode_attention.available(device)
+        """Whether `decode` uses the Triton kernel that reads each row's KV up to its own length (requested,
+        the default, and CUDA with Triton; set False to measure the masked SDPA it replaces)."""
+        self.extend_kernel = attention_kernels and extend_attention.available(device)
+        """Whether `prefill_packed` attends with the Triton kernel that reads each sequence's cached KV in
+        place (requested, the default, and CUDA with Triton; set False to measure the per-sequence SDPA, its
+        reference)."""
         self._fused_requested = fused_kernels
         self.fused_kernels = fused_kernels and fused.available(device)
         """Whether the forwards use the fused Triton kernels (`fused_kernels.py`: residual add + RMSNorm,
@@ -271,16 +284,18 @@ class EngineModel:
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         fused_kernels: bool = True,
+        attention_kernels: bool = True,
     ) -> EngineModel:
         """Build from a HuggingFace folder (`config.json` + `*.safetensors`); all parameters must be there.
-        `fused_kernels=False` keeps torch's elementwise ops where the fused kernels would run."""
+        `fused_kernels=False` keeps torch's elementwise ops where the fused kernels would run;
+        `attention_kernels=False` keeps SDPA where the decode and extend attention kernels would run."""
         folder = Path(path)
         try:
             raw = read_hf_config(folder)
         except AsyncRLError as error:
             raise ModelLoadError(str(error)) from None
         config = ModelConfig.from_dict(raw)
-        model = cls(config, torch.device(device), dtype, fused_kernels)
+        model = cls(config, torch.device(device), dtype, fused_kernels, attention_kernels)
         files = sorted(folder.glob("*.safetensors"))
         if not files:
             raise ModelLoadError(f"no *.safetensors file in {folder}")
@@ -304,9 +319,10 @@ class EngineModel:
         dtype: torch.dtype = torch.float32,
         seed: int = 0,
         fused_kernels: bool = True,
+        attention_kernels: bool = True,
     ) -> EngineModel:
         """A model with random weights (normal, std 0.02; norms at 1), for benchmarks."""
-        model = cls(config, torch.device(device), dtype, fused_kernels)
+        model = cls(config, torch.device(device), dtype, fused_kernels, attention_kernels)
         generator = torch.Generator().manual_seed(seed)
         for name in sorted(model.required_names()):
             view = model.named[name]
@@ -358,7 +374,7 @@ class EngineModel:
         """Move every parameter (and the rope tables) to `device`; the named views are rebuilt to match."""
         if device == self.device:
             return
-        moved = EngineModel(self.config, device, self.dtype, self._fused_requested)
+        moved = EngineModel(self.config, device, self.dtype, self._fused_requested, self._attention_requested)
         moved.load_named_tensors([(name, self.named[name]) for name in sorted(self.required_names())])
         self.__dict__.update(moved.__dict__)
 
@@ -470,6 +486,7 @@ class EngineModel:
         starts: Sequence[int] | None = None,
     ) -> Tensor:
         """Prefill several sequences at once, right-padded to the longest: returns hidden [B, T_max, hidden].
+        (The engine runs `prefill_packed`; this is its reference, and what the benchmark compares it with.)
 
         Row b holds the tokens at positions `starts[b]..` (0 by default) of the sequence in `slots[b]`,
         whose KV before `starts[b]` is already in the cache (a prefix-cache hit); its queries attend over that
@@ -486,6 +503,87 @@ class EngineModel:
         return self._forward_extend(
             padded.to(self.device), [len(s) for s in sequences], cache, list(slots), list(starts)
         )
+
+    @torch.inference_mode()
+    def prefill_packed(
+        self,
+        sequences: Sequence[Sequence[int]],
+        cache: KVCache,
+        slots: Sequence[int],
+        starts: Sequence[int] | None = None,
+    ) -> Tensor:
+        """Prefill several sequences as one packed batch: returns hidden states [N, hidden], N the total
+        token count, sequence b's at rows `sum(len(s) for s in sequences[:b])..` (no padding anywhere).
+
+        Sequence b holds the tokens at positions `starts[b]..` (0 by default) of the sequence in `slots[b]`,
+        whose KV before `starts[b]` is already in the cache (a prefix-cache hit). Each token's K/V is written
+        at (its slot, its position) and its query attends causally over its slot's positions up to its own,
+        read in place: the extend kernel on CUDA (`extend_kernel`), one SDPA per sequence otherwise.
+        """
+        num = len(sequences)
+        starts = [0] * num if starts is None else list(starts)
+        lengths = [len(s) for s in sequences]
+        if num == 0 or len(slots) != num or len(starts) != num:
+            raise ValueError(
+                f"{num} sequences but {len(slots)} slots and {len(starts)} starts (one each, >= 1)"
+            )
+        for row, (slot, start, length) in enumerate(zip(slots, starts, lengths, strict=True)):
+            if length == 0 or start < 0 or start + length > cache.capacity or not 0 <= slot < cache.num_slots:
+                raise ValueError(
+                    f"sequence {row}: {length} tokens from position {start} in slot {slot} do not fit a "
+                    f"cache of {cache.num_slots} slots x {cache.capacity} positions (each needs a token)"
+                )
+        c = self.config
+        total = sum(lengths)
+        # Per token: its id, position and slot; per sequence: slot, cached prefix and the offsets of its rows.
+        # Built on the host and moved in two copies.
+        length_t = torch.tensor(lengths)
+        offsets = torch.zeros(num + 1, dtype=torch.long)
+        torch.cumsum(length_t, 0, out=offsets[1:])
+        per_sequence = torch.stack([torch.tensor(slots), torch.tensor(starts), offsets[:-1]])
+        owner = torch.repeat_interleave(torch.arange(num), length_t)
+        positions = torch.arange(total) - per_sequence[2, owner] + per_sequence[1, owner]
+        tokens = torch.tensor(list(itertools.chain.from_iterable(sequences)), dtype=torch.long)
+        per_token = torch.stack([tokens, positions, per_sequence[0, owner]]).to(self.device)
+        input_ids, positions, token_slots = per_token.unbind(0)
+        metadata = torch.cat([per_sequence[:2].flatten(), offsets]).to(self.device)
+        slot_index, prefix_lengths, cu_seqlens = metadata[:num], metadata[num : 2 * num], metadata[2 * num :]
+        self._ensure_rope(max(start + length for start, length in zip(starts, lengths, strict=True)))
+        fused_path = self.fused_kernels
+        # [N, 1, D] each, for the torch path.
+        rope = (
+            None
+            if fused_path
+            else (self._rope_cos[positions].unsqueeze(1), self._rope_sin[positions].unsqueeze(1))
+        )
+        use_kernel = self.extend_kernel
+        max_length = max(lengths)
+
+        def attend(layer: int, h: Tensor) -> Tensor:
+            qkv = self._project_qkv(layer, h)  # [N, width]
+            layer_keys, layer_values = cache.keys[layer], cache.values[layer]
+            if fused_path:
+                # One row of one token per token: its own slot and position.
+                self._rotary(qkv, positions, (layer_keys, layer_values), token_slots)
+                q = self._split_qkv(qkv)[0].view(total, c.num_heads, c.head_dim)
+            else:
+                assert rope is not None
+                q, k, v = self._split_qkv(qkv)
+                q = fused.torch_rotate(q.view(total, c.num_heads, c.head_dim), *rope)
+                k = fused.torch_rotate(k.view(total, c.num_kv_heads, c.head_dim), *rope)
+                layer_keys[token_slots, :, positions] = k
+                layer_values[token_slots, :, positions] = v.view(total, c.num_kv_heads, c.head_dim)
+            if use_kernel:
+                attn = extend_attention.extend_attention(
+                    q, layer_keys, layer_values, slot_index, prefix_lengths, cu_seqlens, max_length
+                )
+            else:
+                attn = extend_attention.torch_extend_attention(
+                    q, layer_keys, layer_values, slots, starts, lengths
+                )
+            return attn.reshape(total, -1)
+
+        return self._layers(self.embed[input_ids], attend)
 
     def _prefill_attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
         """Attention of a prefill: causal (top-left aligned) without `mask`, else under the boolean `mask`.

@@ -53,7 +53,8 @@ SGLang sets no limit on that route; aiohttp's default of 1 MiB would refuse any 
 @dataclass(frozen=True, slots=True)
 class ServerArgs:
     """The launch arguments, named as SGLang's `ServerArgs` fields; `/server_info` reports them as given
-    (`api_key` and `weight_version_route` excepted)."""
+    (`api_key`, `max_n` and `weight_version_route` excepted). The engine's flags that SGLang lacks
+    (`--disable-fused-kernels`, `--num-threads`, `--port-file`) are shown by `launch_command` only."""
 
     model_path: str
     served_model_name: str
@@ -76,8 +77,18 @@ class ServerArgs:
     random_seed: int = 0
     load_format: str = "safetensors"
     disable_cuda_graph: bool = False
+    attention_backend: Literal["triton", "torch_native"] = "triton"
+    """SGLang's flag: `triton` runs the engine's Triton attention kernels (`decode_attention.py`,
+    `extend_attention.py`) on CUDA, `torch_native` runs SDPA (as the CPU always does)."""
     disable_radix_cache: bool = False
     """The engine runs without its prefix cache (SGLang's flag of the same name)."""
+    disable_overlap_schedule: bool = False
+    """The scheduler reads each decode step's tokens before launching the next, rather than overlapping its
+    host work with the device's (SGLang's flag of the same name)."""
+    skip_server_warmup: bool = False
+    """The server answers as soon as it listens, without its warm-up generation (SGLang's flag)."""
+    log_level: str = "info"
+    """The level of every logger of the server process (SGLang's flag)."""
     weight_version_route: Literal["old", "new"] = "new"
     """`/get_weight_version`: 200 as older SGLang servers answer, or 404 as newer ones do."""
     launch_command: str | None = None
