@@ -352,7 +352,7 @@ def time_device_work(model: Any) -> None:
     a GPU cannot hide; on CUDA it is the host side of the launches."""
     import asyncrl_sglang.builtin.engine as engine_module
 
-    for name in ("decode", "prefill_batch", "logits"):
+    for name in ("decode", "prefill_batch", "prefill_packed", "logits"):
         setattr(model, name, _timed(getattr(model, name)))
     for name in ("sample_on_device", "sample_tokens"):
         function = getattr(engine_module, name)

@@ -412,7 +412,7 @@ def test_an_abort_of_a_later_row_inside_the_step_adds_no_token_to_it(
 ) -> None:
     """A callback aborts a request whose row comes after its own in the step being recorded: the victim keeps
     the tokens it had (the step's token for its row is dropped), heard once, one finish."""
-    engine = _start(engines, tiny_model, max_running_requests=4, overlap_schedule=overlap)
+    engine = start_engine(engines, tiny_model, max_running_requests=4, overlap_schedule=overlap)
     long = SamplingOptions(max_new_tokens=30, temperature=0.0, ignore_eos=True)
     at_abort: dict[str, int] = {}
     victim = _request(engine, PROMPTS[2], long)
