@@ -7,14 +7,12 @@ and bfloat16."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import pytest
 import torch
+from engine_testing import run_interpreted
 
 from asyncrl_core.errors import EngineControlError
 from asyncrl_sglang.builtin import extend_attention
@@ -108,16 +106,7 @@ def test_the_kernel_and_the_packed_prefill_equal_the_references_under_the_interp
     """On the CPU, under Triton's interpreter: the kernel alone against `torch_extend_attention`, and the
     model's packed prefill with it against the reference path and the padded prefill. A process of its own:
     the interpreter must be chosen before Triton is first imported."""
-    result = subprocess.run(
-        [sys.executable, "-c", KERNEL_CHECKS],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.strip() == "ok"
+    run_interpreted(KERNEL_CHECKS)
 
 
 def test_not_available_on_the_cpu() -> None:
