@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -480,11 +481,32 @@ def test_a_non_finite_gradient_skips_the_step(model_dir: Path) -> None:
     losing = next(t for t in groups[0].trajectories if t.reward == 0.0)
     losing.rollout_logprobs[0] = -1e4
     before = weights_of(actor)
-    with pytest.raises(ActorError, match="non-finite gradient norm"):
+    with pytest.raises(ActorError, match="non-finite gradient at version 0: the step was skipped"):
         actor.train_step(groups)
     assert actor.version == 0
     assert_weights_close(before, weights_of(actor), rtol=0.0, atol=0.0)
     assert all(p.grad is None for p in actor.module.parameters())
+
+
+def test_a_non_finite_gradient_in_a_later_update_keeps_the_updates_before_it(model_dir: Path) -> None:
+    actor = make_actor(model_dir, optimizer="sgd", ppo_mini_batch_size=1)  # one update per group
+    groups = make_groups(actor)
+    losing = next(t for t in groups[1].trajectories if t.reward == 0.0)
+    losing.rollout_logprobs[0] = -1e4  # overflows the second update's loss only
+    before = weights_of(actor)
+    message = (
+        "non-finite gradient in update 2 of the step: the 1 updates before it were applied and the version "
+        "is now 1"
+    )
+    with pytest.raises(ActorError, match=re.escape(message)):
+        actor.train_step(groups)
+    assert actor.version == 1
+    after_first = weights_of(actor)
+    assert any(not torch.equal(before[name], after_first[name]) for name in before)
+    # The first update alone, from the same start, gives the same weights.
+    alone = make_actor(model_dir, optimizer="sgd", ppo_mini_batch_size=1)
+    alone.train_step(groups[:1])
+    assert_weights_close(weights_of(alone), after_first, rtol=0.0, atol=0.0)
 
 
 def test_the_torch_actor_meets_the_actor_protocol(model_dir: Path) -> None:

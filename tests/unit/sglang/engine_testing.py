@@ -28,11 +28,16 @@ def start_engine(engines: list[Engine], model: EngineModel, **kwargs: Any) -> En
 
 
 def generate_together(
-    engine: Engine, prompts: Sequence[list[int]], max_new_tokens: int | Sequence[int] = 8
+    engine: Engine,
+    prompts: Sequence[list[int]],
+    max_new_tokens: int | Sequence[int] = 8,
+    *,
+    num_prompt_logprobs: int = 0,
 ) -> list[Request]:
     """Greedy requests with logprobs, one a prompt, submitted at once (one prefill batch); waits for every
     one. `max_new_tokens`: for every request, or one a prompt (requests of different lengths leave the batch
-    one by one); EOS does not stop them."""
+    one by one); EOS does not stop them. `num_prompt_logprobs`: also the logprobs of each prompt's last that
+    many tokens (`input_logprobs`)."""
     lengths = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     remaining = [len(prompts)]
     done = threading.Event()
@@ -50,6 +55,7 @@ def generate_together(
             prompt_ids=prompt,
             options=SamplingOptions(max_new_tokens=length, temperature=0.0, ignore_eos=True),
             return_logprob=True,
+            logprob_start_len=len(prompt) - num_prompt_logprobs if num_prompt_logprobs else -1,
             on_update=on_update,
         )
         for index, (prompt, length) in enumerate(zip(prompts, lengths, strict=True))

@@ -7,20 +7,18 @@ and bfloat16."""
 from __future__ import annotations
 
 import importlib.util
-import threading
 from pathlib import Path
 
 import pytest
 import torch
-from engine_testing import run_interpreted
+from engine_testing import generate_together, run_interpreted, start_engine
 
 from asyncrl_core.errors import EngineControlError
 from asyncrl_sglang.builtin import extend_attention
 from asyncrl_sglang.builtin.__main__ import launch_arguments, parse_args
-from asyncrl_sglang.builtin.engine import Engine, Request
+from asyncrl_sglang.builtin.engine import Engine
 from asyncrl_sglang.builtin.info import server_args
 from asyncrl_sglang.builtin.model import EngineModel, KVCache, ModelConfig
-from asyncrl_sglang.builtin.sampling import SamplingOptions
 from asyncrl_sglang.launcher import builtin_command
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
@@ -221,33 +219,6 @@ def test_attention_backend_torch_native_reaches_the_model_and_server_info(tiny_l
     assert not model.extend_kernel
 
 
-def _greedy(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> list[Request]:
-    """Greedy requests with output and prompt logprobs, submitted at once; waits for every one."""
-    remaining = [len(prompts)]
-    done = threading.Event()
-
-    def on_update(_request: Request, finished: bool) -> None:
-        if finished:  # scheduler thread only
-            remaining[0] -= 1
-            if remaining[0] == 0:
-                done.set()
-
-    requests = [
-        Request(
-            rid=f"r{index}-{len(prompt)}",
-            prompt_ids=prompt,
-            options=SamplingOptions(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True),
-            return_logprob=True,
-            logprob_start_len=len(prompt) - 3,
-            on_update=on_update,
-        )
-        for index, prompt in enumerate(prompts)
-    ]
-    engine.call(lambda: [engine.add_request(r) for r in requests], timeout_s=120)
-    assert done.wait(120), "generation did not finish"
-    return requests
-
-
 def test_engine_turns_over_cached_prefixes_match_a_full_recompute(
     tiny_model: EngineModel, engines: list[Engine]
 ) -> None:
@@ -255,17 +226,15 @@ def test_engine_turns_over_cached_prefixes_match_a_full_recompute(
     beside a fresh prompt): every output and prompt logprob equals the model's full forward of the whole
     sequence without a cache, and greedy tokens are its argmax."""
     model = tiny_model
-    engine = Engine(model, kv_block_size=4)
-    engine.start()
-    engines.append(engine)
+    engine = start_engine(engines, model, kv_block_size=4)
     first = [list(range(10, 31)), list(range(40, 53))]
-    turn1 = _greedy(engine, first, 6)
+    turn1 = generate_together(engine, first, 6, num_prompt_logprobs=3)
     second = [
         first[0] + turn1[0].output_ids + [60, 61, 62],
         first[1] + turn1[1].output_ids + [70],
         [100, 101, 102, 103, 104],
     ]
-    turn2 = _greedy(engine, second, 6)
+    turn2 = generate_together(engine, second, 6, num_prompt_logprobs=3)
     assert [request.cached_tokens > 0 for request in turn2] == [True, True, False]
     for request in turn1 + turn2:
         tokens = request.prompt_ids + request.output_ids

@@ -31,6 +31,7 @@ clip; see the package README.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -45,6 +46,7 @@ import torch.distributed as dist
 
 from asyncrl_core import models
 from asyncrl_core.actor.rng import rng_state, seed_all, set_rng_state
+from asyncrl_core.actor.updates import UpdateLoop
 from asyncrl_core.algorithms import (
     LossSettings,
     PackedBatch,
@@ -55,14 +57,6 @@ from asyncrl_core.algorithms import (
     token_logprobs_and_entropy,
 )
 from asyncrl_core.errors import AsyncRLError
-from asyncrl_core.metrics import (
-    TRAIN_GRAD_NORM,
-    TRAIN_LR,
-    TRAIN_NUM_LOSS_TOKENS,
-    TRAIN_NUM_TOKENS,
-    TRAIN_NUM_TRAJECTORIES,
-    TRAIN_NUM_UPDATES,
-)
 from asyncrl_core.protocols import NamedTensors, WeightExportRole
 from asyncrl_core.types import BatchShare, Group
 from asyncrl_megatron import checkpoint, parallel
@@ -166,7 +160,7 @@ class MegatronActorSettings:
         )
 
 
-class MegatronActor:
+class MegatronActor(UpdateLoop):
     """The `asyncrl_core.protocols.Actor` on Megatron-Core, tensor and data parallel.
 
     Build one in every rank of the actor's world (after `torch.distributed` is initialised when there is
@@ -174,6 +168,8 @@ class MegatronActor:
     rank must get the same groups in `train_step` and consume `export_weights` in step. The temperature and
     the updates of a step come from the settings (`MegatronActorSettings.from_config(config.actor)`).
     """
+
+    error_type = MegatronActorError
 
     def __init__(self, settings: MegatronActorSettings, loss: LossSettings) -> None:
         on_gpu = torch.cuda.is_available()
@@ -308,56 +304,13 @@ class MegatronActor:
         )
         # Every micro-batch is copied to the device before the first forward pass, so no host work or
         # host-to-device copy waits between the micro-batches' kernels.
-        plans = [[part.to(self.device) for part in parts] for parts in plan.micro_batches]
-        num_updates = self.settings.ppo_epochs * len(plans)
-        # The proximal policy is the policy before the step's first update, for every update of the step
-        # (so the clip acts from the second update on); a single update takes it from its own forward pass.
-        proximal: list[list[torch.Tensor | None]] = [[None] * len(parts) for parts in plans]
-        if self.loss_settings.needs_proximal and num_updates > 1:
-            with torch.no_grad():
-                proximal = [[self._proximal_logprobs(part) for part in parts] for parts in plans]
-
-        names: list[str] = []
-        per_update: list[torch.Tensor] = []
-        grad_norms: list[float] = []
-        for update in range(num_updates):
-            index = update % len(plans)
-            totals = self._accumulate_gradients(plans[index], proximal[index])
-            if not self._gradients_finite():
-                self.model.zero_grad_buffer()
-                self._zero_grad()
-                if update == 0:
-                    raise MegatronActorError(
-                        f"non-finite gradient at version {self._version}: the step was skipped and the "
-                        "weights are unchanged"
-                    )
-                self._version += 1
-                raise MegatronActorError(
-                    f"non-finite gradient in update {update + 1} of the step: the {update} updates before it "
-                    f"were applied and the version is now {self._version}"
-                )
-            grad_norms.append(self._optimizer_step())
-            names = sorted(totals)
-            per_update.append(torch.stack([totals[name].float() for name in names]))
-        self._version += 1
-
-        reduced = torch.stack(per_update)
-        if self.dp_size > 1:
-            dist.all_reduce(reduced, group=self.dp_group)
-        self.update_metrics = tuple(
-            dict(zip(names, values, strict=True)) | {TRAIN_GRAD_NORM: grad_norm}
-            for values, grad_norm in zip(reduced.tolist(), grad_norms, strict=True)
+        on_device = [[part.to(self.device) for part in parts] for parts in plan.micro_batches]
+        return self._run_updates(
+            dataclasses.replace(plan, micro_batches=on_device),
+            num_epochs=self.settings.ppo_epochs,
+            needs_proximal=self.loss_settings.needs_proximal,
+            lr=self.settings.lr,
         )
-        result = {
-            name: sum(metrics[name] for metrics in self.update_metrics) / num_updates
-            for name in self.update_metrics[0]
-        }
-        result[TRAIN_LR] = self.settings.lr
-        result[TRAIN_NUM_UPDATES] = float(num_updates)
-        result[TRAIN_NUM_TRAJECTORIES] = float(plan.num_rows)
-        result[TRAIN_NUM_TOKENS] = float(plan.num_tokens)
-        result[TRAIN_NUM_LOSS_TOKENS] = float(plan.num_loss_tokens)
-        return result
 
     def _accumulate_gradients(
         self, parts: list[PackedBatch], proximal: list[torch.Tensor | None]
@@ -596,8 +549,11 @@ class MegatronActor:
         elif self._torch_optimizer is not None:
             self._torch_optimizer.zero_grad(set_to_none=True)
 
-    def _optimizer_step(self) -> float:
-        """Apply the averaged gradients in Megatron's buffers; returns the gradient norm before clipping."""
+    def _apply_update(self) -> float | None:
+        if not self._gradients_finite():
+            self.model.zero_grad_buffer()
+            self._zero_grad()
+            return None
         if self._megatron_optimizer is not None:
             success, grad_norm, _ = self._megatron_optimizer.step()
             if not success:
@@ -622,6 +578,11 @@ class MegatronActor:
                 for parameter, master in zip(parameters, self._master_parameters, strict=True):
                     parameter.copy_(master)
         return grad_norm
+
+    def _sum_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        if self.dp_size > 1:
+            dist.all_reduce(values, group=self.dp_group)
+        return values
 
     def _gradients_finite(self) -> bool:
         """Whether every rank's gradient buffers are finite (checked before the optimizer touches weights).

@@ -56,6 +56,7 @@ from asyncrl_core.actor.torch_checkpoint import (
     read_version,
     write_state,
 )
+from asyncrl_core.actor.updates import UpdateLoop
 from asyncrl_core.algorithms import (
     LossSettings,
     PackedBatch,
@@ -66,14 +67,6 @@ from asyncrl_core.algorithms import (
 )
 from asyncrl_core.config.models import TorchActorConfig
 from asyncrl_core.errors import ActorError
-from asyncrl_core.metrics import (
-    TRAIN_GRAD_NORM,
-    TRAIN_LR,
-    TRAIN_NUM_LOSS_TOKENS,
-    TRAIN_NUM_TOKENS,
-    TRAIN_NUM_TRAJECTORIES,
-    TRAIN_NUM_UPDATES,
-)
 from asyncrl_core.protocols import NamedTensors, WeightExportRole
 from asyncrl_core.types import BatchShare, Group
 
@@ -132,7 +125,7 @@ def _unique_named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.T
         yield name, tensor
 
 
-class TorchActor:
+class TorchActor(UpdateLoop):
     """The `asyncrl_core.protocols.Actor` on PyTorch and HuggingFace `transformers`.
 
     Build one per data-parallel rank, after `asyncrl_core.actor.distributed.init_process_group` when there
@@ -289,42 +282,12 @@ class TorchActor:
             normalize_std=self.settings.normalize_advantage_std,
             aggregation=self.settings.loss_aggregation,
         )
-        plans = plan.micro_batches
-        num_updates = self.config.ppo_epochs * len(plans)
-        # The proximal policy of the decoupled correction is the policy before the step's first update, for
-        # every update of the step: taken once, here, so that the clip acts from the second update on. A
-        # single update takes it from its own forward pass instead.
-        proximal: list[list[torch.Tensor | None]] = [[None] * len(parts) for parts in plans]
-        if self.settings.needs_proximal and num_updates > 1:
-            proximal = [[self._proximal_logprobs(part.to(self.device)) for part in parts] for parts in plans]
-
-        names: list[str] = []
-        per_update: list[torch.Tensor] = []
-        grad_norms: list[float] = []
-        for update in range(num_updates):
-            index = update % len(plans)
-            totals = self._accumulate_gradients(plans[index], proximal[index])
-            grad_norm = self._apply_update(update)
-            names = sorted(totals)
-            per_update.append(torch.stack([totals[name].float() for name in names]))
-            grad_norms.append(grad_norm)
-        self._version += 1
-
-        reduced = all_reduce_sum(torch.stack(per_update)).tolist()
-        self.update_metrics = tuple(
-            dict(zip(names, values, strict=True)) | {TRAIN_GRAD_NORM: grad_norm}
-            for values, grad_norm in zip(reduced, grad_norms, strict=True)
+        return self._run_updates(
+            plan,
+            num_epochs=self.config.ppo_epochs,
+            needs_proximal=self.settings.needs_proximal,
+            lr=float(self.optimizer.param_groups[0]["lr"]),
         )
-        result = {
-            name: sum(metrics[name] for metrics in self.update_metrics) / num_updates
-            for name in self.update_metrics[0]
-        }
-        result[TRAIN_LR] = float(self.optimizer.param_groups[0]["lr"])
-        result[TRAIN_NUM_UPDATES] = float(num_updates)
-        result[TRAIN_NUM_TRAJECTORIES] = float(plan.num_rows)
-        result[TRAIN_NUM_TOKENS] = float(plan.num_tokens)
-        result[TRAIN_NUM_LOSS_TOKENS] = float(plan.num_loss_tokens)
-        return result
 
     def export_weights(
         self, bucket_bytes: int, *, dtype: torch.dtype | None = None
@@ -465,26 +428,19 @@ class TorchActor:
                 totals[name] = totals[name] + value if name in totals else value
         return totals
 
-    def _apply_update(self, update: int) -> float:
-        """Clip and apply the accumulated gradient; returns its norm before clipping."""
+    def _apply_update(self) -> float | None:
         parameters = [p for p in self.module.parameters() if p.grad is not None]
         max_norm = self.config.grad_clip if self.config.grad_clip > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
-        if not bool(torch.isfinite(grad_norm)):
-            self.optimizer.zero_grad(set_to_none=True)
-            if update == 0:
-                raise ActorError(
-                    f"non-finite gradient norm ({grad_norm.item()}) at version {self._version}: the step was "
-                    "skipped and the weights are unchanged"
-                )
-            self._version += 1
-            raise ActorError(
-                f"non-finite gradient norm ({grad_norm.item()}) in update {update + 1} of the step: the "
-                f"{update} updates before it were applied and the version is now {self._version}"
-            )
-        self.optimizer.step()
+        # DDP averaged the gradient, so every rank has the same norm and takes the same branch.
+        finite = bool(torch.isfinite(grad_norm))
+        if finite:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(grad_norm.item())
+        return float(grad_norm.item()) if finite else None
+
+    def _sum_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        return all_reduce_sum(values)
 
     def _first_trained_column(self, part: PackedBatch) -> int:
         trained_columns = part.loss_mask.any(dim=0).nonzero()
@@ -510,6 +466,7 @@ class TorchActor:
     @torch.no_grad()
     def _proximal_logprobs(self, part: PackedBatch) -> torch.Tensor:
         """The current policy's logprobs of the part's targets, from its first trained column on."""
+        part = part.to(self.device)
         first = self._first_trained_column(part)
         return self._trained_logprobs(self._logits_at, part, first)[0]
 
