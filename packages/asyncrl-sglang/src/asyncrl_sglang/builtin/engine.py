@@ -23,8 +23,11 @@ its sampled ids on the device, then reads and records the earlier step's tokens 
 finishes, clients told) while the device runs the later one. A request that finishes in the step being read
 has been decoded once more by the step in flight: that token is dropped, and its slot (still read by that
 step) is freed at the next sync point, where the step in flight is read before anything else happens:
-before every control call, before an admission, when the KV cache must grow, or when a quarter of the batch
-is finished rows. Between sync points the running batch does not change.
+before every control call, before an admission that needs the host (a prompt whose logprobs are read,
+`max_new_tokens` 0, a KV cache too short), when the KV cache must grow, or when a quarter of the batch is
+finished rows. Other admissions run beside the step in flight (`_admit_beside`): the admitted requests are
+prefilled into the slots of finished rows and after the running ones, and the next step launches from its
+ids with their first tokens put in place on the device. Between sync points a slot changes hands only there.
 
 No request can take the others down: a step that raises is retried request by request (`_recover`), and only
 a request that fails on its own is finished with the error; an `on_update` callback that raises ends its own
@@ -585,20 +588,15 @@ class Engine:
                 self._in_flight = self._launch_decode(in_flight, positions)
                 self._complete(in_flight)
                 return
+            if self._admit_beside(in_flight):
+                return
             # A sync point: read the step in flight and free the finished slots before the batch changes.
             self._in_flight = None
             self._complete(in_flight)
             self._release_finished()
-        admitted: list[Request] = []
-        budget = PREFILL_TOKEN_BUDGET
         due = self._admission_due()
         self._steps_since_prefill = 0 if due else self._steps_since_prefill + 1
-        while due and self.waiting and len(self.running) + len(admitted) < self.max_running_requests:
-            size = self.waiting[0].num_tokens
-            if admitted and size > budget:
-                break
-            admitted.append(self.waiting.popleft())
-            budget -= size
+        admitted = self._take_admitted(self.max_running_requests - len(self.running)) if due else []
         self._step_requests = [*admitted, *self.running]
         if admitted:
             began = time.perf_counter()
@@ -609,6 +607,74 @@ class Engine:
                 self._in_flight = self._launch_decode(None)
             else:
                 self._decode()
+
+    def _take_admitted(self, free: int, simple_only: bool = False) -> list[Request]:
+        """Pop the waiting requests that join now: FIFO, at most `free`, within `PREFILL_TOKEN_BUDGET` prompt
+        tokens (a longer one alone). `simple_only`: stop before the first one whose prefill needs the host at
+        once (prompt logprobs to read, or `max_new_tokens` 0: finished at its prefill)."""
+        admitted: list[Request] = []
+        budget = PREFILL_TOKEN_BUDGET
+        while self.waiting and len(admitted) < free:
+            head = self.waiting[0]
+            if simple_only and (
+                head.options.max_new_tokens == 0
+                or (not head.was_running and head.return_logprob and head.logprob_start_len >= 0)
+            ):
+                break
+            size = head.num_tokens
+            if admitted and size > budget:
+                break
+            admitted.append(self.waiting.popleft())
+            budget -= size
+        return admitted
+
+    def _admit_beside(self, step: _LaunchedStep) -> bool:
+        """Admit waiting requests without reading the decode step in flight, if nothing needs the host first;
+        False (nothing done) otherwise, and the caller syncs.
+
+        The admitted requests are prefilled into the slots of finished rows (the step in flight decodes them
+        for nothing, and the device runs the prefill after it) and then into fresh slots after the running
+        ones, their first tokens drawn on the device. The next decode step is launched from the step in
+        flight's ids with those first tokens put in place on the device, so no read of the host sits
+        between the launches. Then the step in flight is read and recorded, then the first tokens, in the
+        order the sync path records them. Needs: the batch unchanged since the launch, an admission due, a
+        finished row or a free slot, and the KV cache already long enough for the prefill and the next step
+        (growing it would copy what the step in flight is still writing)."""
+        running = self.running
+        if running != step.requests or not self._admission_due():
+            return False
+        reusable = [slot for slot, r in enumerate(running) if r.finished]
+        free = len(reusable) + self.max_running_requests - len(running)
+        cache = self._cache
+        if cache is None or free == 0:
+            return False
+        positions = self._decode_positions(pending=1)
+        admitted = self._take_admitted(free, simple_only=True)
+        needed = max([*positions, *(r.num_tokens for r in admitted)], default=0) + 2
+        if not admitted or cache.capacity < min(needed, self.context_length):
+            for request in reversed(admitted):
+                self.waiting.appendleft(request)
+            return False
+        slots = (reusable + list(range(len(running), self.max_running_requests)))[: len(admitted)]
+        self._steps_since_prefill = 0
+        self._step_requests = [*admitted, *running]
+        began = time.perf_counter()
+        first = self._prefill(admitted, read=False, slots=slots)
+        self.counters.prefill_busy_us += round((time.perf_counter() - began) * 1e6)
+        assert first is not None
+        # Each row's input: the step in flight's token, or the first token of the request admitted there.
+        num_reused = min(len(reusable), len(admitted))
+        input_ids = step.tokens
+        if num_reused:
+            rows = torch.tensor(slots[:num_reused]).to(input_ids.device, non_blocking=True)
+            input_ids = input_ids.index_copy(0, rows, first.tokens[:num_reused])
+        if num_reused < len(admitted):
+            input_ids = torch.cat([input_ids, first.tokens[num_reused:]])
+        self._in_flight = self._launch_decode(step, self._decode_positions(pending=1), input_ids)
+        self._complete(step)
+        self._publish()  # the admitted requests run before their clients hear of them
+        self._record(first.requests, first.read())
+        return True
 
     def _continues(self, step: _LaunchedStep, positions: list[int]) -> bool:
         """Whether the next decode step may launch from `step`'s ids before the host reads them: the running
@@ -648,14 +714,19 @@ class Engine:
             self._graphs.clear()
         return grown
 
-    def _prefill(self, requests: list[Request]) -> None:
+    def _prefill(
+        self, requests: list[Request], read: bool = True, slots: list[int] | None = None
+    ) -> _LaunchedStep | None:
         """Run prompt + output-so-far of each request into a fresh slot (one packed batch) and sample
         its next token. A prefix found in the prefix cache is copied into the slot instead of prefilled.
-        A re-prefill after a retract takes from the cache only what is valid under the current weights."""
+        A re-prefill after a retract takes from the cache only what is valid under the current weights.
+        `slots`: where each request runs (a finished request's slot it takes over, or the next ones after
+        the running requests, in order; default: the next ones). `read=False` (requests that all sample and
+        read no prompt logprobs): the draws are returned, launched and not read, instead of recorded."""
         sequences = [r.prompt_ids + r.output_ids for r in requests]
         cache = self._ensure_cache(max(len(s) for s in sequences) + 1)
-        first_slot = len(self.running)
-        slots = list(range(first_slot, first_slot + len(requests)))
+        if slots is None:
+            slots = list(range(len(self.running), len(self.running) + len(requests)))
         starts = [0] * len(requests)
         if self.prefix_cache is not None:
             for row, request in enumerate(requests):
@@ -672,7 +743,8 @@ class Engine:
         suffixes = [s[start:] for s, start in zip(sequences, starts, strict=True)]
         hidden = self.model.prefill_packed(suffixes, cache, slots, starts)  # [total new tokens, hidden]
         ends = list(itertools.accumulate(len(s) for s in suffixes))
-        last_hidden = hidden[torch.tensor([end - 1 for end in ends], device=hidden.device)]
+        last_rows = torch.tensor([end - 1 for end in ends]).to(hidden.device, non_blocking=True)
+        last_hidden = hidden[last_rows]
         for row, request in enumerate(requests):
             if not request.was_running:
                 self.counters.prompt_tokens_total += len(request.prompt_ids)
@@ -680,7 +752,11 @@ class Engine:
                     rows = hidden[ends[row] - len(suffixes[row]) : ends[row]]
                     self._input_logprobs(request, rows, starts[row])
             request.was_running = True
-        self.running.extend(requests)
+        for slot, request in zip(slots, requests, strict=True):
+            if slot < len(self.running):
+                self.running[slot] = request
+            else:
+                self.running.append(request)
         # max_new_tokens 0 is prefill only (scoring callers read the input logprobs): nothing is sampled.
         sampling_rows = [row for row, r in enumerate(requests) if r.options.max_new_tokens != 0]
         for request in requests:
@@ -691,7 +767,13 @@ class Engine:
                 return
             last_hidden = last_hidden[torch.tensor(sampling_rows, device=last_hidden.device)]
             requests = [requests[row] for row in sampling_rows]
+        if not read:
+            sample = sample_on_device(
+                requests, self.model.logits(last_hidden), self.generator, self.eos_token_ids
+            )
+            return _LaunchedStep.launch(requests, sample)
         self._accept(requests, self.model.logits(last_hidden))
+        return None
 
     @staticmethod
     def _cacheable_prefix(request: Request, length: int) -> int:
@@ -750,22 +832,27 @@ class Engine:
         ]
 
     def _launch_decode(
-        self, previous: _LaunchedStep | None, positions: list[int] | None = None
+        self,
+        previous: _LaunchedStep | None,
+        positions: list[int] | None = None,
+        input_ids: Tensor | None = None,
     ) -> _LaunchedStep:
         """Launch one decode step for every running request and its sampling, without waiting for the device.
         Its input ids are `previous`'s sampled ids on the device (the step in flight, whose requests are the
-        running ones in the same slots), or each request's last token when `previous` is None. `positions`:
-        `_decode_positions` for that case, when the caller has them."""
+        running ones in the same slots; `input_ids` when rows were admitted after them), or each request's
+        last token when `previous` is None. `positions`: `_decode_positions` for that case, when the caller
+        has them."""
         running = list(self.running)
         pending = 0 if previous is None else 1
         if positions is None:
             positions = self._decode_positions(pending)
         cache = self._ensure_cache(min(max(positions) + 2, self.context_length))
         device = self.model.device
-        if previous is None:
-            input_ids = torch.tensor([r.output_ids[-1] for r in running]).to(device, non_blocking=True)
-        else:
-            input_ids = previous.tokens
+        if input_ids is None:
+            if previous is None:
+                input_ids = torch.tensor([r.output_ids[-1] for r in running]).to(device, non_blocking=True)
+            else:
+                input_ids = previous.tokens
         if self._graphs is not None:
             hidden = self._graphs.decode(input_ids, positions, cache)
         else:
