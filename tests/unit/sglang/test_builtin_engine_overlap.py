@@ -404,3 +404,28 @@ async def test_over_http_a_finished_request_reports_only_its_own_tokens(
         assert event["output_ids"] == expected[:count]
         assert event["meta_info"]["completion_tokens"] == count
         assert len(event["meta_info"]["output_token_logprobs"]) == count
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_an_abort_of_a_later_row_inside_the_step_adds_no_token_to_it(
+    overlap: bool, tiny_model: EngineModel, engines: list[Engine]
+) -> None:
+    """A callback aborts a request whose row comes after its own in the step being recorded: the victim keeps
+    the tokens it had (the step's token for its row is dropped), heard once, one finish."""
+    engine = start_engine(engines, tiny_model, max_running_requests=4, overlap_schedule=overlap)
+    long = SamplingOptions(max_new_tokens=30, temperature=0.0, ignore_eos=True)
+    at_abort: dict[str, int] = {}
+    victim = _request(engine, PROMPTS[2], long)
+
+    def abort_victim(_request: Request) -> None:
+        at_abort["inline"] = len(victim.request.output_ids)
+        engine.abort(victim.request.rid)
+
+    killer = _request(engine, PROMPTS[3], long, abort_victim, 5)
+    _add(engine, killer, victim)  # the killer's row comes first
+    _wait([victim, killer])
+    assert len(victim.request.output_ids) == at_abort["inline"] > 0
+    assert victim.request.finish_reason is not None
+    assert victim.request.finish_reason["type"] == "abort"
+    _assert_heard_once(victim)
+    assert len(killer.request.output_ids) == 30
