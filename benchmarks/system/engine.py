@@ -36,6 +36,20 @@ shape (hidden 576, 30 layers, 9 heads, 3 KV heads, FFN 1536, vocab 49152, tied).
 `--compare-overlap` measures the engine rows and (f) with the overlap scheduler on, then off (SGLang's
 `--disable-overlap-schedule`), `--rounds` times in one process, and prints each round and on / off.
 
+The engine's host work: the scheduler thread's CPU time per generated token is measured for (c) and (f) (CPU
+time, unlike wall time, is not inflated by other processes), split into device work (the model's forward
+calls and the sampling operators; on a CPU their compute) and the rest, the host work (scheduling,
+bookkeeping, stop strings, prefix-cache bookkeeping, clients), which a GPU cannot hide. `--tiny` (a random
+Llama of hidden 64 and 2 layers; `--vocab-size` for its vocabulary) makes the compute small on a CPU, so
+that the host work per token, which bounds a host-bound GPU engine, is measured on any machine:
+
+    python benchmarks/system/engine.py --device cpu --tiny --vocab-size 4096 --batch-sizes 256 \
+        --http-batch-sizes --prompt-len 128 --new-tokens 256 --skip-hf --agentic 256 --prefill-interval 8
+
+(f) also prints its decode steps, their mean batch, and the bound that the longest trajectory puts on
+agentic / fixed: no schedule takes fewer decode steps than its tokens, so at an equal cost per step the
+ratio is at most the generated tokens over (longest trajectory x trajectories).
+
 `--compare-extend-attention` measures only the model's prefill of agentic turns: `--extend-batch` sequences
 of `--extend-new-tokens` new tokens each over 200-1,200 cached positions, prefilled right-padded
 (`prefill_batch`: each layer gathers every row's KV up to the longest context and runs a masked SDPA) and
@@ -86,6 +100,25 @@ SMOLLM2_CONFIG: dict[str, Any] = {
 }
 
 
+TINY_SHAPE: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 4,
+}
+"""What `--tiny` changes in SmolLM2's shape."""
+
+
+def random_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The shape of the random model: SmolLM2-135M's, or `--tiny`'s, with `--vocab-size` if given."""
+    config = {**SMOLLM2_CONFIG, **(TINY_SHAPE if args.tiny else {})}
+    if args.vocab_size is not None:
+        config["vocab_size"] = args.vocab_size
+    return config
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -101,6 +134,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model-path", help="a HuggingFace folder (default: SmolLM2-135M from asyncrl_core)")
     parser.add_argument(
         "--random-weights", action="store_true", help="random weights of SmolLM2-135M's shape"
+    )
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="random weights of a tiny Llama (hidden 64, 2 layers, 2 heads of 4, one KV head, FFN 128; "
+        "implies --random-weights): on a CPU its compute is small, and the engine's host work per token, "
+        "which bounds a host-bound GPU engine, shows",
+    )
+    parser.add_argument(
+        "--vocab-size", type=int, help="the random model's vocabulary (default: SmolLM2's, 49152)"
     )
     parser.add_argument("--skip-continuous-batching", action="store_true", help="skip (b)")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="the engine decodes eagerly on CUDA")
@@ -184,7 +227,10 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--json", dest="json_path", help="write the results here")
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.tiny or args.vocab_size is not None:
+        args.random_weights = True
+    return args
 
 
 def build_models(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any, str]:
@@ -195,9 +241,12 @@ def build_models(args: argparse.Namespace, device: torch.device, dtype: torch.dt
 
     if args.random_weights:
         torch.manual_seed(args.seed)
-        hf = LlamaForCausalLM(LlamaConfig(**SMOLLM2_CONFIG)).to(dtype)
-        config = ModelConfig.from_dict(SMOLLM2_CONFIG)
-        description = "random weights, SmolLM2-135M shape"
+        shape = random_config(args)
+        hf = LlamaForCausalLM(LlamaConfig(**shape)).to(dtype)
+        config = ModelConfig.from_dict(shape)
+        description = (
+            f"random weights, {'tiny' if args.tiny else 'SmolLM2-135M'} shape, vocab {shape['vocab_size']}"
+        )
     else:
         if args.model_path:
             path = Path(args.model_path)
@@ -210,6 +259,7 @@ def build_models(args: argparse.Namespace, device: torch.device, dtype: torch.dt
         description = f"{path.name} weights"
     hf = hf.to(device).eval()
     engine_model = EngineModel(config, device, dtype)
+    time_device_work(engine_model)
     state = hf.state_dict()
     engine_model.load_named_tensors([(n, state[n]) for n in sorted(engine_model.required_names())])
     if args.no_decode_kernel:
@@ -263,7 +313,60 @@ def bench_hf_continuous(hf: Any, prompts: torch.Tensor, new_tokens: int) -> floa
     return generated / elapsed
 
 
-def bench_engine(engine: Any, prompts: torch.Tensor, new_tokens: int) -> float:
+def scheduler_cpu_s(engine: Any) -> tuple[float, float]:
+    """CPU seconds the engine's scheduler thread has used, and those of it spent in device work
+    (`time_device_work`): unlike wall time, neither is inflated by other processes on the machine."""
+    return engine.call(lambda: (time.thread_time(), DEVICE_WORK["cpu_s"]))
+
+
+def cpu_us_per_token_since(engine: Any, before: tuple[float, float], tokens: int) -> tuple[float, float]:
+    """(scheduler CPU us per token, of which in device work) since `before` (a `scheduler_cpu_s`)."""
+    total, device_work = scheduler_cpu_s(engine)
+    return (total - before[0]) * 1e6 / tokens, (device_work - before[1]) * 1e6 / tokens
+
+
+DEVICE_WORK: dict[str, float] = {"cpu_s": 0.0, "decode_steps": 0, "decode_rows": 0}
+"""Once `time_device_work` has wrapped the engine's device work: the CPU seconds the scheduler thread spent
+in the model's forward calls and the sampling operators, and the decode steps sampled and their rows (the
+decode batch, finished rows still decoded included)."""
+
+
+def _timed(function: Any, decode_steps: bool = False) -> Any:
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        if decode_steps:
+            DEVICE_WORK["decode_steps"] += 1
+            DEVICE_WORK["decode_rows"] += len(args[0])
+        began = time.thread_time()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            DEVICE_WORK["cpu_s"] += time.thread_time() - began
+
+    return timed
+
+
+def time_device_work(model: Any) -> None:
+    """Count the scheduler thread's CPU time in device work into `DEVICE_WORK`: the model's forward calls
+    and the sampling operators the engine launches. On a CPU device that is the compute, so the thread's CPU
+    time less it is the engine's host work per step (scheduling, bookkeeping, stop strings, clients), which
+    a GPU cannot hide; on CUDA it is the host side of the launches."""
+    import asyncrl_sglang.builtin.engine as engine_module
+
+    for name in ("decode", "prefill_batch", "prefill_packed", "logits"):
+        setattr(model, name, _timed(getattr(model, name)))
+    for name in ("sample_on_device", "sample_tokens"):
+        function = getattr(engine_module, name)
+        if not getattr(function, "device_work", False):
+            timed = _timed(function, decode_steps=name == "sample_on_device")
+            timed.device_work = True
+            setattr(engine_module, name, timed)
+
+
+def bench_engine(
+    engine: Any, prompts: torch.Tensor, new_tokens: int, cpu_us_per_token: dict[str, float] | None = None
+) -> float:
+    """Tokens/s of B requests submitted at once; `cpu_us_per_token["engine"]` gets the scheduler thread's CPU
+    microseconds per generated token."""
     from asyncrl_sglang.builtin.engine import Request
     from asyncrl_sglang.builtin.sampling import SamplingOptions
 
@@ -283,12 +386,16 @@ def bench_engine(engine: Any, prompts: torch.Tensor, new_tokens: int) -> float:
         Request(rid=f"bench-{i}", prompt_ids=row, options=options, on_update=on_update)
         for i, row in enumerate(prompts.tolist())
     ]
+    cpu_before = scheduler_cpu_s(engine)
     started = time.perf_counter()
     engine.call(lambda: [engine.add_request(r) for r in requests])
     if not done.wait(3600):
         raise RuntimeError("the engine did not finish within an hour")
     elapsed = time.perf_counter() - started
     assert all(len(r.output_ids) == new_tokens for r in requests)
+    if cpu_us_per_token is not None:
+        total, device_work = cpu_us_per_token_since(engine, cpu_before, len(requests) * new_tokens)
+        cpu_us_per_token["engine"], cpu_us_per_token["device_work"] = total, device_work
     return len(requests) * new_tokens / elapsed
 
 
@@ -372,6 +479,15 @@ class AgenticResult:
     prefill_tokens: int
     cached_tokens: int
     prefill_busy_share: float
+    cpu_us_per_token: float
+    """CPU microseconds of the scheduler thread per generated token (`scheduler_cpu_s`)."""
+    device_work_cpu_us_per_token: float
+    """Of `cpu_us_per_token`, those in device work (`time_device_work`)."""
+    longest_trajectory_tokens: int
+    """Output tokens of the longest trajectory: no schedule takes fewer decode steps."""
+    decode_steps: int
+    decode_rows: int
+    """Rows of those decode steps (`time_device_work`): their mean is the batch's occupancy."""
     turns: list[list[Any]] = field(default_factory=lambda: list[list[Any]]())
     """Per trajectory, its finished turn requests in order."""
 
@@ -465,11 +581,16 @@ def run_agentic(
     first = [make(index, 0, prompts[index]) for index in range(num_trajectories)]
     counters = engine.counters
     before = (counters.prefill_tokens_total, _cached_total(counters), counters.prefill_busy_us)
+    cpu_before = scheduler_cpu_s(engine)
+    steps_before = (DEVICE_WORK["decode_steps"], DEVICE_WORK["decode_rows"])
     started = time.perf_counter()
     engine.call(lambda: [engine.add_request(r) for r in first])
     if not done.wait(timeout_s):
         raise RuntimeError(f"the agentic workload did not finish within {timeout_s} s")
     elapsed = time.perf_counter() - started
+    cpu_us, device_work_cpu_us = cpu_us_per_token_since(
+        engine, cpu_before, sum(len(r.output_ids) for turns_of in history for r in turns_of)
+    )
     generated = sum(len(r.output_ids) for turns_of in history for r in turns_of)
     prefill_busy_s = (counters.prefill_busy_us - before[2]) / 1e6
     return AgenticResult(
@@ -479,6 +600,11 @@ def run_agentic(
         prefill_tokens=counters.prefill_tokens_total - before[0],
         cached_tokens=_cached_total(counters) - before[1],
         prefill_busy_share=prefill_busy_s / elapsed,
+        cpu_us_per_token=cpu_us,
+        device_work_cpu_us_per_token=device_work_cpu_us,
+        longest_trajectory_tokens=max(sum(len(r.output_ids) for r in turns_of) for turns_of in history),
+        decode_steps=int(DEVICE_WORK["decode_steps"] - steps_before[0]),
+        decode_rows=int(DEVICE_WORK["decode_rows"] - steps_before[1]),
         turns=history,
     )
 
@@ -588,6 +714,23 @@ def main() -> int:
             f"{agentic['prefill_tokens']} tokens, {agentic['cached_tokens']} from the prefix cache, prefill "
             f"{100 * agentic['prefill_busy_share']:.0f}% of the time"
         )
+        fixed = max(rows, key=lambda r: r["batch"])
+        print(
+            f"scheduler thread CPU per token: agentic {agentic['cpu_us_per_token']:.1f} us (host "
+            f"{agentic['host_us_per_token']:.1f} us outside the model and sampling), fixed-shape "
+            f"{fixed['engine_cpu_us_per_token']:.1f} us (host {fixed['engine_host_us_per_token']:.1f} us); "
+            f"agentic / fixed in tokens per CPU second {agentic['over_fixed_cpu']:.2f}, per host second "
+            f"{agentic['over_fixed_host']:.2f}"
+        )
+        if agentic["decode_steps"]:
+            print(
+                f"agentic decode steps: {agentic['decode_steps']}, mean batch "
+                f"{agentic['decode_rows'] / agentic['decode_steps']:.0f} rows (of {args.agentic}), "
+                f"{agentic['generated_tokens'] / agentic['decode_steps']:.0f} tokens per step; the longest "
+                f"trajectory has {agentic['longest_trajectory_tokens']} tokens, so no schedule takes fewer "
+                f"steps and at equal cost per step agentic / fixed is at most "
+                f"{agentic['generated_tokens'] / (agentic['longest_trajectory_tokens'] * args.agentic):.2f}"
+            )
     if switch is not None:
         print(f"\nside by side ({compared[switch][1]} on / off, alternating):")
         print(
@@ -749,7 +892,10 @@ def measure(
         engine.start()
         try:
             bench_engine(engine, prompts[:, :16], 4)  # warm-up (and CUDA graph capture)
-            row["engine"] = bench_engine(engine, prompts, args.new_tokens)
+            cpu: dict[str, float] = {}
+            row["engine"] = bench_engine(engine, prompts, args.new_tokens, cpu)
+            row["engine_cpu_us_per_token"] = cpu["engine"]
+            row["engine_host_us_per_token"] = cpu["engine"] - cpu["device_work"]
             if batch in http_sizes:
                 row["engine_http"] = bench_http(engine, prompts, args.new_tokens)
         finally:
@@ -768,6 +914,10 @@ def measure(
         fixed = max(rows, key=lambda r: r["batch"])
         agentic["fixed_batch"] = fixed["batch"]
         agentic["over_fixed"] = agentic["tokens_per_s"] / fixed["engine"]
+        # The same ratio in scheduler CPU time per token (what bounds a host-bound engine; robust to load).
+        agentic["host_us_per_token"] = agentic["cpu_us_per_token"] - agentic["device_work_cpu_us_per_token"]
+        agentic["over_fixed_cpu"] = fixed["engine_cpu_us_per_token"] / agentic["cpu_us_per_token"]
+        agentic["over_fixed_host"] = fixed["engine_host_us_per_token"] / agentic["host_us_per_token"]
     return rows, agentic
 
 

@@ -16,8 +16,9 @@ import httpx
 import pytest
 from aiohttp import web
 
+from asyncrl_agents.jsonl import write_jsonl
 from asyncrl_agents.retrieval import BM25Index, Corpus, LsaIndex, RetrievalServer, make_app
-from asyncrl_agents.tasks.mini_world import generate, write_jsonl
+from asyncrl_agents.tasks.mini_world import generate
 from asyncrl_core.errors import AsyncRLError
 from asyncrl_core.server_process import bound_port
 

@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+from buffer_testing import make_group
 
 from asyncrl_core.buffer import Batch, BufferSnapshot, GroupBuffer
 from asyncrl_core.config import load_config
@@ -23,21 +24,7 @@ from asyncrl_core.errors import (
     VersionError,
 )
 from asyncrl_core.metrics import ADMISSION_WAIT_BUFFER_FULL, ADMISSION_WAIT_INFLIGHT_LIMIT
-from asyncrl_core.types import NO_VERSION, Group, Trajectory
-
-
-def make_group(
-    group_id: int, prompt_index: int, versions: list[int], finish_version: int = NO_VERSION
-) -> Group:
-    """A group of one trajectory whose model tokens were sampled at `versions` (plus one tool token)."""
-    trajectory = Trajectory(
-        token_ids=[1, 2, *range(10, 10 + len(versions)), 99],
-        prompt_len=2,
-        loss_mask=[1] * len(versions) + [0],
-        rollout_logprobs=[-0.5] * len(versions) + [0.0],
-        versions=[*versions, NO_VERSION],
-    )
-    return Group(group_id, prompt_index, [trajectory], finish_version=finish_version)
+from asyncrl_core.types import NO_VERSION, Group
 
 
 def make_buffer(

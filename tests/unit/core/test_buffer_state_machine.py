@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import hypothesis.strategies as st
 import pytest
+from buffer_testing import make_group
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -25,21 +26,7 @@ from asyncrl_core.errors import (
     InvalidGroupError,
     VersionError,
 )
-from asyncrl_core.types import NO_VERSION, Group, Trajectory
-
-
-def make_group(
-    group_id: int, prompt_index: int, versions: list[int], finish_version: int = NO_VERSION
-) -> Group:
-    """A group of one trajectory whose model tokens were sampled at `versions` (plus one tool token)."""
-    trajectory = Trajectory(
-        token_ids=[1, *range(10, 10 + len(versions)), 99],
-        prompt_len=1,
-        loss_mask=[1] * len(versions) + [0],
-        rollout_logprobs=[-0.5] * len(versions) + [0.0],
-        versions=[*versions, NO_VERSION],
-    )
-    return Group(group_id, prompt_index, [trajectory], finish_version=finish_version)
+from asyncrl_core.types import NO_VERSION, Group
 
 
 @dataclass

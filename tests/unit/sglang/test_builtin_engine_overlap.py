@@ -404,3 +404,107 @@ async def test_over_http_a_finished_request_reports_only_its_own_tokens(
         assert event["output_ids"] == expected[:count]
         assert event["meta_info"]["completion_tokens"] == count
         assert len(event["meta_info"]["output_token_logprobs"]) == count
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_an_abort_of_a_later_row_inside_the_step_adds_no_token_to_it(
+    overlap: bool, tiny_model: EngineModel, engines: list[Engine]
+) -> None:
+    """A callback aborts a request whose row comes after its own in the step being recorded: the victim keeps
+    the tokens it had (the step's token for its row is dropped), heard once, one finish."""
+    engine = start_engine(engines, tiny_model, max_running_requests=4, overlap_schedule=overlap)
+    long = SamplingOptions(max_new_tokens=30, temperature=0.0, ignore_eos=True)
+    at_abort: dict[str, int] = {}
+    victim = _request(engine, PROMPTS[2], long)
+
+    def abort_victim(_request: Request) -> None:
+        at_abort["inline"] = len(victim.request.output_ids)
+        engine.abort(victim.request.rid)
+
+    killer = _request(engine, PROMPTS[3], long, abort_victim, 5)
+    _add(engine, killer, victim)  # the killer's row comes first
+    _wait([victim, killer])
+    assert len(victim.request.output_ids) == at_abort["inline"] > 0
+    assert victim.request.finish_reason is not None
+    assert victim.request.finish_reason["type"] == "abort"
+    _assert_heard_once(victim)
+    assert len(killer.request.output_ids) == 30
+
+
+def _staggered_workload(engine: Engine) -> list[Tracked]:
+    """Greedy requests joining while others decode (queued from callbacks, so a step is in flight): two when
+    the first has 3 tokens, one of them asking for prompt logprobs (whose prefill reads the host at once),
+    and one more when the first has 8; every request's output once all have finished."""
+    joining = [
+        _request(engine, PROMPTS[1], _greedy(9, ignore_eos=True)),
+        _request(engine, PROMPTS[2], _greedy(4, ignore_eos=True)),
+        _request(engine, PROMPTS[3], _greedy(11, ignore_eos=True)),
+    ]
+    joining[1].request.logprob_start_len = 0
+
+    def join(tracked: list[Tracked]) -> Callable[[Request], None]:
+        def add(_request: Request) -> None:  # on the scheduler thread, while a step is in flight
+            for t in tracked:
+                engine.add_request(t.request)
+
+        return add
+
+    late = _request(engine, PROMPTS[4], _greedy(6, ignore_eos=True))
+    first = _request(engine, PROMPTS[0], _greedy(20, ignore_eos=True), join(joining[:2]), 3)
+    second = _request(engine, PROMPTS[0], _greedy(14, ignore_eos=True), join([joining[2], late]), 8)
+    _add(engine, first, second)
+    everything = [first, second, *joining, late]
+    _wait(everything)
+    return everything
+
+
+@pytest.mark.parametrize("slots", [4, 6])
+def test_admission_beside_the_step_in_flight_gives_the_non_overlapped_loops_tokens(
+    slots: int, tiny_model: EngineModel, engines: list[Engine]
+) -> None:
+    """Requests admitted while a decode step is in flight (prefilled into the slots of finished rows or into
+    fresh ones, the next step launched from the step in flight's ids and their first tokens on the device)
+    get the tokens and logprobs of the non-overlapped loop, greedy, float32, on the CPU. With 4 slots the
+    batch is full when the last two join, so they take over finished rows' slots; with 6, fresh ones too."""
+    plain = _staggered_workload(
+        start_engine(engines, tiny_model, max_running_requests=slots, overlap_schedule=False)
+    )
+    engine = start_engine(engines, tiny_model, max_running_requests=slots)
+    beside: list[bool] = []
+    taken_over: list[int] = []
+    appended: list[int] = []
+    admit = engine._admit_beside  # pyright: ignore[reportPrivateUsage]
+    prefill = engine._prefill  # pyright: ignore[reportPrivateUsage]
+
+    def spy_admit(step: Any) -> bool:
+        beside.append(admit(step))
+        return beside[-1]
+
+    def spy_prefill(requests: list[Request], read: bool = True, slots: list[int] | None = None) -> Any:
+        if not read:  # beside a step in flight
+            assert slots is not None
+            taken_over.extend(s for s in slots if s < len(engine.running))
+            appended.extend(s for s in slots if s >= len(engine.running))
+        return prefill(requests, read, slots)
+
+    engine._admit_beside = spy_admit  # pyright: ignore[reportPrivateUsage]
+    engine._prefill = spy_prefill  # pyright: ignore[reportPrivateUsage]
+    overlapped = _staggered_workload(engine)
+    assert any(beside)
+    assert taken_over if slots == 4 else appended
+    for a, b in zip(plain, overlapped, strict=True):
+        assert b.request.output_ids == a.request.output_ids
+        assert b.request.finish_reason == a.request.finish_reason
+        torch.testing.assert_close(
+            torch.tensor(b.request.output_logprobs),
+            torch.tensor(a.request.output_logprobs),
+            atol=1e-5,
+            rtol=0,
+        )
+        _assert_heard_once(b)
+    # The request with prompt logprobs was admitted through a sync point, with the same values.
+    expected, got = plain[3].request.input_logprobs, overlapped[3].request.input_logprobs
+    assert got[0] is None
+    assert len(got) == len(PROMPTS[2])
+    torch.testing.assert_close(torch.tensor(got[1:]), torch.tensor(expected[1:]), atol=1e-5, rtol=0)
+    assert engine.call(lambda: (engine.num_running, engine.num_waiting)) == (0, 0)

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from asyncrl_sglang.builtin import extend_attention
 from asyncrl_sglang.builtin import fused_kernels as fused
 from asyncrl_sglang.builtin.model import EngineModel, KVCache, ModelConfig
 
@@ -174,26 +175,29 @@ class CountedKernel:
 fused._load("rotary")
 for name, kernel in list(fused._kernels.items()):
     fused._kernels[name] = CountedKernel(name, kernel)
+extend_attention._kernel = CountedKernel("extend_attention", extend_attention._load())
 
 
 def count(layers, use_fused, dtype, step):
     global MODE
     config = model_config("llama", layers)
     model = EngineModel.random(config, "cpu", dtype, seed=1)
-    model.fused_kernels = use_fused
+    model.fused_kernels = model.extend_kernel = use_fused
     cache = KVCache(config, 4, 64, model.device, dtype)
     with torch.inference_mode(), Count() as MODE:
         if step == "decode":
             model.decode(torch.tensor([3, 4, 5]), torch.tensor([8, 2, 8]), cache, 64)
         elif step == "prefill":
             model.prefill_batch([[1, 2, 3], [4, 5]], cache, [0, 1])
+        elif step == "packed":
+            model.prefill_packed([[1, 2, 3], [4, 5]], cache, [0, 1], starts=[3, 4])
         else:
             model.prefill_batch([[1, 2, 3], [4, 5]], cache, [0, 1], starts=[3, 4])
     return MODE.ops
 
 
 per_layer = {}
-for step in ("decode", "prefill", "extend"):
+for step in ("decode", "prefill", "extend", "packed"):
     for use_fused, dtype in ((False, torch.bfloat16), (False, torch.float32), (True, torch.float32)):
         ops = count(3, use_fused, dtype, step)
         ops.subtract(count(2, use_fused, dtype, step))
@@ -209,6 +213,14 @@ for step, extra in (("decode", 0), ("prefill", 0), ("extend", 2)):  # extend: th
     assert fused_f32[0] == 9 + extra, fused_f32
     launched = {k: v for k, v in fused_f32[1].items() if k.startswith("fused.")}
     assert launched == {"fused.add_rms_norm": 2, "fused.rotary": 1, "fused.silu_mul": 1}, launched
+# The engine's packed prefill over cached prefixes, with the extend-attention kernel: 9 as well, the
+# attention one launch that reads the cache in place (no gather).
+packed = per_layer[("packed", True, "torch.float32")]
+assert packed[0] == 9, packed
+launched = {k: v for k, v in packed[1].items() if k.startswith("fused.")}
+assert launched == {
+    "fused.add_rms_norm": 2, "fused.rotary": 1, "fused.silu_mul": 1, "fused.extend_attention": 1
+}, launched
 print("ok")
 """
 
@@ -217,7 +229,8 @@ def test_the_kernels_and_the_model_equal_torch_under_the_interpreter() -> None:
     """On the CPU, under Triton's interpreter (float32): each kernel against the torch ops it replaces
     (rotary and the residual sum bit for bit, the norm and SiLU to 1e-6), the model's prefill, prefill over
     cached prefixes, decode and logits with the kernels against torch (to 1e-5), and the operators per layer
-    (43 in bfloat16 / 33 in float32 with torch, 9 fused; +2 for a prefill over cached prefixes), with every
+    (43 in bfloat16 / 33 in float32 with torch, 9 fused; +2 for a padded prefill over cached prefixes, 9 for
+    the packed one with the extend kernel), with every
     fused kernel launched when the model is set to use them. A process of its own: the interpreter must be
     chosen before Triton is first imported."""
     run_interpreted(INTERPRETED_CHECKS)

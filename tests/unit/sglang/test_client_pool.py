@@ -15,6 +15,17 @@ from asyncrl_core.types import SamplingParams
 from asyncrl_sglang.client import RetryPolicy, SGLangClient
 from asyncrl_sglang.pool import EnginePool
 
+GENERATION = {
+    "output_ids": [1],
+    "meta_info": {
+        "id": "r",
+        "finish_reason": {"type": "length", "length": 1},
+        "weight_version": "0",
+        "output_token_logprobs": [[-1.0, 1, None]],
+    },
+}
+"""A `/generate` answer of one token."""
+
 
 class Engines:
     """Recording engines whose `/generate` answers only when released."""
@@ -34,18 +45,7 @@ class Engines:
             body = json.loads(request.content)
             self.served.append((index, body["rid"]))
             await self.release.wait()
-            return httpx.Response(
-                200,
-                json={
-                    "output_ids": [1],
-                    "meta_info": {
-                        "id": "r",
-                        "finish_reason": {"type": "length", "length": 1},
-                        "weight_version": "0",
-                        "output_token_logprobs": [[-1.0, 1, None]],
-                    },
-                },
-            )
+            return httpx.Response(200, json=GENERATION)
 
         return handler
 
@@ -128,17 +128,6 @@ def test_an_empty_pool_is_refused() -> None:
         EnginePool([])
 
 
-_GENERATION = {
-    "output_ids": [1],
-    "meta_info": {
-        "id": "r",
-        "finish_reason": {"type": "length", "length": 1},
-        "weight_version": "0",
-        "output_token_logprobs": [[-1.0, 1, None]],
-    },
-}
-
-
 class Outage:
     """Engines that refuse connections while `down` holds their index (as a dead process's port does)."""
 
@@ -170,7 +159,7 @@ class Outage:
             if request.url.path == "/health":
                 return httpx.Response(200)
             self.generated.append((index, json.loads(request.content)["rid"]))
-            return httpx.Response(200, json=_GENERATION)
+            return httpx.Response(200, json=GENERATION)
 
         return handler
 

@@ -16,7 +16,7 @@ import fcntl
 import os
 import shutil
 import tempfile
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -95,35 +95,18 @@ def _exclusive(lock_path: Path) -> Generator[None]:
             fcntl.flock(lock_file, fcntl.LOCK_UN)
 
 
-def smollm2_135m() -> Path:
-    """A HuggingFace folder with SmolLM2-135M-Instruct (float32 safetensors, config, tokenizer).
-
-    Converted from the GGUF on first use (dequantised from Q4_1: about 135M parameters, 540 MB), then reused.
-    The folder appears atomically: a half-written conversion is never returned.
-    """
-    target = cache_dir() / "models" / SMOLLM2_DIR_NAME
+def _cached_folder(target: Path, build: Callable[[Path], object]) -> Path:
+    """`target`, a folder of the cache, made on first use by `build(staging)` in a staging folder beside it
+    and renamed into place once complete, under a lock across processes: a half-written folder is never
+    returned, and a failed build leaves nothing behind."""
     if (target / _MARKER).exists():
         return target
     with _exclusive(target.with_name(target.name + ".lock")):
         if (target / _MARKER).exists():
             return target
-        gguf = smollm2_gguf()
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        staging = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
         try:
-            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-            loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-            # The dequantised weights are plain tensors, but the model still carries the GGUF quantizer, which
-            # refuses to save: rebuild the architecture without it and move the weights over.
-            config = loaded.config
-            if hasattr(config, "quantization_config"):
-                delattr(config, "quantization_config")
-            model = AutoModelForCausalLM.from_config(config)
-            model.load_state_dict(loaded.state_dict())
-            model.save_pretrained(str(staging), safe_serialization=True)
-            tokenizer.save_pretrained(str(staging))
+            build(staging)
             (staging / _MARKER).touch()
             if target.exists():
                 shutil.rmtree(target)
@@ -131,6 +114,33 @@ def smollm2_135m() -> Path:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def smollm2_135m() -> Path:
+    """A HuggingFace folder with SmolLM2-135M-Instruct (float32 safetensors, config, tokenizer).
+
+    Converted from the GGUF on first use (dequantised from Q4_1: about 135M parameters, 540 MB), then reused.
+    The folder appears atomically: a half-written conversion is never returned.
+    """
+
+    def convert(staging: Path) -> None:
+        gguf = smollm2_gguf()
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        # The dequantised weights are plain tensors, but the model still carries the GGUF quantizer, which
+        # refuses to save: rebuild the architecture without it and move the weights over.
+        config = loaded.config
+        if hasattr(config, "quantization_config"):
+            delattr(config, "quantization_config")
+        model = AutoModelForCausalLM.from_config(config)
+        model.load_state_dict(loaded.state_dict())
+        model.save_pretrained(str(staging), safe_serialization=True)
+        tokenizer.save_pretrained(str(staging))
+
+    return _cached_folder(cache_dir() / "models" / SMOLLM2_DIR_NAME, convert)
 
 
 def smollm2_tokenizer() -> PreTrainedTokenizerBase:
@@ -219,22 +229,10 @@ def tiny_llama_preset(preset: str) -> Path:
     if preset not in TINY_LLAMA_PRESETS:
         known = ", ".join(f"{TINY_LLAMA_PREFIX}{name}" for name in TINY_LLAMA_PRESETS)
         raise AsyncRLError(f"unknown model {TINY_LLAMA_PREFIX}{preset} (known: {known})")
-    target = cache_dir() / "models" / f"tiny-llama-{preset}"
-    if (target / _MARKER).exists():
-        return target
-    with _exclusive(target.with_name(target.name + ".lock")):
-        if (target / _MARKER).exists():
-            return target
-        staging = Path(tempfile.mkdtemp(prefix=f".tiny-llama-{preset}-", dir=target.parent))
-        try:
-            tiny_llama(staging, **TINY_LLAMA_PRESETS[preset])
-            (staging / _MARKER).touch()
-            if target.exists():
-                shutil.rmtree(target)
-            staging.rename(target)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    return target
+    return _cached_folder(
+        cache_dir() / "models" / f"tiny-llama-{preset}",
+        lambda staging: tiny_llama(staging, **TINY_LLAMA_PRESETS[preset]),
+    )
 
 
 def named_model(model_path: str) -> Path | None:

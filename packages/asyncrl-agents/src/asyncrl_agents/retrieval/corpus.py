@@ -8,12 +8,11 @@ are, so extra fields (a URL, a source) reach the client unchanged.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
 
+from asyncrl_agents.jsonl import read_jsonl
 from asyncrl_core.errors import AsyncRLError
 
 JsonObject = dict[str, object]
@@ -73,17 +72,4 @@ class Corpus:
         if not path.is_file():
             raise AsyncRLError(f"corpus file {path} does not exist")
 
-        def rows() -> Iterable[Mapping[str, object]]:
-            with path.open(encoding="utf-8") as lines:
-                for number, line in enumerate(lines, start=1):
-                    if not line.strip():
-                        continue
-                    try:
-                        row: object = json.loads(line)
-                    except json.JSONDecodeError as error:
-                        raise AsyncRLError(f"{path}:{number}: not JSON: {error}") from error
-                    if not isinstance(row, dict):
-                        raise AsyncRLError(f"{path}:{number}: a row must be a JSON object")
-                    yield cast("dict[str, object]", row)
-
-        return cls.from_rows(rows(), source=str(path))
+        return cls.from_rows((row for _, row in read_jsonl(path)), source=str(path))

@@ -15,11 +15,12 @@ questions, chosen by the seed, form the `test` split (94); the rest are `train` 
 from __future__ import annotations
 
 import argparse
-import json
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from asyncrl_agents.jsonl import write_jsonl
 
 GENERATOR_VERSION = 1
 """Bumped whenever the generator's output changes, so cached files of an older world are not reused."""
@@ -211,16 +212,6 @@ def generate(
         for index, (text, answers, hops, support) in enumerate(drafts)
     ]
     return World(passages, questions)
-
-
-def write_jsonl(path: Path, rows: Iterable[Mapping[str, object]]) -> None:
-    """Write rows atomically (a reader never sees a half-written file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.with_name(f".{path.name}.{random.getrandbits(32):08x}.tmp")
-    with staging.open("w", encoding="utf-8") as out:
-        for row in rows:
-            out.write(json.dumps(row, ensure_ascii=False) + "\n")
-    staging.replace(path)
 
 
 def question_row(question: Question) -> dict[str, object]:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import re
 import string
 from collections.abc import Generator, Mapping, Sequence
@@ -31,6 +30,7 @@ from typing import TYPE_CHECKING, Annotated, ClassVar, Literal, Self, cast
 
 from pydantic import Field, model_validator
 
+from asyncrl_agents.jsonl import read_jsonl, write_jsonl
 from asyncrl_agents.parsing import TagParser
 from asyncrl_agents.tasks import mini_world
 from asyncrl_core.config import TaskArguments
@@ -234,24 +234,15 @@ def _question_sample(row_id: str, question: str, answers: Sequence[str]) -> Task
 def load_questions(path: Path) -> list[TaskSample]:
     """FlashRAG/Search-R1 question rows (`id`, `question`, `golden_answers`) of a JSONL file."""
     samples: list[TaskSample] = []
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                row: object = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise AsyncRLError(f"{path}:{number}: not JSON: {error}") from error
-            fields = _json_object(row) or {}
-            question, answers = fields.get("question"), fields.get("golden_answers")
-            if not isinstance(question, str) or not isinstance(answers, list) or not answers:
-                raise AsyncRLError(
-                    f"{path}:{number}: a row needs `question` (a string) and `golden_answers` "
-                    "(a non-empty list)"
-                )
-            row_id = str(fields.get("id", f"{path.stem}-{number}"))
-            golden = [str(answer) for answer in cast("list[object]", answers)]
-            samples.append(_question_sample(row_id, question, golden))
+    for number, fields in read_jsonl(path):
+        question, answers = fields.get("question"), fields.get("golden_answers")
+        if not isinstance(question, str) or not isinstance(answers, list) or not answers:
+            raise AsyncRLError(
+                f"{path}:{number}: a row needs `question` (a string) and `golden_answers` (a non-empty list)"
+            )
+        row_id = str(fields.get("id", f"{path.stem}-{number}"))
+        golden = [str(answer) for answer in cast("list[object]", answers)]
+        samples.append(_question_sample(row_id, question, golden))
     return samples
 
 
@@ -476,7 +467,7 @@ class SearchR1MiniTask(SearchR1Task):
             / "corpus.jsonl"
         )
         if not path.is_file():
-            mini_world.write_jsonl(path, self.world.passages)
+            write_jsonl(path, self.world.passages)
         return path
 
     def _corpus(self) -> Path:

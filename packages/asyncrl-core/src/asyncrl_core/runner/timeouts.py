@@ -15,7 +15,7 @@ its own: it is bounded by `CONTROL_TIMEOUT_S`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, get_args
 
 from asyncrl_core.runner.workers import RunnerError
 
@@ -30,14 +30,7 @@ TimeoutKey = Literal[
     "runner.eval_timeout_s",
     "checkpoint.timeout_s",
 ]
-TIMEOUT_KEYS: tuple[TimeoutKey, ...] = (
-    "runner.startup_timeout_s",
-    "rollout.request_timeout_s",
-    "rollout.drain_timeout_s",
-    "actor.train_timeout_s",
-    "runner.eval_timeout_s",
-    "checkpoint.timeout_s",
-)
+TIMEOUT_KEYS: tuple[TimeoutKey, ...] = get_args(TimeoutKey)
 CONTROL_TIMEOUT_S = 300.0
 """Seconds a call that a healthy worker answers at once may take (a worker stuck, or a machine so loaded
 that nothing answers)."""

@@ -23,8 +23,11 @@ its sampled ids on the device, then reads and records the earlier step's tokens 
 finishes, clients told) while the device runs the later one. A request that finishes in the step being read
 has been decoded once more by the step in flight: that token is dropped, and its slot (still read by that
 step) is freed at the next sync point, where the step in flight is read before anything else happens:
-before every control call, before an admission, when the KV cache must grow, or when a quarter of the batch
-is finished rows. Between sync points the running batch does not change.
+before every control call, before an admission that needs the host (a prompt whose logprobs are read,
+`max_new_tokens` 0, a KV cache too short), when the KV cache must grow, or when a quarter of the batch is
+finished rows. Other admissions run beside the step in flight (`_admit_beside`): the admitted requests are
+prefilled into the slots of finished rows and after the running ones, and the next step launches from its
+ids with their first tokens put in place on the device. Between sync points a slot changes hands only there.
 
 No request can take the others down: a step that raises is retried request by request (`_recover`), and only
 a request that fails on its own is finished with the error; an `on_update` callback that raises ends its own
@@ -182,6 +185,8 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids or model.config.eos_token_ids)
         self.decode_text = decode_text
         """Token ids -> text, used for stop strings (None: stop strings are refused at validation)."""
+        self._token_text_lengths: dict[int, int] = {}
+        """`len(decode_text([id]))` by id, for the stop-string matcher (decoded once per id)."""
         self.generator = torch.Generator(device=model.device).manual_seed(seed)
         self.counters = EngineCounters()
         self.running: list[Request] = []
@@ -300,13 +305,17 @@ class Engine:
     def _publish(self) -> None:
         """Swap in a new `snapshot` (scheduler thread only; O(running), the queue keeps its own totals). A
         finished request whose slot the step in flight still decodes is not running."""
-        running = [r for r in self.running if not r.finished]
+        num_running = num_used_tokens = 0
+        for r in self.running:  # once per step and per finish: plain loop, no property calls
+            if r.finish_reason is None:
+                num_running += 1
+                num_used_tokens += len(r.prompt_ids) + len(r.output_ids)
         self.snapshot = EngineSnapshot(
-            num_running=len(running),
+            num_running=num_running,
             num_waiting=len(self.waiting),
             num_waiting_tokens=self.waiting.num_tokens,
             num_retracted_waiting=self.waiting.num_retracted,
-            num_used_tokens=sum(r.num_tokens for r in running),
+            num_used_tokens=num_used_tokens,
             counters=dataclasses.replace(self.counters),
             kv_cache_bytes=self.kv_cache_bytes,
             cuda_graph_batch_sizes=tuple(self.cuda_graph_batch_sizes),
@@ -571,27 +580,23 @@ class Engine:
         self._step_requests = list(self.running)
         in_flight = self._in_flight
         if in_flight is not None:
-            if self._continues(in_flight):
+            positions = self._decode_positions(pending=1)
+            if self._continues(in_flight, positions):
                 # Overlapped: launch the next step from this one's ids on the device, then read this one
                 # while the device runs the next.
                 self._steps_since_prefill += 1
-                self._in_flight = self._launch_decode(in_flight)
+                self._in_flight = self._launch_decode(in_flight, positions)
                 self._complete(in_flight)
+                return
+            if self._admit_beside(in_flight):
                 return
             # A sync point: read the step in flight and free the finished slots before the batch changes.
             self._in_flight = None
             self._complete(in_flight)
             self._release_finished()
-        admitted: list[Request] = []
-        budget = PREFILL_TOKEN_BUDGET
         due = self._admission_due()
         self._steps_since_prefill = 0 if due else self._steps_since_prefill + 1
-        while due and self.waiting and len(self.running) + len(admitted) < self.max_running_requests:
-            size = self.waiting[0].num_tokens
-            if admitted and size > budget:
-                break
-            admitted.append(self.waiting.popleft())
-            budget -= size
+        admitted = self._take_admitted(self.max_running_requests - len(self.running)) if due else []
         self._step_requests = [*admitted, *self.running]
         if admitted:
             began = time.perf_counter()
@@ -603,12 +608,81 @@ class Engine:
             else:
                 self._decode()
 
-    def _continues(self, step: _LaunchedStep) -> bool:
+    def _take_admitted(self, free: int, simple_only: bool = False) -> list[Request]:
+        """Pop the waiting requests that join now: FIFO, at most `free`, within `PREFILL_TOKEN_BUDGET` prompt
+        tokens (a longer one alone). `simple_only`: stop before the first one whose prefill needs the host at
+        once (prompt logprobs to read, or `max_new_tokens` 0: finished at its prefill)."""
+        admitted: list[Request] = []
+        budget = PREFILL_TOKEN_BUDGET
+        while self.waiting and len(admitted) < free:
+            head = self.waiting[0]
+            if simple_only and (
+                head.options.max_new_tokens == 0
+                or (not head.was_running and head.return_logprob and head.logprob_start_len >= 0)
+            ):
+                break
+            size = head.num_tokens
+            if admitted and size > budget:
+                break
+            admitted.append(self.waiting.popleft())
+            budget -= size
+        return admitted
+
+    def _admit_beside(self, step: _LaunchedStep) -> bool:
+        """Admit waiting requests without reading the decode step in flight, if nothing needs the host first;
+        False (nothing done) otherwise, and the caller syncs.
+
+        The admitted requests are prefilled into the slots of finished rows (the step in flight decodes them
+        for nothing, and the device runs the prefill after it) and then into fresh slots after the running
+        ones, their first tokens drawn on the device. The next decode step is launched from the step in
+        flight's ids with those first tokens put in place on the device, so no read of the host sits
+        between the launches. Then the step in flight is read and recorded, then the first tokens, in the
+        order the sync path records them. Needs: the batch unchanged since the launch, an admission due, a
+        finished row or a free slot, and the KV cache already long enough for the prefill and the next step
+        (growing it would copy what the step in flight is still writing)."""
+        running = self.running
+        if running != step.requests or not self._admission_due():
+            return False
+        reusable = [slot for slot, r in enumerate(running) if r.finished]
+        free = len(reusable) + self.max_running_requests - len(running)
+        cache = self._cache
+        if cache is None or free == 0:
+            return False
+        positions = self._decode_positions(pending=1)
+        admitted = self._take_admitted(free, simple_only=True)
+        needed = max([*positions, *(r.num_tokens for r in admitted)], default=0) + 2
+        if not admitted or cache.capacity < min(needed, self.context_length):
+            for request in reversed(admitted):
+                self.waiting.appendleft(request)
+            return False
+        slots = (reusable + list(range(len(running), self.max_running_requests)))[: len(admitted)]
+        self._steps_since_prefill = 0
+        self._step_requests = [*admitted, *running]
+        began = time.perf_counter()
+        first = self._prefill(admitted, read=False, slots=slots)
+        self.counters.prefill_busy_us += round((time.perf_counter() - began) * 1e6)
+        assert first is not None
+        # Each row's input: the step in flight's token, or the first token of the request admitted there.
+        num_reused = min(len(reusable), len(admitted))
+        input_ids = step.tokens
+        if num_reused:
+            rows = torch.tensor(slots[:num_reused]).to(input_ids.device, non_blocking=True)
+            input_ids = input_ids.index_copy(0, rows, first.tokens[:num_reused])
+        if num_reused < len(admitted):
+            input_ids = torch.cat([input_ids, first.tokens[num_reused:]])
+        self._in_flight = self._launch_decode(step, self._decode_positions(pending=1), input_ids)
+        self._complete(step)
+        self._publish()  # the admitted requests run before their clients hear of them
+        self._record(first.requests, first.read())
+        return True
+
+    def _continues(self, step: _LaunchedStep, positions: list[int]) -> bool:
         """Whether the next decode step may launch from `step`'s ids before the host reads them: the running
         batch stays the step's (no admission due that a slot could take), the KV cache holds one more
-        position for every row, fewer than a quarter of the rows are finished requests (decoded for nothing
-        until a sync frees them), and some request goes on after `step`'s token (when every one ends there by
-        length, the next step would be wasted whole: a batch of equal lengths ends as without overlap).
+        position for every row (the next step's `positions`, `_decode_positions(pending=1)`), fewer than a
+        quarter of the rows are finished requests (decoded for nothing until a sync frees them), and some
+        request goes on after `step`'s token (when every one ends there by length, the next step would be
+        wasted whole: a batch of equal lengths ends as without overlap).
         """
         running = self.running
         if running != step.requests:  # requests compare by identity
@@ -620,7 +694,7 @@ class Engine:
             return False
         if all(self._ends_by_length(r, len(r.output_ids) + 1) for r in live):
             return False
-        needed = min(max(self._decode_positions(pending=1)) + 2, self.context_length)
+        needed = min(max(positions) + 2, self.context_length)
         return self._cache is not None and self._cache.capacity >= needed
 
     def _ensure_cache(self, length: int) -> KVCache:
@@ -640,14 +714,19 @@ class Engine:
             self._graphs.clear()
         return grown
 
-    def _prefill(self, requests: list[Request]) -> None:
+    def _prefill(
+        self, requests: list[Request], read: bool = True, slots: list[int] | None = None
+    ) -> _LaunchedStep | None:
         """Run prompt + output-so-far of each request into a fresh slot (one packed batch) and sample
         its next token. A prefix found in the prefix cache is copied into the slot instead of prefilled.
-        A re-prefill after a retract takes from the cache only what is valid under the current weights."""
+        A re-prefill after a retract takes from the cache only what is valid under the current weights.
+        `slots`: where each request runs (a finished request's slot it takes over, or the next ones after
+        the running requests, in order; default: the next ones). `read=False` (requests that all sample and
+        read no prompt logprobs): the draws are returned, launched and not read, instead of recorded."""
         sequences = [r.prompt_ids + r.output_ids for r in requests]
         cache = self._ensure_cache(max(len(s) for s in sequences) + 1)
-        first_slot = len(self.running)
-        slots = list(range(first_slot, first_slot + len(requests)))
+        if slots is None:
+            slots = list(range(len(self.running), len(self.running) + len(requests)))
         starts = [0] * len(requests)
         if self.prefix_cache is not None:
             for row, request in enumerate(requests):
@@ -664,7 +743,8 @@ class Engine:
         suffixes = [s[start:] for s, start in zip(sequences, starts, strict=True)]
         hidden = self.model.prefill_packed(suffixes, cache, slots, starts)  # [total new tokens, hidden]
         ends = list(itertools.accumulate(len(s) for s in suffixes))
-        last_hidden = hidden[torch.tensor([end - 1 for end in ends], device=hidden.device)]
+        last_rows = torch.tensor([end - 1 for end in ends]).to(hidden.device, non_blocking=True)
+        last_hidden = hidden[last_rows]
         for row, request in enumerate(requests):
             if not request.was_running:
                 self.counters.prompt_tokens_total += len(request.prompt_ids)
@@ -672,7 +752,11 @@ class Engine:
                     rows = hidden[ends[row] - len(suffixes[row]) : ends[row]]
                     self._input_logprobs(request, rows, starts[row])
             request.was_running = True
-        self.running.extend(requests)
+        for slot, request in zip(slots, requests, strict=True):
+            if slot < len(self.running):
+                self.running[slot] = request
+            else:
+                self.running.append(request)
         # max_new_tokens 0 is prefill only (scoring callers read the input logprobs): nothing is sampled.
         sampling_rows = [row for row, r in enumerate(requests) if r.options.max_new_tokens != 0]
         for request in requests:
@@ -683,7 +767,13 @@ class Engine:
                 return
             last_hidden = last_hidden[torch.tensor(sampling_rows, device=last_hidden.device)]
             requests = [requests[row] for row in sampling_rows]
+        if not read:
+            sample = sample_on_device(
+                requests, self.model.logits(last_hidden), self.generator, self.eos_token_ids
+            )
+            return _LaunchedStep.launch(requests, sample)
         self._accept(requests, self.model.logits(last_hidden))
+        return None
 
     @staticmethod
     def _cacheable_prefix(request: Request, length: int) -> int:
@@ -736,21 +826,33 @@ class Engine:
         """Each running request's position in the next decode step: its last token's, plus `pending` (the
         steps launched whose tokens the host has not read). A finished request whose slot is still decoded
         keeps its last position (what it writes there is never read)."""
-        return [r.num_tokens - 1 + (0 if r.finished else pending) for r in self.running]
+        return [
+            len(r.prompt_ids) + len(r.output_ids) - (1 if r.finish_reason is not None else 1 - pending)
+            for r in self.running
+        ]
 
-    def _launch_decode(self, previous: _LaunchedStep | None) -> _LaunchedStep:
+    def _launch_decode(
+        self,
+        previous: _LaunchedStep | None,
+        positions: list[int] | None = None,
+        input_ids: Tensor | None = None,
+    ) -> _LaunchedStep:
         """Launch one decode step for every running request and its sampling, without waiting for the device.
         Its input ids are `previous`'s sampled ids on the device (the step in flight, whose requests are the
-        running ones in the same slots), or each request's last token when `previous` is None."""
+        running ones in the same slots; `input_ids` when rows were admitted after them), or each request's
+        last token when `previous` is None. `positions`: `_decode_positions` for that case, when the caller
+        has them."""
         running = list(self.running)
         pending = 0 if previous is None else 1
-        positions = self._decode_positions(pending)
+        if positions is None:
+            positions = self._decode_positions(pending)
         cache = self._ensure_cache(min(max(positions) + 2, self.context_length))
         device = self.model.device
-        if previous is None:
-            input_ids = torch.tensor([r.output_ids[-1] for r in running]).to(device, non_blocking=True)
-        else:
-            input_ids = previous.tokens
+        if input_ids is None:
+            if previous is None:
+                input_ids = torch.tensor([r.output_ids[-1] for r in running]).to(device, non_blocking=True)
+            else:
+                input_ids = previous.tokens
         if self._graphs is not None:
             hidden = self._graphs.decode(input_ids, positions, cache)
         else:
@@ -765,12 +867,10 @@ class Engine:
     def _complete(self, step: _LaunchedStep) -> None:
         """Read a launched step's tokens (waiting for that step only) and record them. A request finished
         since the launch gets nothing: the token computed after its finish is dropped."""
-        sampled = step.read()
-        kept = [(r, token) for r, token in zip(step.requests, sampled, strict=True) if not r.finished]
-        self._record([r for r, _ in kept], [token for _, token in kept])
+        recorded = self._record(step.requests, step.read())
         ended = time.monotonic()
         # Launches overlap: a step's time is from its launch or the previous step's end, whichever is later.
-        self._throughput_window.append((ended - max(step.launched_s, self._last_decode_end), len(kept)))
+        self._throughput_window.append((ended - max(step.launched_s, self._last_decode_end), recorded))
         self._last_decode_end = ended
         elapsed = sum(s for s, _ in self._throughput_window)
         if elapsed > 0:
@@ -785,24 +885,35 @@ class Engine:
 
     def _accept(self, requests: list[Request], logits: Tensor) -> None:
         """Sample one token per request from logits [B, vocab] and record it (the prefill's first token)."""
-        self._record(requests, sample_tokens(requests, logits, self.generator, self.eos_token_ids))
-
-    def _record(self, requests: list[Request], sampled: list[SampledToken]) -> None:
-        """Append each request's token, finish who is done, tell the clients."""
-        # Published before any client hears of this step: one told of a token sees its request running.
+        sampled = sample_tokens(requests, logits, self.generator, self.eos_token_ids)
+        # Published before any client hears of these requests: one told of a token sees its request running.
+        # (A decode step's requests were running at the last publication, at the end of the loop before.)
         self._publish()
+        self._record(requests, sampled)
+
+    def _record(self, requests: list[Request], sampled: list[SampledToken]) -> int:
+        """Append each unfinished request's token, finish who is done, tell the clients; returns how many
+        tokens were appended. A request finished since its token was drawn gets nothing (a step in flight
+        decoded it once more, or a callback of an earlier row of this step aborted it): that token is
+        dropped."""
+        counters = self.counters
+        recorded = 0
         for request, (token, logprob, top) in zip(requests, sampled, strict=True):
+            if request.finish_reason is not None:
+                continue
+            recorded += 1
             request.output_ids.append(token)
             if request.return_logprob:
                 request.output_logprobs.append(logprob)
                 if request.top_logprobs_num > 0:
                     request.output_top_logprobs.append(top)
-            self.counters.generation_tokens_total += 1
+            counters.generation_tokens_total += 1
             reason = self._finish_reason(request, token)
             if reason is not None:
                 self._finish(request, reason)
             elif request.stream:
                 self._notify(request, False)
+        return recorded
 
     def _ends_by_length(self, request: Request, num_output: int) -> bool:
         """Whether `num_output` output tokens end `request` by `max_new_tokens` or the context length."""
@@ -830,26 +941,33 @@ class Engine:
 
         Decodes incrementally: only the tokens since the last match (from `stop_prefix_offset`, one token
         of context before them) and matches over the new text plus the `stop_tail` a stop string may start in,
-        so a step costs the same at any output length. Text that ends in an incomplete character is matched
+        so a step costs the same at any output length (`decode_text` must be a pure function: the length of
+        one token's text is decoded once per id). Text that ends in an incomplete character is matched
         without it and read again at the next token (for at most `STOP_TEXT_MAX_PENDING_TOKENS`)."""
         assert self.decode_text is not None
         ids = request.output_ids
         prefix, read = request.stop_prefix_offset, request.stop_read_offset
         text = self.decode_text(ids[prefix:])
-        known = self.decode_text(ids[prefix:read]) if read > prefix else ""
+        if read - prefix == 1:  # the usual case: the matched text is the previous token's
+            known = self._token_text_lengths.get(ids[prefix])
+            if known is None:
+                known = self._token_text_lengths[ids[prefix]] = len(self.decode_text(ids[prefix:read]))
+        else:
+            known = len(self.decode_text(ids[prefix:read])) if read > prefix else 0
         # An incomplete character at the end: match the text before it, and decide it at a later token.
         pending = text.endswith("\ufffd") and len(ids) - read < STOP_TEXT_MAX_PENDING_TOKENS
-        window = request.stop_tail + (text.rstrip("\ufffd") if pending else text)[len(known) :]
+        window = request.stop_tail + (text.rstrip("\ufffd") if pending else text)[known:]
         if not pending:
-            longest = max(len(s) for s in request.options.stop)
+            longest = max(map(len, request.options.stop))
             request.stop_prefix_offset, request.stop_read_offset = read, len(ids)
             request.stop_tail = window[max(0, len(window) - longest + 1) :]
-        best: tuple[int, str] | None = None
+        best: str | None = None
+        best_index = len(window)
         for stop in request.options.stop:
-            index = window.find(stop)
-            if index >= 0 and (best is None or index < best[0]):
-                best = (index, stop)
-        return None if best is None else best[1]
+            index = window.find(stop, 0, best_index + len(stop))
+            if 0 <= index < best_index:
+                best, best_index = stop, index
+        return best
 
     def _finish(self, request: Request, reason: dict[str, Any]) -> None:
         request.finish_reason = reason
@@ -914,7 +1032,7 @@ class _LaunchedStep:
         """The step's draws on the host, after waiting for this step only (not for one launched later)."""
         if self.ready is not None:
             self.ready.synchronize()
-        return unpack_samples(self.requests, self.results.tolist(), self.top_num)
+        return unpack_samples(self.requests, self.results, self.top_num)
 
 
 class _DecodeGraphs:

@@ -536,7 +536,8 @@ class EngineModel:
         c = self.config
         total = sum(lengths)
         # Per token: its id, position and slot; per sequence: slot, cached prefix and the offsets of its rows.
-        # Built on the host and moved in two copies.
+        # Built on the host and moved in two copies that do not wait for the device (a blocking copy would
+        # wait for the decode step in flight beside which the engine admits).
         length_t = torch.tensor(lengths)
         offsets = torch.zeros(num + 1, dtype=torch.long)
         torch.cumsum(length_t, 0, out=offsets[1:])
@@ -544,9 +545,11 @@ class EngineModel:
         owner = torch.repeat_interleave(torch.arange(num), length_t)
         positions = torch.arange(total) - per_sequence[2, owner] + per_sequence[1, owner]
         tokens = torch.tensor(list(itertools.chain.from_iterable(sequences)), dtype=torch.long)
-        per_token = torch.stack([tokens, positions, per_sequence[0, owner]]).to(self.device)
+        per_token = torch.stack([tokens, positions, per_sequence[0, owner]]).to(
+            self.device, non_blocking=True
+        )
         input_ids, positions, token_slots = per_token.unbind(0)
-        metadata = torch.cat([per_sequence[:2].flatten(), offsets]).to(self.device)
+        metadata = torch.cat([per_sequence[:2].flatten(), offsets]).to(self.device, non_blocking=True)
         slot_index, prefix_lengths, cu_seqlens = metadata[:num], metadata[num : 2 * num], metadata[2 * num :]
         self._ensure_rope(max(start + length for start, length in zip(starts, lengths, strict=True)))
         fused_path = self.fused_kernels

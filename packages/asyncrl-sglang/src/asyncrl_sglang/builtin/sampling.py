@@ -167,7 +167,7 @@ def sample_tokens(
     """Draw one token per row of logits [B, vocab] (float32, modified in place) under each request's options
     and read the draws on the host (`sample_on_device`, then `unpack_samples`: one synchronisation)."""
     sample = sample_on_device(requests, logits, generator, eos_token_ids)
-    return unpack_samples(requests, sample.packed.tolist(), sample.top_num)
+    return unpack_samples(requests, sample.packed, sample.top_num)
 
 
 def sample_on_device(
@@ -190,28 +190,32 @@ def sample_on_device(
     depend on the batch it runs in. Greedy rows take the argmax.
     """
     device = logits.device
-    if num_outputs is None:
-        num_outputs = [len(r.output_ids) for r in requests]
-    # min_new_tokens: EOS and stop ids cannot be drawn before the minimum.
+    # One pass over the rows (it runs every decode step): the ids banned by min_new_tokens (EOS and stop
+    # ids cannot be drawn before the minimum), the temperatures, the rows that sample, the top logprobs.
     banned_rows: list[int] = []
     banned_ids: list[int] = []
+    temperatures: list[float] = []
+    sampled_rows: list[int] = []
+    top_num = 0
     for row, request in enumerate(requests):
         options = request.options
-        if num_outputs[row] < options.min_new_tokens:
+        num_output = len(request.output_ids) if num_outputs is None else num_outputs[row]
+        if num_output < options.min_new_tokens:
             banned = options.stop_token_ids | (frozenset() if options.ignore_eos else eos_token_ids)
             banned_rows.extend([row] * len(banned))
             banned_ids.extend(banned)
+        temperatures.append(options.logprob_temperature)
+        if not options.greedy:
+            sampled_rows.append(row)
+        top_num = max(top_num, request.top_logprobs_num)
     if banned_rows:
         index = _to_device([banned_rows, banned_ids], torch.long, device)
         logits[index[0], index[1]] = float("-inf")
-    greedy = [r.options.greedy for r in requests]
-    temperatures = [r.options.logprob_temperature for r in requests]
     if any(t != 1.0 for t in temperatures):
         logits.div_(_to_device(temperatures, torch.float32, device).unsqueeze(1))
     logprobs = torch.log_softmax(logits, dim=-1)
     tokens = logprobs.argmax(dim=-1)
-    if not all(greedy):
-        sampled_rows = [row for row, is_greedy in enumerate(greedy) if not is_greedy]
+    if sampled_rows:
         every_row = len(sampled_rows) == len(requests)
         rows = None if every_row else _to_device(sampled_rows, torch.long, device)
         probs = (logprobs if rows is None else logprobs[rows]).exp()
@@ -230,7 +234,6 @@ def sample_on_device(
         else:
             tokens[rows] = drawn
     chosen = logprobs.gather(1, tokens.unsqueeze(1))
-    top_num = max(r.top_logprobs_num for r in requests)
     columns = [tokens.unsqueeze(1).double(), chosen.double()]
     if top_num > 0:
         values, ids = logprobs.topk(top_num, dim=-1)
@@ -239,15 +242,22 @@ def sample_on_device(
     return DeviceSample(tokens=tokens, packed=torch.cat(columns, dim=1), top_num=top_num)
 
 
-def unpack_samples(
-    requests: Sequence[SamplingState], rows: list[list[float]], top_num: int
-) -> list[SampledToken]:
-    """The host's reading of a `DeviceSample.packed` (its `tolist()`), one `SampledToken` per request."""
+def unpack_samples(requests: Sequence[SamplingState], packed: Tensor, top_num: int) -> list[SampledToken]:
+    """The host's reading of a `DeviceSample.packed` (on the host), one `SampledToken` per request."""
+    if packed.device.type != "cpu":
+        packed = packed.cpu()
+    ids = packed[:, 0].long().tolist()
+    logprobs = packed[:, 1].tolist()
+    if top_num == 0:
+        return [(token, logprob, []) for token, logprob in zip(ids, logprobs, strict=True)]
+    values = packed[:, 2 : 2 + top_num].tolist()
+    top_ids = packed[:, 2 + top_num :].long().tolist()
     result: list[SampledToken] = []
-    for request, row in zip(requests, rows, strict=True):
+    for request, token, logprob, row_values, row_ids in zip(
+        requests, ids, logprobs, values, top_ids, strict=True
+    ):
         count = request.top_logprobs_num
-        top = [(row[2 + i], int(row[2 + top_num + i])) for i in range(count)] if count > 0 else []
-        result.append((int(row[0]), row[1], top))
+        result.append((token, logprob, list(zip(row_values[:count], row_ids[:count], strict=True))))
     return result
 
 
