@@ -331,11 +331,8 @@ in the model's forward calls and the sampling operators, and the decode steps sa
 decode batch, finished rows still decoded included)."""
 
 
-def _timed(function: Any, decode_steps: bool = False) -> Any:
+def _timed(function: Any) -> Any:
     def timed(*args: Any, **kwargs: Any) -> Any:
-        if decode_steps:
-            DEVICE_WORK["decode_steps"] += 1
-            DEVICE_WORK["decode_rows"] += len(args[0])
         began = time.thread_time()
         try:
             return function(*args, **kwargs)
@@ -349,17 +346,29 @@ def time_device_work(model: Any) -> None:
     """Count the scheduler thread's CPU time in device work into `DEVICE_WORK`: the model's forward calls
     and the sampling operators the engine launches. On a CPU device that is the compute, so the thread's CPU
     time less it is the engine's host work per step (scheduling, bookkeeping, stop strings, clients), which
-    a GPU cannot hide; on CUDA it is the host side of the launches."""
+    a GPU cannot hide; on CUDA it is the host side of the launches. Also counts the decode steps launched
+    and their rows. (Whatever an older engine lacks is skipped.)"""
     import asyncrl_sglang.builtin.engine as engine_module
 
     for name in ("decode", "prefill_batch", "prefill_packed", "logits"):
-        setattr(model, name, _timed(getattr(model, name)))
+        if hasattr(model, name):
+            setattr(model, name, _timed(getattr(model, name)))
     for name in ("sample_on_device", "sample_tokens"):
-        function = getattr(engine_module, name)
-        if not getattr(function, "device_work", False):
-            timed = _timed(function, decode_steps=name == "sample_on_device")
+        function = getattr(engine_module, name, None)
+        if function is not None and not getattr(function, "device_work", False):
+            timed = _timed(function)
             timed.device_work = True
             setattr(engine_module, name, timed)
+    launch = getattr(engine_module.Engine, "_launch_decode", None)
+    if launch is not None and not getattr(launch, "device_work", False):
+
+        def counted(engine: Any, *args: Any, **kwargs: Any) -> Any:
+            DEVICE_WORK["decode_steps"] += 1
+            DEVICE_WORK["decode_rows"] += len(engine.running)
+            return launch(engine, *args, **kwargs)
+
+        counted.device_work = True
+        engine_module.Engine._launch_decode = counted  # pyright: ignore[reportPrivateUsage]
 
 
 def bench_engine(
