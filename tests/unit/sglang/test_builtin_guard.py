@@ -1,7 +1,7 @@
 """No request can harm the others, over both fronts of the built-in engine (HTTP and gRPC, served in process
 on loopback over a tiny Llama): bounds checked before admission, disconnects noticed, loads read from the
-scheduler's snapshot. For each bad input, requests started before it finish normally and the engine answers
-a later request."""
+scheduler's snapshot, a server shutting down answers unavailable. For each bad input, requests started
+before it finish normally and the engine answers a later request."""
 
 from __future__ import annotations
 
@@ -18,10 +18,13 @@ from aiohttp.test_utils import TestClient
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
+from asyncrl_core.errors import EngineUnavailableError
+from asyncrl_core.types import SamplingParams
 from asyncrl_sglang.builtin.engine import Engine, Request
 from asyncrl_sglang.builtin.grpc_service import SchedulerService, start_grpc_server
 from asyncrl_sglang.builtin.sampling import SamplingOptions
 from asyncrl_sglang.builtin.server import BuiltinServer
+from asyncrl_sglang.client import RetryPolicy, SGLangClient
 
 WAIT_S = 60.0
 LONG = {"max_new_tokens": 60, "ignore_eos": True, "temperature": 0.0}
@@ -185,6 +188,27 @@ async def test_a_full_queue_answers_503(make_served: Callable[..., Any]) -> None
     for task in queued:
         assert (await asyncio.wait_for(task, WAIT_S))[0] == 200
     await _finish_normally(served, others)
+
+
+async def test_a_server_shutting_down_answers_generate_as_unavailable(
+    make_served: Callable[..., Any],
+) -> None:
+    # The engine stops before the server does: a request that arrives meanwhile (over a connection kept
+    # alive) may go to another engine or to this one restarted (503, UNAVAILABLE), and is not refused for
+    # good (500, UNKNOWN: its group would be dropped).
+    served: Served = await make_served()
+    served.server.ready = False
+    await asyncio.to_thread(served.engine.stop)
+    status, body = await _post(served, input_ids=[1, 2], sampling_params={"max_new_tokens": 1})
+    assert (status, body["code"], body["message"]) == (503, 503, "The server is shutting down.")
+    url = str(served.client.make_url("")).rstrip("/")
+    async with SGLangClient(url, retry=RetryPolicy(max_attempts=1)) as client:
+        with pytest.raises(EngineUnavailableError, match="shutting down"):
+            await client.generate([1, 2], SamplingParams(max_new_tokens=1))
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        async for _ in served.stub.Generate(_grpc_request(), timeout=WAIT_S):
+            pass
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
 # ---------------------------------------------------------------------------------------------- disconnects

@@ -85,6 +85,10 @@ is empty or a quarter of its slots are waiting): an eager prefill costs ~25 ms o
 30-layer model whatever its token count, so one prefill of many turns beats one per decode step."""
 
 
+class EngineStoppedError(RuntimeError):
+    """The engine has stopped (its server is shutting down): a call made now never runs."""
+
+
 class EngineBusyError(RuntimeError):
     """A control operation that needs an idle engine was called while requests are held or running."""
 
@@ -265,7 +269,7 @@ class Engine:
             return future
         with self._wake:
             if self._stopping:
-                future.set_exception(RuntimeError("the engine has stopped"))
+                future.set_exception(EngineStoppedError("the engine has stopped"))
                 return future
             self._commands.append((fn, future, drain))
             self._wake.notify()
@@ -465,7 +469,7 @@ class Engine:
                     commands = list(self._commands)
                     self._commands.clear()
                     for _, future, _ in commands:
-                        future.set_exception(RuntimeError("the engine has stopped"))
+                        future.set_exception(EngineStoppedError("the engine has stopped"))
                     return
                 commands = list(self._commands)
                 self._commands.clear()

@@ -36,7 +36,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from asyncrl_sglang._grpc_wire import authorization, encode_trailer, sampling_fields
-from asyncrl_sglang.builtin.engine import Engine, Request
+from asyncrl_sglang.builtin.engine import Engine, EngineStoppedError, Request
 from asyncrl_sglang.builtin.gate import AdmissionGate, Ticket
 from asyncrl_sglang.builtin.generate import (
     Call,
@@ -116,7 +116,7 @@ class SchedulerService(pb_grpc.SglangSchedulerServicer):
                 else:
                     try:
                         await self._submit(call, request.stream)
-                    except QueueFullError as error:
+                    except (QueueFullError, EngineStoppedError) as error:
                         await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
                     except RequestError as error:
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))

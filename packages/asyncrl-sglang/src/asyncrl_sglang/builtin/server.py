@@ -27,7 +27,7 @@ from asyncrl_sglang.builtin._http import (
     read_model,
     semantic_error,
 )
-from asyncrl_sglang.builtin.engine import Engine, EngineBusyError, PauseMode
+from asyncrl_sglang.builtin.engine import Engine, EngineBusyError, EngineStoppedError, PauseMode
 from asyncrl_sglang.builtin.gate import AdmissionGate
 from asyncrl_sglang.builtin.generate import GenerateRoutes, Limits, Tokenizer
 from asyncrl_sglang.builtin.info import InfoRoutes
@@ -178,6 +178,10 @@ class BuiltinServer:
             return web.json_response({"detail": "Method Not Allowed"}, status=405)
         except WireError as error:
             return error_response(str(error))
+        except EngineStoppedError:
+            # A request that reaches a server shutting down (a connection kept alive) may go to another
+            # engine, or to this one once restarted: unavailable, as SGLang answers while it shuts down.
+            return error_response("The server is shutting down.", 503, "Service Unavailable")
 
     @web.middleware
     async def _auth_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
