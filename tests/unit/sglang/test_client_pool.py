@@ -131,7 +131,9 @@ def test_an_empty_pool_is_refused() -> None:
 class Outage:
     """Engines that refuse connections while `down` holds their index (as a dead process's port does)."""
 
-    def __init__(self, count: int, down: set[int], recovery_timeout_s: float) -> None:
+    def __init__(
+        self, count: int, down: set[int], recovery_timeout_s: float, reprobe_interval_s: float = 5.0
+    ) -> None:
         self.down = down
         self.generated: list[tuple[int, str]] = []
         self.health_probes = 0
@@ -147,6 +149,7 @@ class Outage:
                 for index in range(count)
             ],
             recovery_timeout_s=recovery_timeout_s,
+            reprobe_interval_s=reprobe_interval_s,
         )
 
     def _handler(self, index: int) -> Callable[[httpx.Request], Awaitable[httpx.Response]]:
@@ -194,3 +197,38 @@ async def test_a_request_fails_when_no_engine_comes_back_in_time() -> None:
         with pytest.raises(EngineUnavailableError, match="engine0"):
             await pool.generate([1, 2], SamplingParams(), rid="r0")
         assert outage.generated == []
+
+
+async def test_an_engine_back_on_its_port_rejoins_routing_while_others_are_up() -> None:
+    outage = Outage(2, down={0}, recovery_timeout_s=0.0, reprobe_interval_s=0.0)
+    async with outage.pool as pool:
+        await pool.generate([1, 2], SamplingParams(), rid="r0", routing_key="moved")
+        assert outage.generated == [(1, "r0")]
+        assert pool.down == {0}
+        outage.down.clear()  # the engine is back on its port
+        await pool.generate([1, 2], SamplingParams(), rid="r1")  # starts a probe of engine 0
+        probes = list(pool._probes.values())  # pyright: ignore[reportPrivateUsage]
+        assert len(probes) == 1
+        await asyncio.wait_for(asyncio.gather(*probes), 10)
+        assert pool.down == frozenset()
+        await pool.generate([1, 2], SamplingParams(), rid="new")
+        await pool.generate([1, 2], SamplingParams(), rid="r2", routing_key="moved")
+        # New work fills the engine that came back; the key moved while it was down stays where it went.
+        assert outage.generated[-2:] == [(0, "new"), (1, "r2")]
+
+
+async def test_a_down_engine_is_probed_no_more_often_than_the_interval() -> None:
+    outage = Outage(2, down={0}, recovery_timeout_s=0.0, reprobe_interval_s=3600.0)
+    async with outage.pool as pool:
+        await pool.generate([1, 2], SamplingParams(), rid="r0")
+        assert outage.health_probes == 1  # the probe that found it down
+        for i in range(5):
+            await pool.generate([1, 2], SamplingParams(), rid=f"r{i + 1}")
+        await settle()
+        assert outage.health_probes == 1
+        assert pool.down == {0}
+
+
+def test_a_negative_reprobe_interval_is_refused() -> None:
+    with pytest.raises(ValueError, match="reprobe_interval_s must be >= 0, got -1"):
+        EnginePool([SGLangClient("http://e0")], reprobe_interval_s=-1.0)

@@ -3,10 +3,13 @@
 Routing: a request goes to the engine with the fewest outstanding requests from this pool (ties: the lowest
 index), among those not marked down; an engine is marked down when it cannot be reached and no longer
 answers `/health`, and its requests go again to another engine (or wait, up to `recovery_timeout_s`, for one
-to answer again: a restarted engine). A caller may pass a `routing_key` (for example the trajectory id):
+to answer again: a restarted engine). While other engines are up, a down engine's `/health` is probed again
+in the background at most every `reprobe_interval_s`, and it rejoins routing once it answers (the runner
+restarts a dead engine on its address). A caller may pass a `routing_key` (for example the trajectory id):
 every request with that key then goes to the engine the first one went to, so the turns of a multi-turn
-trajectory hit that engine's prefix cache. Sticky keys are forgotten least-recently-used beyond
-`max_sticky_keys`.
+trajectory hit that engine's prefix cache. A key whose engine went down moves to another engine and stays
+there when its first engine rejoins (that is where its prefix now is); new keys fill the rejoined one.
+Sticky keys are forgotten least-recently-used beyond `max_sticky_keys`.
 
 Pool-wide control (pause, continue, weight updates) runs on every engine at once and reports which engines
 failed. The pool also owns the client-side admission gate the `drain` pause mode needs: while it is closed,
@@ -32,6 +35,9 @@ T = TypeVar("T")
 RECOVERY_POLL_S = 0.5
 """Seconds between `/health` probes of engines that went down, while a request waits for one."""
 
+REPROBE_INTERVAL_S = 5.0
+"""Least seconds between background `/health` probes of an engine that went down, while others are up."""
+
 
 class EnginePool:
     """Clients of several engines, used as one `GenerationClient`; closes the clients on `aclose`."""
@@ -42,15 +48,24 @@ class EnginePool:
         *,
         max_sticky_keys: int = 100_000,
         recovery_timeout_s: float = 0.0,
+        reprobe_interval_s: float = REPROBE_INTERVAL_S,
     ) -> None:
         """`recovery_timeout_s`: how long a request whose engine went down waits for an engine to answer
-        `/health` again before it fails (0: it fails at once)."""
+        `/health` again before it fails (0: it fails at once). `reprobe_interval_s`: least seconds between
+        background `/health` probes of a down engine while other engines are up."""
         if not clients:
             raise ValueError("an engine pool needs at least one engine client")
+        if reprobe_interval_s < 0:
+            raise ValueError(f"reprobe_interval_s must be >= 0, got {reprobe_interval_s}")
         self.clients: tuple[SGLangClient, ...] = tuple(clients)
         self.recovery_timeout_s = recovery_timeout_s
         self._down: set[int] = set()
         """Engines that failed a request and have not answered `/health` since: routed around."""
+        self.reprobe_interval_s = reprobe_interval_s
+        self._reprobe_at = [0.0] * len(self.clients)
+        """When (`time.monotonic`) each down engine may next be probed in the background."""
+        self._probes: dict[int, asyncio.Task[None]] = {}
+        """Background `/health` probes running, by engine."""
         self._outstanding = [0] * len(self.clients)
         self._sticky: OrderedDict[str, int] = OrderedDict()
         self._max_sticky_keys = max_sticky_keys
@@ -70,7 +85,10 @@ class EnginePool:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Close every client."""
+        """Stop the background probes and close every client."""
+        for probe in self._probes.values():
+            probe.cancel()
+        await asyncio.gather(*self._probes.values(), return_exceptions=True)
         await asyncio.gather(*(client.aclose() for client in self.clients))
 
     @property
@@ -120,6 +138,7 @@ class EnginePool:
         while True:
             while not self._admission_open.is_set():
                 await self._admission_open.wait()
+            self._reprobe_due()
             index = self._pick(routing_key)
             self._outstanding[index] += 1
             self._num_inflight += 1
@@ -129,7 +148,7 @@ class EnginePool:
             except EngineUnavailableError as error:
                 if await self.clients[index].health():
                     raise
-                self._down.add(index)
+                self._mark_down(index)
                 lost = error
             finally:
                 self._outstanding[index] -= 1
@@ -137,6 +156,28 @@ class EnginePool:
                 if self._num_inflight == 0:
                     self._idle.set()
             await self._wait_available(lost)
+
+    def _mark_down(self, index: int) -> None:
+        self._down.add(index)
+        self._reprobe_at[index] = time.monotonic() + self.reprobe_interval_s
+
+    def _reprobe_due(self) -> None:
+        """Start a background `/health` probe of each down engine whose interval has passed, while some
+        engine is up (when none is, `_wait_available` probes them); one that answers rejoins routing."""
+        if not self._down or len(self._down) == len(self.clients):
+            return
+        now = time.monotonic()
+        for index in self._down:
+            if index not in self._probes and now >= self._reprobe_at[index]:
+                self._reprobe_at[index] = now + self.reprobe_interval_s
+                self._probes[index] = asyncio.create_task(self._reprobe(index))
+
+    async def _reprobe(self, index: int) -> None:
+        try:
+            if await self.clients[index].health():
+                self._down.discard(index)
+        finally:
+            del self._probes[index]
 
     async def _wait_available(self, lost: EngineUnavailableError) -> None:
         """Return once some engine is not marked down (probing the down ones' `/health`); `lost` again
