@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -42,16 +43,20 @@ from asyncrl_core.runner.ledger import audit_run
 from asyncrl_core.runner.workers import RunnerError
 from asyncrl_sglang.launcher import free_port
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.slow,
-    pytest.mark.timeout(900),
-    pytest.mark.usefixtures("local_ray"),
-]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 
 NAMED_WITHIN_S = 30.0
 """The issue's bound: a failure is recovered from, or the run stops naming it, within this of the fault."""
 NUM_STEPS = 20
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray() -> Iterator[None]:
+    ray = pytest.importorskip("ray")
+
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    yield
+    ray.shutdown()
 
 
 def _faulted_config(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -27,12 +28,7 @@ from asyncrl_core.config import AlgorithmConfig, TorchActorConfig
 from asyncrl_core.runner import run
 from asyncrl_core.runner.checkpoint import verify_checkpoint
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.slow,
-    pytest.mark.timeout(1200),
-    pytest.mark.usefixtures("local_ray"),
-]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 STEPS = {"tensor": 2, "distributed": 3}
 """The last step of each run: the `distributed` run resumes the `tensor` run's for one more step."""
@@ -55,6 +51,15 @@ class Runs:
 
     def actor_dir(self, step: int) -> Path:
         return self.run_dir / "checkpoints" / f"step_{step}" / "actor"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray() -> Iterator[None]:
+    ray = pytest.importorskip("ray")
+
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    yield
+    ray.shutdown()
 
 
 async def _read_engine(url: str, shapes: dict[str, tuple[int, ...]]) -> tuple[dict[str, torch.Tensor], int]:

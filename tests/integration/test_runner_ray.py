@@ -3,6 +3,7 @@ staleness cap that forces drops, evaluation and checkpoints. One local Ray insta
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -11,12 +12,16 @@ from runner_testing import read_metrics, read_summary, run_config
 from asyncrl_core import metrics
 from asyncrl_core.runner import run
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.slow,
-    pytest.mark.timeout(900),
-    pytest.mark.usefixtures("local_ray"),
-]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray() -> Iterator[None]:
+    ray = pytest.importorskip("ray")
+
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    yield
+    ray.shutdown()
 
 
 def _check_every_step_logged(run_dir: Path, num_steps: int, names: tuple[str, ...]) -> list[dict[str, float]]:
