@@ -171,7 +171,6 @@ def builtin_command(
     enable_metrics: bool = True,
     grpc_port: int | None = None,
     random_seed: int | None = None,
-    start_paused: bool = False,
     extra_args: Mapping[str, ServerArgument] | None = None,
     python: str = sys.executable,
 ) -> EngineCommand:
@@ -179,8 +178,7 @@ def builtin_command(
 
     `devices`: the GPU for the engine (`CUDA_VISIBLE_DEVICES`, and the engine runs on `cuda`); none runs
     it on the CPU. `grpc_port`: also serve SGLang's gRPC scheduler service there. `random_seed`: seed of
-    its sampling (`--random-seed`; none: the engine's default, 0). `start_paused`: it holds every generation
-    request until `/continue_generation` (`--start-paused`). `extra_args` add or override flags (the
+    its sampling (`--random-seed`; none: the engine's default, 0). `extra_args` add or override flags (the
     SGLang flags the engine implements, `disable_radix_cache: true` say); one it does not take is refused
     here, naming it, rather than when the engine starts.
     """
@@ -205,12 +203,6 @@ def builtin_command(
         arguments["grpc_port"] = grpc_port
     if random_seed is not None:
         arguments["random_seed"] = random_seed
-    if "--start-paused" in _flag_arguments(extra_args or {}):
-        raise EngineControlError(
-            "rollout.sglang.extra_args: start_paused is the launcher's to set (an engine the runner restarts "
-            "starts paused until it has the actor's weights); remove it"
-        )
-    arguments["start_paused"] = start_paused
     arguments.update(extra_args or {})
     flags = _flag_arguments(arguments)
     if extra_args:
@@ -499,7 +491,6 @@ def launch_engines(
     health_timeout_s: float = 600.0,
     random_seed: int | None = None,
     advertise_host: str = LOOPBACK,
-    start_paused: bool = False,
 ) -> LaunchedEngines:
     """Start (or, for `external`, reach) the engines `rollout` describes and wait until they are healthy.
 
@@ -508,18 +499,9 @@ def launch_engines(
     `len(devices) // tensor_parallel_size` (at least 1). The engines bind to `rollout.sglang.host`
     (loopback when unset; the runner sets it per node), on ports picked free here; `advertise_host` is the
     host of their URLs when they bind every interface (the node's address in a cluster). `random_seed`:
-    instance `i` samples with seed `random_seed + i` (none: each engine's default). `start_paused`: the
-    engines started hold every generation request, from before they listen, until `/continue_generation`
-    (a weight sync in `retract` or `in_place` mode ends with it); only the built-in engine can (SGLang has
-    no such flag, and a pause sent once it answers would let a request through first). Servers reached
-    (`external`) are left as they are.
+    instance `i` samples with seed `random_seed + i` (none: each engine's default).
     """
     sglang = rollout.sglang
-    if start_paused and sglang.launch == "sglang":
-        raise EngineControlError(
-            "an SGLang server cannot start paused (it has no flag for it, and a pause sent once it answers "
-            "would let requests through first); only launch: builtin engines can"
-        )
     if sglang.launch == "external":
         if not sglang.urls:
             raise EngineControlError("rollout.sglang.launch is external but rollout.sglang.urls is empty")
@@ -557,7 +539,6 @@ def launch_engines(
                 grpc_port=grpc_ports[index],
                 devices=tuple(devices[index * tp : (index + 1) * tp]) if gpu else (),
                 random_seed=None if random_seed is None else random_seed + index,
-                start_paused=start_paused,
             )
             for index, port in enumerate(ports)
         ]
@@ -587,7 +568,6 @@ def _engine_command(
     grpc_port: int | None,
     devices: tuple[int, ...],
     random_seed: int | None,
-    start_paused: bool,
 ) -> EngineCommand:
     sglang = rollout.sglang
     if sglang.launch == "sglang":
@@ -613,7 +593,6 @@ def _engine_command(
         api_key=sglang.api_key,
         grpc_port=grpc_port,
         random_seed=random_seed,
-        start_paused=start_paused,
         extra_args=sglang.extra_args,
     )
 
