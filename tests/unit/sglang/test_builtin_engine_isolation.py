@@ -1,6 +1,7 @@
 """The built-in engine's scheduler keeps requests apart: a request that makes a step fail, or whose callback
-fails, ends alone; a step failure no request reproduces alone costs nobody their output; the stop-string
-matcher, incremental, stops where a full decode of the output would."""
+fails, ends alone (an abort with status 500, answered as an error); a step failure no request reproduces
+alone costs nobody their output; the stop-string matcher, incremental, stops where a full decode of the
+output would."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from asyncrl_sglang.builtin.engine import Engine, Request
+from asyncrl_sglang.builtin.engine import INTERNAL_ERROR, Engine, Request
 from asyncrl_sglang.builtin.model import EngineModel
 from asyncrl_sglang.builtin.sampling import SamplingOptions
 from asyncrl_sglang.builtin.snapshot import WaitingQueue
@@ -80,6 +81,7 @@ def test_a_request_that_fails_the_step_ends_alone(engine: Engine) -> None:
     assert bad_done.wait(WAIT_S)
     assert bad.finish_reason is not None
     assert bad.finish_reason["type"] == "abort"
+    assert bad.finish_reason["status_code"] == INTERNAL_ERROR  # answered as an error, not a partial output
     assert "Internal engine error" in bad.finish_reason["message"]
     for request, done in others:
         _assert_finished_normally(request, done)
@@ -98,6 +100,7 @@ def test_a_failing_update_callback_ends_only_its_request(engine: Engine) -> None
     assert bad_done.wait(WAIT_S)
     assert bad.finish_reason is not None
     assert bad.finish_reason["type"] == "abort"
+    assert bad.finish_reason["status_code"] == INTERNAL_ERROR
     assert "update callback" in bad.finish_reason["message"]
     for request, done in others:
         _assert_finished_normally(request, done)
@@ -172,6 +175,7 @@ def test_a_request_whose_cached_prefix_cannot_load_ends_alone(
     assert bad_done.wait(WAIT_S)
     assert bad.finish_reason is not None
     assert bad.finish_reason["type"] == "abort"
+    assert bad.finish_reason["status_code"] == INTERNAL_ERROR
     assert "unreadable" in bad.finish_reason["message"]
     for request, done in others:
         _assert_finished_normally(request, done)

@@ -20,7 +20,7 @@ from aiohttp.test_utils import TestClient
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from asyncrl_core.errors import EngineUnavailableError
+from asyncrl_core.errors import EngineUnavailableError, GenerationError
 from asyncrl_core.types import SamplingParams
 from asyncrl_sglang.builtin.engine import Engine, EngineStoppedError, Request, shutdown_reason
 from asyncrl_sglang.builtin.grpc_service import SchedulerService, start_grpc_server
@@ -28,6 +28,7 @@ from asyncrl_sglang.builtin.model import EngineModel
 from asyncrl_sglang.builtin.sampling import SamplingOptions
 from asyncrl_sglang.builtin.server import BuiltinServer
 from asyncrl_sglang.client import RetryPolicy, SGLangClient
+from asyncrl_sglang.grpc_client import GrpcSGLangClient
 
 WAIT_S = 60.0
 LONG = {"max_new_tokens": 60, "ignore_eos": True, "temperature": 0.0}
@@ -38,6 +39,7 @@ class Served:
     client: TestClient[Any, Any]
     server: BuiltinServer
     stub: pb_grpc.SglangSchedulerStub
+    grpc_target: str
 
     @property
     def engine(self) -> Engine:
@@ -56,7 +58,7 @@ async def make_served(make_client: Callable[..., Any]) -> AsyncIterator[Callable
         grpc_server, port = await start_grpc_server(service, "127.0.0.1", 0, None)
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         started.append((grpc_server, channel))
-        return Served(client, server, pb_grpc.SglangSchedulerStub(channel))
+        return Served(client, server, pb_grpc.SglangSchedulerStub(channel), f"127.0.0.1:{port}")
 
     yield make
     for grpc_server, channel in started:
@@ -243,6 +245,59 @@ async def test_requests_the_engine_stops_under_answer_unavailable_not_a_partial_
     status, body = await asyncio.wait_for(http, WAIT_S)
     assert (status, body["code"], body["message"]) == (503, 503, "The server is shutting down.")
     assert await asyncio.wait_for(rpc, WAIT_S) == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_a_request_that_fails_alone_answers_an_internal_error_not_a_partial_output(
+    make_served: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A request that fails on its own in the engine (here: a cached block of its prompt cannot be read) was
+    # finished as a user abort (200, its partial output), which an agent loop ends its episode on and the
+    # run may train. SGLang marks an internal error with status 500 and answers it as an error: HTTP 500 and
+    # its ErrorResponse, in a stream the abort with its status as the last event, gRPC INTERNAL. The clients
+    # take it as a failed request and do not send it again (it fails alone: it would fail again).
+    served: Served = await make_served()
+    cache = served.engine.prefix_cache
+    assert cache is not None
+    load = cache.load
+    poisoned = [99] * 40
+
+    def load_unless_poisoned(tokens: Any, *args: Any) -> int:
+        if list(tokens[:40]) == poisoned:
+            raise RuntimeError("a cached block of this prefix is unreadable")
+        return load(tokens, *args)
+
+    monkeypatch.setattr(cache, "load", load_unless_poisoned)
+    others = await _started_before(served)
+    prompt = [*poisoned, 1]
+    status, body = await _post(served, input_ids=prompt, sampling_params={"max_new_tokens": 4})
+    assert status == 500
+    assert body["message"].startswith("Internal engine error:") and "unreadable" in body["message"]
+    assert body == {"object": "error", "message": body["message"], "type": "500", "param": None, "code": 500}
+
+    response = await served.client.post(
+        "/generate", json={"input_ids": prompt, "stream": True, "sampling_params": {"max_new_tokens": 4}}
+    )
+    assert response.status == 200
+    chunks = [c for c in (await response.text()).split("\n\n") if c]
+    assert chunks[-1] == "data: [DONE]"
+    last = json.loads(chunks[-2].removeprefix("data: "))
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
+    assert last["meta_info"]["finish_reason"]["status_code"] == 500
+
+    with pytest.raises(grpc.aio.AioRpcError) as failed:
+        async for _ in served.stub.Generate(_grpc_request(input_ids=prompt), timeout=WAIT_S):
+            pass
+    assert failed.value.code() == grpc.StatusCode.INTERNAL
+    assert "unreadable" in (failed.value.details() or "")
+
+    url = str(served.client.make_url("")).rstrip("/")
+    for client in (SGLangClient(url), GrpcSGLangClient(url, served.grpc_target)):
+        before = served.engine.snapshot.counters.num_requests_total
+        async with client:
+            with pytest.raises(GenerationError, match="Internal engine error"):
+                await client.generate(prompt, SamplingParams(max_new_tokens=4))
+        assert served.engine.snapshot.counters.num_requests_total == before + 1  # not sent again
+    await _finish_normally(served, others)
 
 
 async def test_a_user_abort_still_answers_the_partial_output(make_served: Callable[..., Any]) -> None:

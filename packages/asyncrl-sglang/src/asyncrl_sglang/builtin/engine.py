@@ -30,9 +30,9 @@ prefilled into the slots of finished rows and after the running ones, and the ne
 ids with their first tokens put in place on the device. Between sync points a slot changes hands only there.
 
 No request can take the others down: a step that raises is retried request by request (`_recover`), and only
-a request that fails on its own is finished with the error; an `on_update` callback that raises ends its own
-request. Other threads read the engine through `snapshot` (an `EngineSnapshot` the scheduler swaps in),
-never through the containers it mutates.
+a request that fails on its own is finished with the error (an abort with status 500); an `on_update`
+callback that raises ends its own request (status 500 too). Other threads read the engine through
+`snapshot` (an `EngineSnapshot` the scheduler swaps in), never through the containers it mutates.
 """
 
 from __future__ import annotations
@@ -100,6 +100,12 @@ def shutdown_reason() -> dict[str, Any]:
     another engine, or to this one restarted) instead of taking the cut-off output as the model's end. A user
     abort (`abort_request`, a pause in abort mode) has status null and answers its partial output (200)."""
     return {"type": "abort", "message": SHUTTING_DOWN, "status_code": 503, "err_type": None}
+
+
+INTERNAL_ERROR = 500
+"""The status of a request the engine finishes because it failed on its own (`_recover`, a callback that
+raises), as SGLang marks an internal error (`FINISH_ABORT(message, HTTPStatus.INTERNAL_SERVER_ERROR)`): its
+server answers it as an error, never with the partial output, which the model did not end."""
 
 
 class EngineBusyError(RuntimeError):
@@ -568,7 +574,7 @@ class Engine:
                 self.running.clear()
                 if not request.finished:
                     logger.exception("request %s fails alone: finished with the error", request.rid)
-                    self._abort(request, f"Internal engine error: {probe_error}")
+                    self._abort(request, f"Internal engine error: {probe_error}", INTERNAL_ERROR)
                 continue
             if not request.finished:
                 self._store_prefix(request, 0)  # its re-prefill then copies what the probe computed
@@ -588,7 +594,9 @@ class Engine:
         except Exception as error:
             logger.exception("the update callback of request %s failed", request.rid)
             if not finished and not request.finished:
-                self._abort(request, f"Internal engine error: the update callback failed: {error}")
+                self._abort(
+                    request, f"Internal engine error: the update callback failed: {error}", INTERNAL_ERROR
+                )
 
     def _has_work(self) -> bool:
         return self.paused is None and not self.weights_released and bool(self.running or self.waiting)
@@ -1011,10 +1019,12 @@ class Engine:
         self._publish()  # a client told that its request finished never reads a snapshot where it runs
         self._notify(request, True)
 
-    def _abort(self, request: Request, message: str) -> None:
+    def _abort(self, request: Request, message: str, status_code: int | None = None) -> None:
+        """Finish `request` as aborted: status None for a user's abort (answered with its partial output),
+        500 for a failure of the engine itself (answered as an error, see `generate.error_abort`)."""
         self.counters.num_aborted_requests_total += 1
-        status = None
-        self._finish(request, {"type": "abort", "message": message, "status_code": status, "err_type": None})
+        reason = {"type": "abort", "message": message, "status_code": status_code, "err_type": None}
+        self._finish(request, reason)
 
     def _free_slot(self, slot: int) -> None:
         """Remove the running request in `slot`, moving the last running request's KV into its place."""

@@ -151,7 +151,7 @@ class GenerateRoutes:
                 except QueueFullError as error:
                     if body.stream:
                         return await self._stream_error(request, str(error), 503)
-                    return error_response(str(error), 503, "Service Unavailable")
+                    return error_response(str(error), 503, "503")  # SGLang's abort with status 503
                 except RequestError as error:
                     if body.stream:
                         return await self._stream_error(request, str(error))
@@ -267,9 +267,10 @@ class GenerateRoutes:
             index, _, done = await self._next_update(http, submission)
             if done:
                 finished.add(index)
-        cut_off = unavailable(submission.requests)
-        if cut_off is not None:
-            return error_response(cut_off, 503, "Service Unavailable")
+        failed = error_abort(submission.requests)
+        if failed is not None:
+            status, message = failed
+            return error_response(message, status, str(status))
         bodies = [self._render(r, len(r.output_ids), True, output) for r in submission.requests]
         if not is_list:
             reason = submission.requests[0].finish_reason or {}
@@ -531,15 +532,24 @@ def abort_unfinished(engine: Engine, requests: Sequence[Request]) -> None:
         engine.call_async(lambda: [engine.abort(rid) for rid in unfinished])
 
 
-def unavailable(requests: Sequence[Request]) -> str | None:
-    """The message of the first request that the engine could not serve to its end (its abort carries status
-    503: the engine stopped), or None. Such a call is answered 503 (gRPC `UNAVAILABLE`), as SGLang answers an
-    abort with that status, not with a partial output: the client sends it again, never taking the cut-off
-    output for the model's end."""
+ERROR_STATUSES = (500, 503)
+"""The statuses of an abort that SGLang answers as an error (`_handle_abort_finish_reason`), never with the
+partial output: 503, the engine stopped (`engine.shutdown_reason`), and 500, the request failed on its own
+(`engine.INTERNAL_ERROR`)."""
+
+
+def error_abort(requests: Sequence[Request]) -> tuple[int, str] | None:
+    """The status and message of the first of the call's requests that the engine ended with an error (an
+    abort carrying a status of `ERROR_STATUSES`), or None. The call is then answered as SGLang answers it: an
+    HTTPException of that status (its `ErrorResponse`, `type` the status's digits), gRPC `UNAVAILABLE` for 503
+    (the client sends the request again) or `INTERNAL` for 500 (the request failed: the client does not take
+    it for an answer). A stream already sent has the abort, status included, in its last event, as SGLang's.
+    Either way no client takes the output cut off by the error for the model's end."""
     for request in requests:
         reason = request.finish_reason or {}
-        if reason.get("type") == "abort" and reason.get("status_code") == 503:
-            return str(reason.get("message"))
+        status = reason.get("status_code")
+        if reason.get("type") == "abort" and status in ERROR_STATUSES:
+            return int(status), str(reason.get("message"))
     return None
 
 

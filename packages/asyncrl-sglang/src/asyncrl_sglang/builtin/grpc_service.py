@@ -17,8 +17,9 @@ Errors are gRPC status codes with the meaning of the HTTP errors: a bad value, a
 sampling field, an empty or out-of-vocabulary prompt, a prompt too long for the context or a duplicate
 request id is INVALID_ARGUMENT (what SGLang's servicer answers for its `ValueError`s, the over-context case
 included), with the message `/generate` gives; a full waiting queue, and a request cut off or refused because
-the engine stops, are UNAVAILABLE (SGLang's 503: the client sends it again); a missing or wrong API key is
-UNAUTHENTICATED (`HealthCheck`, like `/health`, needs none).
+the engine stops, are UNAVAILABLE (SGLang's 503: the client sends it again); a request that failed on its own
+in the engine (`Internal engine error: ...`) is INTERNAL (SGLang's 500: the request failed, its partial output
+is no answer); a missing or wrong API key is UNAUTHENTICATED (`HealthCheck`, like `/health`, needs none).
 """
 
 from __future__ import annotations
@@ -49,9 +50,9 @@ from asyncrl_sglang.builtin.generate import (
     add_requests,
     check_prompt,
     check_unique,
+    error_abort,
     forwarder,
     prompt_requests,
-    unavailable,
 )
 from asyncrl_sglang.builtin.info import (
     HEALTH_CHECK_TIMEOUT_S,
@@ -67,6 +68,9 @@ from asyncrl_sglang.builtin.sampling import RequestError, SamplingOptions
 from asyncrl_sglang.wire import SamplingParamsBody, WireError, parse_object
 
 SERVER_TYPE = "grpc"
+_ABORT_CODES = {503: grpc.StatusCode.UNAVAILABLE, 500: grpc.StatusCode.INTERNAL}
+"""The code of a call one of whose requests the engine ended with an error (`generate.error_abort`), as
+SGLang's servicer maps the status of such an abort."""
 _UNSUPPORTED_FIELDS = (
     "mm_inputs",
     "input_embeds",
@@ -124,9 +128,10 @@ class SchedulerService(pb_grpc.SglangSchedulerServicer):
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
                     async for response in self._responses(call, request.stream):
                         yield response
-                    cut_off = unavailable(requests)
-                    if cut_off is not None:
-                        await context.abort(grpc.StatusCode.UNAVAILABLE, cut_off)
+                    failed = error_abort(requests)
+                    if failed is not None:
+                        status, message = failed
+                        await context.abort(_ABORT_CODES[status], message)
                 context.set_trailing_metadata(
                     encode_trailer(
                         [
