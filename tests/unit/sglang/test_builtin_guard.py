@@ -271,7 +271,8 @@ async def test_a_request_that_fails_alone_answers_an_internal_error_not_a_partia
     prompt = [*poisoned, 1]
     status, body = await _post(served, input_ids=prompt, sampling_params={"max_new_tokens": 4})
     assert status == 500
-    assert body["message"].startswith("Internal engine error:") and "unreadable" in body["message"]
+    assert body["message"].startswith("Internal engine error:")
+    assert "unreadable" in body["message"]
     assert body == {"object": "error", "message": body["message"], "type": "500", "param": None, "code": 500}
 
     response = await served.client.post(

@@ -152,7 +152,8 @@ class MultiTurnAgentLoop:
 
     Failures of a group are raised by `run_group`, typed by whether a retry can mend them (the runner drops
     or re-issues the prompt accordingly): `PromptTooLongError` (the prompt exceeds `max_prompt_len`) and
-    `GenerationError` (the engine refused a request: a 400, retrying sends the same request) will not pass;
+    `GenerationError` (the engine refused a request, a 400, or failed it on its own, a 500: retrying sends
+    the same request) will not pass;
     `EngineUnavailableError` (no engine answered within the client's retries and timeouts) may.
 
     Args:

@@ -52,7 +52,8 @@ class ActorError(AsyncRLError):
 
 
 class GenerationError(AsyncRLError):
-    """The rollout engine refused a request (bad input, prompt too long); retrying will not help."""
+    """The rollout engine refused a request (bad input, prompt too long: a 400) or failed it on its own (an
+    internal error that the request reproduced alone: a 500); retrying will not help."""
 
 
 class PromptTooLongError(AsyncRLError, ValueError):

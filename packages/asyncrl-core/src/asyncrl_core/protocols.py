@@ -65,7 +65,8 @@ class GenerationClient(Protocol):
         Returns when the request finishes. A request paused by a weight sync continues after it (retract or
         in_place) or is held back until the sync is done (drain); `Generation.version_spans` records which
         weights produced which tokens. Raises `asyncrl_core.errors.GenerationError` for a request the
-        engine refused (too long for the context, bad sampling values).
+        engine refused (too long for the context, bad sampling values) or failed on its own (an internal
+        error), never a partial output in place of the model's end.
         """
         ...
 

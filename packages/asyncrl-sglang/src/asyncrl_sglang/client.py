@@ -348,8 +348,10 @@ class SGLangClient:
         `rid` names the request on the server (a fresh uuid4 hex when None), so it can be aborted;
         `routing_key` is ignored (one engine: every request goes to it). Raises
         `GenerationError` with the server's message when the engine refuses the request (400: too long for
-        the context, bad sampling values, a rid already in flight), and `EngineUnavailableError` when the
-        engine cannot be reached or the request does not finish within `timeouts.generate_s`.
+        the context, bad sampling values, a rid already in flight) or fails it (500: an internal error of
+        the engine, such as a request that fails a step on its own; never sent again), and
+        `EngineUnavailableError` when the engine cannot be reached or the request does not finish within
+        `timeouts.generate_s`.
         """
         rid = rid or uuid.uuid4().hex
         body = generate_body(input_ids, sampling, rid)
@@ -397,8 +399,11 @@ class SGLangClient:
                             f"{self.base_url}/generate answered 503: {message}"
                         )
                         continue
+                    # Final: a 4xx refuses the request as it is, a 500 is a failure the engine met running it
+                    # alone (SGLang's internal error): sent again, it would fail again.
+                    verb = "failed" if response.status_code >= 500 else "refused"
                     raise GenerationError(
-                        f"{self.base_url}/generate refused request {rid} ({response.status_code}): {message}"
+                        f"{self.base_url}/generate {verb} request {rid} ({response.status_code}): {message}"
                     )
         except TimeoutError as exc:
             await self._abort_quietly(rid)

@@ -16,9 +16,10 @@ object, and a token sampled just before a pause but delivered after the continue
 Once a server has sent spans, requests to it are no longer streamed (one message per request).
 
 Errors keep the HTTP client's meaning: a request the engine refuses (`INVALID_ARGUMENT`, `OUT_OF_RANGE`,
-`UNAUTHENTICATED`, ...) raises `GenerationError` with the server's message; `UNAVAILABLE` is retried under
-the same request id after aborting it (a duplicate id that the client's own resend caused is waited out),
-and raises `EngineUnavailableError` once the retries or `timeouts.generate_s` are spent. A call cancelled by
+`UNAUTHENTICATED`, ...) or fails (`INTERNAL`, HTTP's 500) raises `GenerationError` with the server's message;
+`UNAVAILABLE` is retried under the same request id after aborting it (a duplicate id that the client's own
+resend caused is waited out), and raises `EngineUnavailableError` once the retries or `timeouts.generate_s`
+are spent. A call cancelled by
 the caller cancels its RPC, which aborts the request on the server.
 """
 
@@ -162,8 +163,9 @@ class GrpcSGLangClient(SGLangClient):
                             continue
                         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                             raise TimeoutError from error
+                        verb = "failed" if code == grpc.StatusCode.INTERNAL else "refused"
                         raise GenerationError(
-                            f"{self.grpc_target} Generate refused request {rid} ({code.name}): {details}"
+                            f"{self.grpc_target} Generate {verb} request {rid} ({code.name}): {details}"
                         ) from None
         except TimeoutError as exc:
             await self._abort_quietly(rid)

@@ -21,7 +21,8 @@ class RunnerError(AsyncRLError):
 
 PERMANENT_ERRORS: tuple[type[AsyncRLError], ...] = (PromptTooLongError, GenerationError)
 """Failures of a group that retrying cannot mend (a prompt too long for `data.max_prompt_len`, a request the
-engine refused with a 400): the prompt is dropped for good with the error as its reason. Every other
+engine refused with a 400 or failed with a 500): the prompt is dropped for good with the error as its reason,
+and its group is never trained. Every other
 `AsyncRLError` of a group (an engine that died or did not answer) hands the prompt back to be issued again."""
 
 
