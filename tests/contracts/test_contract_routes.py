@@ -475,7 +475,7 @@ async def test_20_distributed_group_lifecycle(
         await transport.connect(pool)
         await client.pause("abort")
         try:
-            await transport.push(pool, weights, weight_version=11, flush_cache=True)
+            assert await transport.push(pool, weights, weight_version=11, flush_cache=True) == {}
         finally:
             await client.continue_generation()
         assert await client.weight_version() == 11

@@ -43,11 +43,14 @@ def engines() -> Iterator[list[Engine]]:
 async def make_client(
     tiny_model: EngineModel, tokenizer: Any, tiny_llama_path: Path
 ) -> AsyncIterator[Callable[..., Any]]:
-    """Start an engine over `tiny_model` behind the HTTP routes, served on loopback by aiohttp's test server:
-    `await make_client(**server_args_overrides)` gives `(client, server)`; everything stops at teardown."""
+    """Start an engine over `tiny_model` (or `model=`) behind the HTTP routes, served on loopback by aiohttp's
+    test server: `await make_client(**server_args_overrides)` gives `(client, server)`; everything stops at
+    teardown."""
     started: list[tuple[Engine, TestClient[Any, Any]]] = []
 
-    async def make(**overrides: Any) -> tuple[TestClient[Any, Any], BuiltinServer]:
+    async def make(
+        model: EngineModel | None = None, **overrides: Any
+    ) -> tuple[TestClient[Any, Any], BuiltinServer]:
         args = ServerArgs(
             model_path=str(tiny_llama_path),
             served_model_name="tiny",
@@ -55,7 +58,7 @@ async def make_client(
             **{"context_length": 2048, "max_running_requests": 8, **overrides},
         )
         engine = Engine(
-            tiny_model,
+            model or tiny_model,
             max_running_requests=args.max_running_requests,
             context_length=args.context_length,
             weight_version=args.weight_version,

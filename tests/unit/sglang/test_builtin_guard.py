@@ -6,7 +6,9 @@ before it finish normally and the engine answers a later request."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,8 +22,9 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from asyncrl_core.errors import EngineUnavailableError
 from asyncrl_core.types import SamplingParams
-from asyncrl_sglang.builtin.engine import Engine, Request
+from asyncrl_sglang.builtin.engine import Engine, EngineStoppedError, Request, shutdown_reason
 from asyncrl_sglang.builtin.grpc_service import SchedulerService, start_grpc_server
+from asyncrl_sglang.builtin.model import EngineModel
 from asyncrl_sglang.builtin.sampling import SamplingOptions
 from asyncrl_sglang.builtin.server import BuiltinServer
 from asyncrl_sglang.client import RetryPolicy, SGLangClient
@@ -209,6 +212,105 @@ async def test_a_server_shutting_down_answers_generate_as_unavailable(
         async for _ in served.stub.Generate(_grpc_request(), timeout=WAIT_S):
             pass
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_requests_the_engine_stops_under_answer_unavailable_not_a_partial_output(
+    make_served: Callable[..., Any],
+) -> None:
+    # A request cut off by the engine stopping was not ended by the model: answered with its partial output
+    # and finish reason abort (200), it would be trained as if the model had ended there. SGLang answers an
+    # abort that carries status 503 as a 503: the client sends the request again (another engine, or this
+    # one restarted). An HTTP call and a gRPC call, both running when the engine stops.
+    served: Served = await make_served()
+    endless = {"max_new_tokens": 2000, "ignore_eos": True}
+    http = asyncio.create_task(_post(served, input_ids=[5, 6, 7], sampling_params=endless))
+
+    async def grpc_call() -> grpc.StatusCode:
+        request = _grpc_request(
+            request_id="cut", sampling_params=pb.SamplingParams(max_new_tokens=2000, ignore_eos=True)
+        )
+        try:
+            async for _ in served.stub.Generate(request, timeout=WAIT_S):
+                pass
+        except grpc.aio.AioRpcError as error:
+            return error.code()
+        return grpc.StatusCode.OK
+
+    rpc = asyncio.create_task(grpc_call())
+    await _until(lambda: served.engine.snapshot.num_running == 2)
+    served.server.ready = False
+    await asyncio.to_thread(served.engine.stop)
+    status, body = await asyncio.wait_for(http, WAIT_S)
+    assert (status, body["code"], body["message"]) == (503, 503, "The server is shutting down.")
+    assert await asyncio.wait_for(rpc, WAIT_S) == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_a_user_abort_still_answers_the_partial_output(make_served: Callable[..., Any]) -> None:
+    # `abort_request` (and a pause in abort mode) keeps its documented answer: 200, partial output, abort.
+    served: Served = await make_served()
+    http = asyncio.create_task(
+        _post(served, input_ids=[5, 6, 7], rid="mine", sampling_params={"max_new_tokens": 2000})
+    )
+    await _until(lambda: served.engine.snapshot.num_running == 1)
+    response = await served.client.post("/abort_request", json={"abort_all": True})
+    assert response.status == 200
+    status, body = await asyncio.wait_for(http, WAIT_S)
+    assert status == 200
+    assert body["meta_info"]["finish_reason"]["type"] == "abort"
+    assert body["meta_info"]["finish_reason"]["status_code"] is None
+
+
+def test_a_request_queued_while_the_engine_stops_is_answered(
+    tiny_model: EngineModel, engines: list[Engine]
+) -> None:
+    # A request queued after the engine's last abort of what it holds, before its scheduler ends (here by
+    # the update callback of a request that the stop finishes), was left unanswered until the process
+    # exited. Every call that reaches a stopping engine is answered: refused, or finished as cut off.
+    engine = Engine(tiny_model)
+    engine.start()
+    engines.append(engine)
+    late = Request(rid="late", prompt_ids=[1, 2, 3], options=SamplingOptions(max_new_tokens=500))
+    queued: list[concurrent.futures.Future[None]] = []
+
+    def queue_late(_request: Request, finished: bool) -> None:
+        if finished:
+            queued.append(engine.call_async(lambda: engine.add_request(late)))
+
+    first = Request(
+        rid="first",
+        prompt_ids=[1, 2],
+        options=SamplingOptions(max_new_tokens=2000, ignore_eos=True),
+        on_update=queue_late,
+    )
+    engine.call(lambda: engine.add_request(first), timeout_s=WAIT_S)
+    deadline = time.monotonic() + WAIT_S
+    while engine.snapshot.num_running < 1 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    engine.stop()
+    assert first.finish_reason == shutdown_reason()
+    assert len(queued) == 1
+    try:
+        queued[0].result(timeout=WAIT_S)
+    except EngineStoppedError:
+        return  # refused: the caller answers 503
+    assert late.finish_reason == shutdown_reason()
+
+
+async def test_calls_held_at_the_pause_gate_are_answered_when_the_server_stops(
+    make_served: Callable[..., Any],
+) -> None:
+    # Requests held by a pause wait for a continue; a server that stops instead answers them (503), as it
+    # answers every call that reaches it then.
+    served: Served = await make_served()
+    response = await served.client.post("/pause_generation", json={"mode": "retract"})
+    assert response.status == 200
+    held = asyncio.create_task(_post(served, input_ids=[1, 2], sampling_params={"max_new_tokens": 2}))
+    await _until(lambda: served.server.gate.num_waiting == 1)
+    await served.server.stop()
+    status, body = await asyncio.wait_for(held, WAIT_S)
+    assert (status, body["code"], body["message"]) == (503, 503, "The server is shutting down.")
+    status, body = await _post(served, input_ids=[1, 2], sampling_params={"max_new_tokens": 2})
+    assert (status, body["message"]) == (503, "The server is shutting down.")
 
 
 # ---------------------------------------------------------------------------------------------- disconnects

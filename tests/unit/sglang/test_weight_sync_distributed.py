@@ -125,7 +125,7 @@ async def test_buckets_reach_an_sglang_style_group_member(peer: subprocess.Popen
     )
     async with EnginePool([SGLangClient("http://engine", transport=httpx.MockTransport(engine))]) as pool:
         await transport.connect(pool)
-        await transport.push(pool, bucket, weight_version=3, flush_cache=False)
+        assert await transport.push(pool, bucket, weight_version=3, flush_cache=False) == {}
         await transport.close(pool)
     assert bodies["/init_weights_update_group"] == {
         "master_address": "127.0.0.1",

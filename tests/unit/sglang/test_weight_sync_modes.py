@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -223,21 +224,74 @@ async def test_drain_timeout_reopens_admission_and_updates_nothing() -> None:
     assert "/update_weights_from_tensor" not in calls
 
 
-async def test_a_failing_engine_is_named_and_every_engine_is_continued() -> None:
+async def test_an_engine_that_fails_a_bucket_is_left_paused_and_the_others_finish() -> None:
+    # Engine 1 fails the first bucket: it holds weights of no version (a failed load may have applied
+    # part), so it must not generate; the others take the second bucket with the version and go on.
     calls: list[Call] = []
 
     def reply(index: int, path: str, body: Any) -> httpx.Response | None:
-        if index == 1 and path == "/update_weights_from_tensor" and body.get("weight_version") == "4":
-            return httpx.Response(400, json={"success": False, "message": "shape mismatch for c"})
+        if index == 1 and path == "/update_weights_from_tensor" and body.get("weight_version") is None:
+            return httpx.Response(400, json={"success": False, "message": "shape mismatch for a"})
         return None
 
     async with make_pool(3, calls, reply) as pool:
-        with pytest.raises(EngineControlError, match=r"engine 1 \(http://engine1\).*shape mismatch for c"):
+        with pytest.raises(EngineControlError) as failed:
             await sync_weights(pool, BUCKETS, 4, mode="retract", transport=TensorTransport())
-    for engine in (0, 1, 2):
-        paths = [path for path, _ in per_engine(calls, engine)]
-        assert paths[0] == "/pause_generation"
-        assert paths[-2:] == ["/end_weight_update", "/continue_generation"]
+    assert re.search(r"engine 1 \(http://engine1\).*shape mismatch for a", str(failed.value))
+    assert re.search(r"Left paused.*: engine 1 \(http://engine1\); ", str(failed.value))
+    for engine in (0, 2):
+        assert [summary(path, body) for path, body in per_engine(calls, engine)] == [
+            ("/pause_generation", "retract"),
+            ("/metrics",),
+            ("/begin_weight_update",),
+            ("/update_weights_from_tensor", "a,b", "False", "None"),
+            ("/update_weights_from_tensor", "c", "False", "4"),
+            ("/end_weight_update",),
+            ("/continue_generation",),
+        ]
+    assert [summary(path, body) for path, body in per_engine(calls, 1)] == [
+        ("/pause_generation", "retract"),
+        ("/metrics",),
+        ("/begin_weight_update",),
+        ("/update_weights_from_tensor", "a,b", "False", "None"),
+        ("/end_weight_update",),
+    ]
+
+
+async def test_an_export_that_fails_midway_leaves_every_engine_paused() -> None:
+    # Every engine took the first bucket and none the rest: none holds the weights its label names.
+    calls: list[Call] = []
+
+    def export() -> Iterator[list[tuple[str, torch.Tensor]]]:
+        yield BUCKETS[0]
+        yield BUCKETS[1]
+        raise RuntimeError("the actor's export failed")
+
+    async with make_pool(2, calls) as pool:
+        with pytest.raises(RuntimeError, match="export failed") as failed:
+            await sync_weights(pool, export(), 4, mode="in_place", transport=TensorTransport())
+    assert "Left paused" in "\n".join(failed.value.__notes__)
+    assert "/continue_generation" not in [path for _, path, _ in calls]
+    assert [path for _, path, _ in calls].count("/end_weight_update") == 2
+
+
+async def test_in_drain_mode_an_engine_that_fails_is_paused() -> None:
+    calls: list[Call] = []
+
+    def reply(index: int, path: str, body: Any) -> httpx.Response | None:
+        if index == 0 and path == "/update_weights_from_tensor" and body.get("weight_version") == "4":
+            return httpx.Response(400, json={"success": False, "message": "out of memory"})
+        return None
+
+    async with make_pool(2, calls, reply) as pool:
+        with pytest.raises(EngineControlError, match="out of memory"):
+            await sync_weights(pool, BUCKETS, 4, mode="drain", transport=TensorTransport())
+        assert pool.admission_open
+    assert [summary(path, body) for path, body in per_engine(calls, 0)][-2:] == [
+        ("/end_weight_update",),
+        ("/pause_generation", "retract"),
+    ]
+    assert "/pause_generation" not in [path for path, _ in per_engine(calls, 1)]
 
 
 async def test_a_failed_pause_still_continues_every_engine() -> None:

@@ -25,7 +25,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from asyncrl_core.errors import EngineControlError, EngineUnavailableError
 from asyncrl_core.types import Generation, SamplingParams
@@ -241,21 +241,33 @@ class EnginePool:
         Every engine's call runs to its end even when another fails; then one `EngineControlError` names
         each engine that failed and why.
         """
+        outcomes = await self.settle(action, indices=indices)
+        failures = [
+            self.describe_failure(index, outcome)
+            for index, outcome in outcomes.items()
+            if isinstance(outcome, Exception)
+        ]
+        if failures:
+            raise EngineControlError(f"{what} failed on {len(failures)} engine(s): " + "; ".join(failures))
+        return [outcome for outcome in outcomes.values() if not isinstance(outcome, Exception)]
+
+    async def settle(
+        self, action: Callable[[SGLangClient], Awaitable[T]], *, indices: Sequence[int] | None = None
+    ) -> dict[int, T | Exception]:
+        """Run `action` on every engine (or those in `indices`) at once, each to its end; the result or the
+        error of each, by engine index, in the order given. Cancellation is raised, not returned."""
         chosen = list(range(len(self.clients))) if indices is None else list(indices)
         results = await asyncio.gather(
             *(action(self.clients[index]) for index in chosen), return_exceptions=True
         )
-        failures = [
-            f"engine {index} ({self.clients[index].base_url}): {type(result).__name__}: {result}"
-            for index, result in zip(chosen, results, strict=True)
-            if isinstance(result, BaseException)
-        ]
         for result in results:
             if isinstance(result, BaseException) and not isinstance(result, Exception):
                 raise result  # cancellation or interpreter exit is not an engine failure
-        if failures:
-            raise EngineControlError(f"{what} failed on {len(failures)} engine(s): " + "; ".join(failures))
-        return [result for result in results if not isinstance(result, BaseException)]
+        return {index: cast("T | Exception", result) for index, result in zip(chosen, results, strict=True)}
+
+    def describe_failure(self, index: int, error: Exception) -> str:
+        """`engine <index> (<url>): <error type>: <error>`, how the pool names an engine's failure."""
+        return f"engine {index} ({self.clients[index].base_url}): {type(error).__name__}: {error}"
 
     async def pause(self, mode: PauseMode) -> None:
         """Pause every engine in `mode`."""

@@ -13,9 +13,16 @@ The three pause modes (`rollout.pause_mode`):
 
 A request paused mid-generation reports the boundary in its version spans: `[old, 0, k], [new, k, n]`.
 
-Whatever fails midway, every engine that was paused is continued (and the pool reopened) before the error,
-an `EngineControlError` naming the engine, reaches the caller. The engines then hold a mix of old and new
-weights under the old version label: the caller should retry the sync (or stop the run).
+An engine generates only with the weights its version label names. When an engine fails a call of the
+push (a bucket, the relabel, a session), the others go on with the remaining buckets (the tensor transport;
+the distributed one broadcasts to every engine at once, so none can), and each engine that took every bucket
+and the new label is continued, at the new version. An engine that failed, or that took part of the buckets
+when the push stopped (an export that raised, a broadcast that failed), holds weights of no version: it is
+left paused (in `drain` mode it is paused), so it generates nothing until it is given the weights again or
+restarted; the requests it holds wait for that, or their client's timeout. An engine that took nothing (the
+pause or the drain failed, or the push stopped before its first bucket) still holds the old weights under
+the old label: it is continued. Then an `EngineControlError` names every engine that failed and every engine
+left paused.
 
 Transports: `TensorTransport` sends safetensors bytes in the request body (the built-in engine; real SGLang
 expects CUDA IPC pickles there, which asyncrl never produces), `DistributedTransport` broadcasts from the
@@ -28,8 +35,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Literal, Protocol
 
@@ -74,12 +81,20 @@ class SyncResult:
 
 
 class WeightTransport(Protocol):
-    """How a bucket of named tensors reaches every engine of a pool."""
+    """How a bucket of named tensors reaches the engines of a pool."""
 
     async def push(
-        self, pool: EnginePool, bucket: NamedTensors, *, weight_version: int | None, flush_cache: bool
-    ) -> None:
-        """Load `bucket` into every engine; `weight_version` (last bucket only) relabels the engines."""
+        self,
+        pool: EnginePool,
+        bucket: NamedTensors,
+        *,
+        weight_version: int | None,
+        flush_cache: bool,
+        indices: Sequence[int] | None = None,
+    ) -> dict[int, Exception]:
+        """Load `bucket` into the engines `indices` of `pool` (None: every engine); `weight_version` (last
+        bucket only) relabels them. Returns the engines that failed, with their errors (an engine not named
+        took the bucket)."""
         ...
 
 
@@ -93,15 +108,22 @@ class TensorTransport:
         self.num_ranks = num_ranks
 
     async def push(
-        self, pool: EnginePool, bucket: NamedTensors, *, weight_version: int | None, flush_cache: bool
-    ) -> None:
+        self,
+        pool: EnginePool,
+        bucket: NamedTensors,
+        *,
+        weight_version: int | None,
+        flush_cache: bool,
+        indices: Sequence[int] | None = None,
+    ) -> dict[int, Exception]:
         payload = await asyncio.to_thread(serialize_named_tensors, bucket)
-        await pool.each(
+        outcomes = await pool.settle(
             lambda client: client.update_weights_from_tensor(
                 payload, weight_version=weight_version, flush_cache=flush_cache, num_ranks=self.num_ranks
             ),
-            "update_weights_from_tensor",
+            indices=indices,
         )
+        return _failures(outcomes)
 
 
 class DistributedTransport:
@@ -163,13 +185,30 @@ class DistributedTransport:
             await engines
 
     async def push(
-        self, pool: EnginePool, bucket: NamedTensors, *, weight_version: int | None, flush_cache: bool
-    ) -> None:
+        self,
+        pool: EnginePool,
+        bucket: NamedTensors,
+        *,
+        weight_version: int | None,
+        flush_cache: bool,
+        indices: Sequence[int] | None = None,
+    ) -> dict[int, Exception]:
+        everyone = list(range(len(pool.clients)))
+        indices = everyone if indices is None else indices
+        if sorted(indices) != everyone:
+            # Every member of the group takes part in each broadcast: once one engine failed, none can
+            # take another bucket.
+            missing = sorted(set(everyone) - set(indices))
+            refusal = EngineControlError(
+                f"the distributed transport broadcasts to every engine at once, and engines {missing} "
+                "failed: no engine can take the remaining buckets"
+            )
+            return dict.fromkeys(indices, refusal)
         if self._group is None:
             raise EngineControlError("the weight-update group is not formed: call connect() first")
         group = self._group
         receiving = asyncio.ensure_future(  # noqa: RUF006 (awaited in `finally`)
-            pool.each(
+            pool.settle(
                 lambda client: client.update_weights_from_distributed(
                     [name for name, _ in bucket],
                     [dtype_name(tensor.dtype) for _, tensor in bucket],
@@ -178,13 +217,14 @@ class DistributedTransport:
                     flush_cache=flush_cache,
                     group_name=self.group_name,
                 ),
-                "update_weights_from_distributed",
+                indices=indices,
             )
         )
         try:
             await asyncio.to_thread(self._broadcast, group, bucket)
         finally:
-            await receiving
+            outcomes = await receiving
+        return _failures(outcomes)
 
     def _broadcast(self, group: dist.ProcessGroup, bucket: NamedTensors) -> None:
         import torch.distributed as dist
@@ -232,12 +272,14 @@ async def sync_weights(
 ) -> SyncResult:
     """Push `buckets` (from `Actor.export_weights`) into every engine of `pool` as weight `version`.
 
-    See the module docstring for the sequence of each mode. Raises `EngineControlError` naming the engines
-    that failed (after continuing every paused engine), or `EngineUnavailableError` when a drain does not
-    finish within `drain_timeout_s` (then nothing was updated and admission is open again).
+    See the module docstring for the sequence of each mode and what a failure leaves. Raises
+    `EngineControlError` naming the engines that failed and those left paused, or `EngineUnavailableError`
+    when a drain does not finish within `drain_timeout_s` (then nothing was updated and admission is open
+    again).
     """
     started = time.perf_counter()
     num_paused = pool.num_inflight
+    progress = _Progress(len(pool.clients))
     try:
         if mode == "drain":
             pool.close_admission()
@@ -249,15 +291,19 @@ async def sync_weights(
                 num_paused = held
         # Only an idle engine may flush; the flush drops prefixes computed by the old weights.
         num_buckets, num_bytes = await _push_all(
-            pool, buckets, version, transport, flush_last=mode == "drain"
+            pool, buckets, version, transport, progress, flush_last=mode == "drain"
         )
     except BaseException as error:
         try:
-            await _reopen(pool, mode)
+            await _reopen(pool, mode, progress)
         except Exception as reopen_error:
             error.add_note(f"reopening the engines after the failure failed too: {reopen_error}")
+        if progress.left_paused():
+            error.add_note(progress.describe(pool, version))
         raise
-    await _reopen(pool, mode)
+    await _reopen(pool, mode, progress)
+    if progress.failed:
+        raise EngineControlError(progress.describe(pool, version))
     return SyncResult(
         version=version,
         mode=mode,
@@ -266,6 +312,51 @@ async def sync_weights(
         num_buckets=num_buckets,
         num_bytes=num_bytes,
     )
+
+
+@dataclass(slots=True)
+class _Progress:
+    """Where a sync stands with each engine: which were sent something, which took everything, which failed
+    (by engine index)."""
+
+    num_engines: int
+    sent: set[int] = field(default_factory=set[int])
+    """Engines sent a bucket or the relabel: their weights may differ from their label until `done`."""
+    done: set[int] = field(default_factory=set[int])
+    """Engines that took every bucket and the new label."""
+    failed: dict[int, Exception] = field(default_factory=dict[int, Exception])
+
+    def live(self) -> list[int]:
+        """Engines that have failed nothing."""
+        return [index for index in range(self.num_engines) if index not in self.failed]
+
+    def fail(self, failures: Mapping[int, Exception]) -> None:
+        for index, error in failures.items():
+            self.failed.setdefault(index, error)
+
+    def consistent(self) -> list[int]:
+        """Engines whose weights are the ones their label names (all of the new, or all of the old) and that
+        failed nothing: they may generate."""
+        return [
+            index
+            for index in range(self.num_engines)
+            if index not in self.failed and (index in self.done or index not in self.sent)
+        ]
+
+    def left_paused(self) -> list[int]:
+        consistent = set(self.consistent())
+        return [index for index in range(self.num_engines) if index not in consistent]
+
+    def describe(self, pool: EnginePool, version: int) -> str:
+        failures = "; ".join(pool.describe_failure(index, error) for index, error in self.failed.items())
+        paused = ", ".join(f"engine {index} ({pool.clients[index].base_url})" for index in self.left_paused())
+        text = f"the weight sync to version {version} failed on {len(self.failed)} engine(s): {failures}"
+        if not self.failed:
+            text = f"the weight sync to version {version} stopped midway"
+        return (
+            f"{text}. Left paused, as their weights are not those of the version they report: {paused}; "
+            "give them the weights again, or restart them"
+        )
 
 
 async def _requests_held(pool: EnginePool) -> int | None:
@@ -280,12 +371,21 @@ async def _requests_held(pool: EnginePool) -> int | None:
     return round(sum(reading.num_running_requests + reading.num_queued_requests for reading in readings))
 
 
-async def _reopen(pool: EnginePool, mode: SyncMode) -> None:
+async def _reopen(pool: EnginePool, mode: SyncMode, progress: _Progress) -> None:
+    """Let the engines whose weights match their label generate again; keep the others from generating."""
+    consistent = progress.consistent()
+    left = progress.left_paused()
     if mode == "drain":
         pool.open_admission()
-    else:
-        # Continue every engine, also one whose pause failed: continuing an unpaused engine is a no-op.
-        await pool.continue_generation()
+        if left:
+            # A drain pauses nothing on the engines: hold the others' requests at their gates (best effort,
+            # an engine that failed may not answer).
+            await pool.settle(lambda client: client.pause("retract"), indices=left)
+    elif consistent:
+        # Also an engine whose pause failed: continuing an unpaused engine is a no-op.
+        await pool.each(
+            lambda client: client.continue_generation(), "continue_generation", indices=consistent
+        )
 
 
 async def _push_all(
@@ -293,25 +393,46 @@ async def _push_all(
     buckets: Iterable[NamedTensors],
     version: int,
     transport: WeightTransport,
+    progress: _Progress,
     *,
     flush_last: bool,
 ) -> tuple[int, int]:
-    """Every bucket inside an update session, the last one relabelling the engines; (buckets, bytes)."""
+    """Every bucket inside an update session, the last one relabelling the engines; (buckets, bytes). An
+    engine that fails a call gets nothing more (`progress` records it); the others go on."""
     num_buckets = 0
     num_bytes = 0
-    sessions = await pool.each(lambda client: client.begin_weight_update(), "begin_weight_update")
+    sessions = await pool.settle(lambda client: client.begin_weight_update())
+    progress.fail(_failures(sessions))
+    # Engines without the session API answered 404 to begin (False): they get no end.
+    opened = [index for index, session in sessions.items() if session is True]
     try:
         for bucket, last in _with_last(buckets):
-            await transport.push(
-                pool, bucket, weight_version=version if last else None, flush_cache=flush_last and last
+            live = progress.live()
+            if not live:
+                break
+            progress.sent.update(live)
+            failures = await transport.push(
+                pool,
+                bucket,
+                weight_version=version if last else None,
+                flush_cache=flush_last and last,
+                indices=live,
             )
+            progress.fail(failures)
             num_buckets += 1
             num_bytes += sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
-        if num_buckets == 0:
-            await pool.each(lambda client: client.update_weight_version(version), "update_weight_version")
+        if num_buckets == 0 and (live := progress.live()):
+            progress.sent.update(live)
+            relabelled = await pool.settle(lambda client: client.update_weight_version(version), indices=live)
+            progress.fail(_failures(relabelled))
     finally:
-        # Engines without the session API answered 404 to begin (False): they get no end.
-        opened = [index for index, session in enumerate(sessions) if session]
         if opened:
-            await pool.each(lambda client: client.end_weight_update(), "end_weight_update", indices=opened)
+            ended = await pool.settle(lambda client: client.end_weight_update(), indices=opened)
+            progress.fail(_failures(ended))
+    progress.done.update(progress.live())
     return num_buckets, num_bytes
+
+
+def _failures(outcomes: Mapping[int, object]) -> dict[int, Exception]:
+    """The engines whose call raised, with their errors (`EnginePool.settle`'s outcomes)."""
+    return {index: outcome for index, outcome in outcomes.items() if isinstance(outcome, Exception)}

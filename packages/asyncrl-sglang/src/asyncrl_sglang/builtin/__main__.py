@@ -308,10 +308,9 @@ async def _serve(args: argparse.Namespace, model_path: Path, command: str) -> No
         logger.info("The server is fired up and ready to roll!")
         await stop.wait()
     finally:
-        server.ready = False
         if service is not None:
             service.ready = False
-        await asyncio.to_thread(engine.stop)
+        await server.stop()
         if grpc_server is not None:
             await grpc_server.stop(grace=5.0)
         await runner.cleanup()

@@ -85,8 +85,21 @@ is empty or a quarter of its slots are waiting): an eager prefill costs ~25 ms o
 30-layer model whatever its token count, so one prefill of many turns beats one per decode step."""
 
 
+SHUTTING_DOWN = "The server is shutting down."
+"""The message of every request the engine answers because it stops (and of calls it refuses then)."""
+
+
 class EngineStoppedError(RuntimeError):
     """The engine has stopped (its server is shutting down): a call made now never runs."""
+
+
+def shutdown_reason() -> dict[str, Any]:
+    """The finish reason of a request cut off because the engine stops: an abort with status 503, as SGLang
+    marks a request it cannot serve now (`FINISH_ABORT(message, HTTPStatus.SERVICE_UNAVAILABLE)`), which its
+    server answers as a 503 rather than a partial output, so that a client sends the request again (to
+    another engine, or to this one restarted) instead of taking the cut-off output as the model's end. A user
+    abort (`abort_request`, a pause in abort mode) has status null and answers its partial output (200)."""
+    return {"type": "abort", "message": SHUTTING_DOWN, "status_code": 503, "err_type": None}
 
 
 class EngineBusyError(RuntimeError):
@@ -240,16 +253,14 @@ class Engine:
         self._thread.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Finish every request with an abort and end the scheduler thread."""
+        """End the scheduler thread; every request it holds then, and every call queued for it, is answered
+        (`shutdown_reason`, `EngineStoppedError`), and every call made later is refused."""
         if not self._thread.is_alive():
             return
-        try:
-            self.call(lambda: self._abort_all("Server is shutting down"), timeout_s=timeout_s)
-        finally:
-            with self._wake:
-                self._stopping = True
-                self._wake.notify()
-            self._thread.join(timeout_s)
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join(timeout_s)
 
     def call(self, fn: Callable[[], T], timeout_s: float | None = None, *, drain: bool = True) -> T:
         """Run `fn` on the scheduler thread between two steps and return its result (or raise its error).
@@ -265,11 +276,14 @@ class Engine:
         in flight, as any finish does), nothing more."""
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         if threading.current_thread() is self._thread:
-            future.set_result(fn())
+            if self._stopping:  # the requests are being answered for the last time: none may join them
+                future.set_exception(EngineStoppedError(SHUTTING_DOWN))
+            else:
+                future.set_result(fn())
             return future
         with self._wake:
             if self._stopping:
-                future.set_exception(EngineStoppedError("the engine has stopped"))
+                future.set_exception(EngineStoppedError(SHUTTING_DOWN))
                 return future
             self._commands.append((fn, future, drain))
             self._wake.notify()
@@ -469,8 +483,8 @@ class Engine:
                     commands = list(self._commands)
                     self._commands.clear()
                     for _, future, _ in commands:
-                        future.set_exception(EngineStoppedError("the engine has stopped"))
-                    return
+                        future.set_exception(EngineStoppedError(SHUTTING_DOWN))
+                    break
                 commands = list(self._commands)
                 self._commands.clear()
             if any(drain for _, _, drain in commands):
@@ -498,6 +512,15 @@ class Engine:
                     self._recover(error)
                 self._step_requests = []
             self._publish()
+        # Stopping. No call can queue a request any more (`call_async` refuses under the lock that was held
+        # when the loop saw `_stopping`), so these are the last requests: every one is answered.
+        self._drain()
+        victims = [*self.running, *self.waiting]
+        self.waiting.clear()
+        for request in victims:
+            self.counters.num_aborted_requests_total += 1
+            self._finish(request, shutdown_reason())
+        self._publish()
 
     def _drain(self) -> None:
         """Read the decode step in flight, if any, and free the slots of the requests finished since it was

@@ -44,10 +44,11 @@ class AdmissionGate:
         self._writers = 0
         self._session_open = False
         self._session_writer = False
+        self._stopped = False
 
     @property
     def closed(self) -> bool:
-        return self.paused is not None or self._writers > 0
+        return not self._stopped and (self.paused is not None or self._writers > 0)
 
     @property
     def session_open(self) -> bool:
@@ -86,6 +87,14 @@ class AdmissionGate:
         async with self._condition:
             for ticket in tickets:
                 ticket.aborted = True
+            self._condition.notify_all()
+
+    async def stop(self) -> None:
+        """Open the gate for good: the server is shutting down and its engine has stopped, so the calls that
+        wait here go on to be refused by it (503, as every call that reaches it now), rather than wait for a
+        continue that never comes. No pause or weight update closes the gate again."""
+        async with self._condition:
+            self._stopped = True
             self._condition.notify_all()
 
     # ------------------------------------------------------------------------------------------ pauses

@@ -267,6 +267,9 @@ class GenerateRoutes:
             index, _, done = await self._next_update(http, submission)
             if done:
                 finished.add(index)
+        cut_off = unavailable(submission.requests)
+        if cut_off is not None:
+            return error_response(cut_off, 503, "Service Unavailable")
         bodies = [self._render(r, len(r.output_ids), True, output) for r in submission.requests]
         if not is_list:
             reason = submission.requests[0].finish_reason or {}
@@ -526,6 +529,18 @@ def abort_unfinished(engine: Engine, requests: Sequence[Request]) -> None:
     unfinished = [r.rid for r in requests if not r.finished]
     if unfinished:
         engine.call_async(lambda: [engine.abort(rid) for rid in unfinished])
+
+
+def unavailable(requests: Sequence[Request]) -> str | None:
+    """The message of the first request that the engine could not serve to its end (its abort carries status
+    503: the engine stopped), or None. Such a call is answered 503 (gRPC `UNAVAILABLE`), as SGLang answers an
+    abort with that status, not with a partial output: the client sends it again, never taking the cut-off
+    output for the model's end."""
+    for request in requests:
+        reason = request.finish_reason or {}
+        if reason.get("type") == "abort" and reason.get("status_code") == 503:
+            return str(reason.get("message"))
+    return None
 
 
 def abort_reason(message: str) -> Json:

@@ -16,8 +16,9 @@ metadata (`asyncrl-weight-versions`, `asyncrl-num-retractions`).
 Errors are gRPC status codes with the meaning of the HTTP errors: a bad value, an unknown or unsupported
 sampling field, an empty or out-of-vocabulary prompt, a prompt too long for the context or a duplicate
 request id is INVALID_ARGUMENT (what SGLang's servicer answers for its `ValueError`s, the over-context case
-included), with the message `/generate` gives; a full waiting queue is UNAVAILABLE (SGLang's 503); a missing
-or wrong API key is UNAUTHENTICATED (`HealthCheck`, like `/health`, needs none).
+included), with the message `/generate` gives; a full waiting queue, and a request cut off or refused because
+the engine stops, are UNAVAILABLE (SGLang's 503: the client sends it again); a missing or wrong API key is
+UNAUTHENTICATED (`HealthCheck`, like `/health`, needs none).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from asyncrl_sglang.builtin.generate import (
     check_unique,
     forwarder,
     prompt_requests,
+    unavailable,
 )
 from asyncrl_sglang.builtin.info import (
     HEALTH_CHECK_TIMEOUT_S,
@@ -122,6 +124,9 @@ class SchedulerService(pb_grpc.SglangSchedulerServicer):
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
                     async for response in self._responses(call, request.stream):
                         yield response
+                    cut_off = unavailable(requests)
+                    if cut_off is not None:
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, cut_off)
                 context.set_trailing_metadata(
                     encode_trailer(
                         [

@@ -130,6 +130,15 @@ class BuiltinServer:
     def paused(self) -> PauseMode | None:
         return self.gate.paused
 
+    async def stop(self) -> None:
+        """Stop generating, answering every call: `/health` answers 503, the engine stops (each request it
+        holds is answered 503 "The server is shutting down.", as is each call that reaches it from now on),
+        then the calls held at the pause gate go on to that answer too. The routes keep serving until the
+        application is cleaned up."""
+        self.ready = False
+        await asyncio.to_thread(self.engine.stop)
+        await self.gate.stop()
+
     # ---------------------------------------------------------------------------------------------- routing
     def _add_routes(self) -> None:
         r = self.app.router
