@@ -325,10 +325,18 @@ def cpu_us_per_token_since(engine: Any, before: tuple[float, float], tokens: int
     return (total - before[0]) * 1e6 / tokens, (device_work - before[1]) * 1e6 / tokens
 
 
-DEVICE_WORK: dict[str, float] = {"cpu_s": 0.0, "decode_steps": 0, "decode_rows": 0}
+DEVICE_WORK: dict[str, float] = {
+    "cpu_s": 0.0,
+    "decode_steps": 0,
+    "decode_rows": 0,
+    "graph_captures": 0,
+    "graph_capture_s": 0.0,
+    "cache_grows": 0,
+}
 """Once `time_device_work` has wrapped the engine's device work: the CPU seconds the scheduler thread spent
 in the model's forward calls and the sampling operators, and the decode steps sampled and their rows (the
-decode batch, finished rows still decoded included)."""
+decode batch, finished rows still decoded included); the CUDA graphs captured and the wall seconds their
+captures took, and the times the KV cache grew (each growth drops the graphs)."""
 
 
 def _timed(function: Any) -> Any:
@@ -369,6 +377,32 @@ def time_device_work(model: Any) -> None:
 
         counted.device_work = True
         engine_module.Engine._launch_decode = counted  # pyright: ignore[reportPrivateUsage]
+    graphs = getattr(engine_module, "_DecodeGraphs", None)
+    capture = getattr(graphs, "_capture", None)
+    if graphs is not None and capture is not None and not getattr(capture, "device_work", False):
+
+        def captured(self: Any, *args: Any, **kwargs: Any) -> Any:
+            began = time.perf_counter()
+            try:
+                return capture(self, *args, **kwargs)
+            finally:
+                DEVICE_WORK["graph_captures"] += 1
+                DEVICE_WORK["graph_capture_s"] += time.perf_counter() - began
+
+        captured.device_work = True
+        graphs._capture = captured  # pyright: ignore[reportPrivateUsage]
+    ensure = getattr(engine_module.Engine, "_ensure_cache", None)
+    if ensure is not None and not getattr(ensure, "device_work", False):
+
+        def ensured(engine: Any, *args: Any, **kwargs: Any) -> Any:
+            before = engine._cache  # pyright: ignore[reportPrivateUsage]
+            cache = ensure(engine, *args, **kwargs)
+            if before is not None and cache is not before:
+                DEVICE_WORK["cache_grows"] += 1
+            return cache
+
+        ensured.device_work = True
+        engine_module.Engine._ensure_cache = ensured  # pyright: ignore[reportPrivateUsage]
 
 
 def bench_engine(
@@ -497,6 +531,10 @@ class AgenticResult:
     decode_steps: int
     decode_rows: int
     """Rows of those decode steps (`time_device_work`): their mean is the batch's occupancy."""
+    graph_captures: int
+    """CUDA graphs captured during the run (a KV cache growth drops them all)."""
+    graph_capture_s: float
+    cache_grows: int
     turns: list[list[Any]] = field(default_factory=lambda: list[list[Any]]())
     """Per trajectory, its finished turn requests in order."""
 
@@ -592,6 +630,7 @@ def run_agentic(
     before = (counters.prefill_tokens_total, _cached_total(counters), counters.prefill_busy_us)
     cpu_before = scheduler_cpu_s(engine)
     steps_before = (DEVICE_WORK["decode_steps"], DEVICE_WORK["decode_rows"])
+    graphs_before = {k: DEVICE_WORK[k] for k in ("graph_captures", "graph_capture_s", "cache_grows")}
     started = time.perf_counter()
     engine.call(lambda: [engine.add_request(r) for r in first])
     if not done.wait(timeout_s):
@@ -614,6 +653,9 @@ def run_agentic(
         longest_trajectory_tokens=max(sum(len(r.output_ids) for r in turns_of) for turns_of in history),
         decode_steps=int(DEVICE_WORK["decode_steps"] - steps_before[0]),
         decode_rows=int(DEVICE_WORK["decode_rows"] - steps_before[1]),
+        graph_captures=int(DEVICE_WORK["graph_captures"] - graphs_before["graph_captures"]),
+        graph_capture_s=DEVICE_WORK["graph_capture_s"] - graphs_before["graph_capture_s"],
+        cache_grows=int(DEVICE_WORK["cache_grows"] - graphs_before["cache_grows"]),
         turns=history,
     )
 
@@ -740,6 +782,10 @@ def main() -> int:
                 f"steps and at equal cost per step agentic / fixed is at most "
                 f"{agentic['generated_tokens'] / (agentic['longest_trajectory_tokens'] * args.agentic):.2f}"
             )
+        print(
+            f"agentic KV cache growths: {agentic['cache_grows']}, CUDA graphs captured: "
+            f"{agentic['graph_captures']} ({agentic['graph_capture_s']:.2f} s of the run)"
+        )
     if switch is not None:
         print(f"\nside by side ({compared[switch][1]} on / off, alternating):")
         print(

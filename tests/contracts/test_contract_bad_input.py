@@ -246,11 +246,12 @@ async def test_undecodable_payload_is_400(http: httpx.AsyncClient) -> None:
         assert reply.json()["success"] is False
 
 
-async def test_a_failed_sync_continues_the_engines_and_names_the_engine(
+async def test_a_failed_sync_leaves_the_engine_paused_and_names_it_until_a_whole_sync(
     engine_url: str, tiny_llama_path: Path
 ) -> None:
-    """A bucket the engine refuses, mid-sync in retract mode: the error names the engine, the paused request
-    resumes and finishes, the version is unchanged, and the engine keeps serving."""
+    """A bucket the engine refuses, mid-sync in retract mode, after it took the first: the error names the
+    engine and the engine stays paused (it holds part of the new weights under the old label), the version is
+    unchanged; a whole sync afterwards continues it, and the paused request finishes under the new version."""
     weights = load_file(str(tiny_llama_path / "model.safetensors"))
     good = [(name, tensor) for name, tensor in sorted(weights.items()) if name != "model.embed_tokens.weight"]
     bad = [("model.norm.weight", torch.zeros(5))]
@@ -262,8 +263,11 @@ async def test_a_failed_sync_continues_the_engines_and_names_the_engine(
         with pytest.raises(EngineControlError, match=engine_url) as failure:
             await sync_weights(pool, [good, bad], version + 1, mode="retract", transport=TensorTransport())
         assert "model.norm.weight" in str(failure.value)
+        assert await client.weight_version() == version
+        assert not task.done()  # paused: the request waits for the engine to be continued
+        await sync_weights(pool, [good], version + 1, mode="retract", transport=TensorTransport())
         generation = await asyncio.wait_for(task, 120)
         assert generation.finish_reason == "length"
         assert len(generation.output_ids) == IN_FLIGHT.max_new_tokens
-        assert await client.weight_version() == version
+        assert await client.weight_version() == version + 1
         assert (await client.generate([1], SamplingParams(max_new_tokens=2, ignore_eos=True))).output_ids

@@ -81,10 +81,11 @@ SERVER_ARGS = {
 }  # fmt: skip
 # Flags of `python -m asyncrl_sglang.builtin` that are no ServerArgs field: `/server_info` leaves them out
 # (`launch_command` shows them). `--random-weights` is reported as SGLang names it, `load_format: dummy`;
-# `--api-key` is a field the engine never echoes.
+# `--api-key` is a field the engine never echoes. `--start-paused` is the launcher's for a restarted engine
+# (SGLang has none: the launcher refuses to start an SGLang server paused).
 BUILTIN_ONLY_FLAGS = {
     "port_file", "api_key", "max_n", "weight_version_route", "random_weights", "disable_fused_kernels",
-    "num_threads",
+    "num_threads", "start_paused",
 }  # fmt: skip
 STARTUP_TIME_KEYS = {"load_weight", "kv_cache_allocation", "scheduler_e2e", "cuda_graph"}
 GRAPH_PHASES = {"prefill", "decode", "target_verify", "draft_prefill", "draft_decode", "draft_extend"}
@@ -478,7 +479,7 @@ def test_server_info_reports_every_sglang_flag_the_engine_takes() -> None:
         "--weight-version", "v", "--device", "cuda:1", "--dtype", "float16", "--enable-metrics",
         "--random-seed", "7", "--random-weights", "--weight-version-route", "old", "--disable-cuda-graph",
         "--disable-overlap-schedule", "--disable-fused-kernels", "--disable-radix-cache",
-        "--skip-server-warmup", "--num-threads", "8", "--log-level", "debug",
+        "--skip-server-warmup", "--start-paused", "--num-threads", "8", "--log-level", "debug",
     ]  # fmt: skip
     args = parse_args(argv)
     arguments = launch_arguments(

@@ -386,3 +386,24 @@ def test_builtin_engines_take_the_configs_extra_args_and_refuse_unknown_ones(
     with pytest.raises(EngineControlError, match=r"^rollout\.sglang\.extra_args.*mem-fraction-static"):
         launch_engines(config, run_dir=tmp_path / "run")
     assert not (tmp_path / "run" / "engines").exists()
+
+
+def test_only_builtin_engines_start_paused_and_only_when_the_launcher_says(
+    tiny_llama_path: Path, tmp_path: Path
+) -> None:
+    paused = builtin_command(model_path="m", host="h", port=5, max_running_requests=3, start_paused=True)
+    assert "--start-paused" in paused.argv
+    serving = builtin_command(model_path="m", host="h", port=5, max_running_requests=3)
+    assert "--start-paused" not in serving.argv
+    # Set in the configuration it would hold every request of the run: refused, naming the key.
+    with pytest.raises(EngineControlError, match=r"^rollout\.sglang\.extra_args: start_paused"):
+        builtin_command(
+            model_path="m", host="h", port=5, max_running_requests=3, extra_args={"start_paused": True}
+        )
+    # SGLang has no flag for it, and a pause sent once it answers comes too late: refused before any start.
+    config = RolloutConfig.model_validate(
+        {"model_path": str(tiny_llama_path), "max_running_requests": 2, "sglang": {"launch": "sglang"}}
+    )
+    with pytest.raises(EngineControlError, match="an SGLang server cannot start paused"):
+        launch_engines(config, run_dir=tmp_path / "run", start_paused=True)
+    assert not (tmp_path / "run").exists()

@@ -144,12 +144,16 @@ class RolloutBackend(Protocol):
         health_timeout_s: float,
         advertise_host: str,
         random_seed: int,
+        start_paused: bool = False,
     ) -> RunningEngines:
         """Start the engines of `rollout` (one per rollout worker: `num_instances` is 1) on `devices` (GPU
         ids when `gpu`, else nothing to place) and return once they answer. They bind to
         `rollout.sglang.host`, which the runner resolves per node; `advertise_host` is their node's address,
         for URLs of engines bound to every interface. They sample with `random_seed` (`runner.seed` plus the
-        engine's index)."""
+        engine's index). With `start_paused` the engines it starts hold every generation request, from before
+        they answer, until a weight sync in `retract` or `in_place` mode continues them (a restarted engine
+        serves nothing before it has the actor's weights); a backend whose engines cannot start so refuses
+        it with an error."""
         ...
 
     def connect(self, urls: Sequence[str], grpc_targets: Sequence[str | None]) -> EngineClient:

@@ -47,6 +47,7 @@ class SGLangBackend:
         health_timeout_s: float,
         advertise_host: str,
         random_seed: int,
+        start_paused: bool = False,
     ) -> LaunchedEngines:
         return launch_engines(
             rollout,
@@ -56,6 +57,7 @@ class SGLangBackend:
             health_timeout_s=health_timeout_s,
             advertise_host=advertise_host,
             random_seed=random_seed,
+            start_paused=start_paused,
         )
 
     def connect(self, urls: Sequence[str], grpc_targets: Sequence[str | None]) -> EnginePool:

@@ -230,6 +230,12 @@ class SGLangClient:
     def _timeout(self, total_s: float) -> httpx.Timeout:
         return httpx.Timeout(total_s, connect=min(self.timeouts.connect_s, total_s), pool=total_s)
 
+    def _deadline_s(self, timeout_s: float) -> float:
+        """The bound of a whole call whose attempts may each take `timeout_s`: one attempt, every backoff of
+        the retry policy and one connect. Every call with retries has it, `/generate` and the gRPC
+        `Generate` included."""
+        return timeout_s + self.retry.total_backoff_s() + self.timeouts.connect_s
+
     async def _send(
         self,
         method: str,
@@ -241,7 +247,7 @@ class SGLangClient:
         idempotent: bool,
     ) -> httpx.Response:
         """One call with retries; `EngineUnavailableError` once they are spent or the deadline has passed."""
-        deadline_s = timeout_s + self.retry.total_backoff_s() + self.timeouts.connect_s
+        deadline_s = self._deadline_s(timeout_s)
         try:
             async with asyncio.timeout(deadline_s):
                 return await self._send_with_retries(method, path, body, params, timeout_s, idempotent)
@@ -367,7 +373,7 @@ class SGLangClient:
         resent = False
         last_error: Exception | None = None
         try:
-            async with asyncio.timeout(timeout_s + self.retry.total_backoff_s() + self.timeouts.connect_s):
+            async with asyncio.timeout(self._deadline_s(timeout_s)):
                 for attempt in range(self.retry.max_attempts):
                     if attempt:
                         await asyncio.sleep(self.retry.backoff_s(attempt - 1))

@@ -19,8 +19,10 @@ Errors keep the HTTP client's meaning: a request the engine refuses (`INVALID_AR
 `UNAUTHENTICATED`, ...) or fails (`INTERNAL`, HTTP's 500) raises `GenerationError` with the server's message;
 `UNAVAILABLE` is retried under the same request id after aborting it (a duplicate id that the client's own
 resend caused is waited out), and raises `EngineUnavailableError` once the retries or `timeouts.generate_s`
-are spent. A call cancelled by
-the caller cancels its RPC, which aborts the request on the server.
+are spent, with the HTTP client's retry policy and overall deadline. A call cancelled by the caller cancels
+its RPC, which aborts the request on the server. An engine that cannot be reached is waited for by the pool,
+as over HTTP: `health` is `/health` and a connected gRPC channel, and the channel reconnects on the retry
+policy's backoff (`channel_options`).
 """
 
 from __future__ import annotations
@@ -48,11 +50,19 @@ from asyncrl_sglang._schema import parse_version, tiles
 from asyncrl_sglang.client import ClientTimeouts, PauseMode, RetryPolicy, SGLangClient
 from asyncrl_sglang.wire import DUPLICATE_RID
 
-CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
-    ("grpc.max_send_message_length", -1),
-    ("grpc.max_receive_message_length", -1),
-)
-"""No message-size limit: a long prompt and its logprobs are one message each."""
+
+def channel_options(retry: RetryPolicy) -> tuple[tuple[str, int], ...]:
+    """The channel's options. No message-size limit: a long prompt and its logprobs are one message each.
+    A lost server is connected to again on `retry`'s backoff (from `initial_backoff_s`, at most
+    `max_backoff_s` apart) rather than gRPC's own, which grows to 120 s: a channel waits that out failing
+    every call at once (`UNAVAILABLE`), so an engine restarted on its address would stay out of reach through
+    it long after it answers, where the HTTP client connects anew at each attempt."""
+    return (
+        ("grpc.max_send_message_length", -1),
+        ("grpc.max_receive_message_length", -1),
+        ("grpc.initial_reconnect_backoff_ms", max(1, round(retry.initial_backoff_s * 1000))),
+        ("grpc.max_reconnect_backoff_ms", max(1, round(retry.max_backoff_s * 1000))),
+    )
 
 
 @dataclass(slots=True)
@@ -94,7 +104,7 @@ class GrpcSGLangClient(SGLangClient):
         )
         self.grpc_target = grpc_target
         self._metadata = authorization(api_key)
-        self._channel = grpc.aio.insecure_channel(grpc_target, options=CHANNEL_OPTIONS)
+        self._channel = grpc.aio.insecure_channel(grpc_target, options=channel_options(self.retry))
         self._stub = pb_grpc.SglangSchedulerStub(self._channel)
         self.syncs = SyncRecord()
         self.server_sends_spans: bool | None = None
@@ -145,7 +155,7 @@ class GrpcSGLangClient(SGLangClient):
         resent = False
         last_error: grpc.aio.AioRpcError | None = None
         try:
-            async with asyncio.timeout(timeout_s + self.retry.total_backoff_s() + self.timeouts.connect_s):
+            async with asyncio.timeout(self._deadline_s(timeout_s)):
                 for attempt in range(self.retry.max_attempts):
                     if attempt:
                         await asyncio.sleep(self.retry.backoff_s(attempt - 1))
@@ -293,6 +303,21 @@ class GrpcSGLangClient(SGLangClient):
         with contextlib.suppress(grpc.aio.AioRpcError, TimeoutError):
             async with asyncio.timeout(self.timeouts.control_s):
                 await self.abort(rid)
+
+    async def health(self) -> bool:
+        """`/health` answers 200 (`SGLangClient.health`) and the channel to the gRPC service connects within
+        `timeouts.health_s`. Generation goes over gRPC, so an engine whose HTTP server answers while its
+        gRPC service cannot be reached yet (it is restarting, or the channel waits out its reconnect
+        backoff) is not up: the pool keeps routing around it, and a request that waits for it keeps
+        waiting, exactly as when its HTTP server is unreachable."""
+        if not await super().health():
+            return False
+        try:
+            async with asyncio.timeout(self.timeouts.health_s):
+                await self._channel.channel_ready()
+        except TimeoutError:
+            return False
+        return True
 
     # ---------------------------------------------------------------------------------------------------
     # Calls of the gRPC service besides Generate

@@ -171,6 +171,7 @@ def builtin_command(
     enable_metrics: bool = True,
     grpc_port: int | None = None,
     random_seed: int | None = None,
+    start_paused: bool = False,
     extra_args: Mapping[str, ServerArgument] | None = None,
     python: str = sys.executable,
 ) -> EngineCommand:
@@ -178,7 +179,8 @@ def builtin_command(
 
     `devices`: the GPU for the engine (`CUDA_VISIBLE_DEVICES`, and the engine runs on `cuda`); none runs
     it on the CPU. `grpc_port`: also serve SGLang's gRPC scheduler service there. `random_seed`: seed of
-    its sampling (`--random-seed`; none: the engine's default, 0). `extra_args` add or override flags (the
+    its sampling (`--random-seed`; none: the engine's default, 0). `start_paused`: it holds every generation
+    request until `/continue_generation` (`--start-paused`). `extra_args` add or override flags (the
     SGLang flags the engine implements, `disable_radix_cache: true` say); one it does not take is refused
     here, naming it, rather than when the engine starts.
     """
@@ -203,6 +205,12 @@ def builtin_command(
         arguments["grpc_port"] = grpc_port
     if random_seed is not None:
         arguments["random_seed"] = random_seed
+    if "--start-paused" in _flag_arguments(extra_args or {}):
+        raise EngineControlError(
+            "rollout.sglang.extra_args: start_paused is the launcher's to set (an engine the runner restarts "
+            "starts paused until it has the actor's weights); remove it"
+        )
+    arguments["start_paused"] = start_paused
     arguments.update(extra_args or {})
     flags = _flag_arguments(arguments)
     if extra_args:
@@ -308,29 +316,60 @@ def _stop_live() -> None:
 atexit.register(_stop_live)
 
 
+_signals_lock = threading.Lock()
+_num_launches = 0
+"""Launches whose engines run (their `_signals_exit` entered and not left), in this process."""
+_installed: list[signal.Signals] = []
+"""The signals whose handler this module set to `_exit_on_signal` and has not set back to the default."""
+
+
 def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
+    if _num_launches == 0:
+        # Left installed by engines stopped off the main thread, where no handler can be set: the default
+        # action, as if it had been set back.
+        signal.signal(signum, signal.SIG_DFL)
+        signal.raise_signal(signum)
+        return
     raise SystemExit(128 + signum)
 
 
 @contextlib.contextmanager
 def _signals_exit() -> Generator[None]:
     """While engines run, SIGTERM and SIGHUP raise `SystemExit` (so `finally` blocks stop the engines)
-    where they would otherwise kill the interpreter outright. Other handlers are left alone."""
-    installed: list[signal.Signals] = []
-    if threading.current_thread() is threading.main_thread():
-        for signum in _SIGNALS:
-            if signal.getsignal(signum) is signal.SIG_DFL:
-                signal.signal(signum, _exit_on_signal)
-                installed.append(signum)
+    where they would otherwise kill the interpreter outright. Other handlers are left alone.
+
+    The handlers belong to the process, not to one launch: they are set while some launch's engines run
+    and set back once none does. Only the main thread may set handlers, so engines started and stopped
+    from another thread (a Ray actor serving several calls at once, a restart beside the event loop) leave
+    them as they are; the main thread sets them back at its next launch's end, and meanwhile one left with
+    no engine running acts as the default."""
+    global _num_launches
+    with _signals_lock:
+        _num_launches += 1
+        _set_handlers()
     try:
         yield
     finally:
-        # Only the main thread may set handlers: engines stopped from another thread (a Ray actor serving
-        # several calls at once) leave them installed, and they raise `SystemExit` there as before.
-        if threading.current_thread() is threading.main_thread():
-            for signum in installed:
-                if signal.getsignal(signum) is _exit_on_signal:
-                    signal.signal(signum, signal.SIG_DFL)
+        with _signals_lock:
+            _num_launches -= 1
+            _set_handlers()
+
+
+def _set_handlers() -> None:
+    """`_exit_on_signal` for the signals still at the default while engines run, the default again for
+    those once none runs (main thread only; elsewhere nothing changes)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if _num_launches > 0:
+        for signum in _SIGNALS:
+            if signum not in _installed and signal.getsignal(signum) is signal.SIG_DFL:
+                signal.signal(signum, _exit_on_signal)
+                _installed.append(signum)
+        return
+    for signum in _installed:
+        if signal.getsignal(signum) is _exit_on_signal:
+            signal.signal(signum, signal.SIG_DFL)
+    _installed.clear()
 
 
 def _wait_healthy(
@@ -491,6 +530,7 @@ def launch_engines(
     health_timeout_s: float = 600.0,
     random_seed: int | None = None,
     advertise_host: str = LOOPBACK,
+    start_paused: bool = False,
 ) -> LaunchedEngines:
     """Start (or, for `external`, reach) the engines `rollout` describes and wait until they are healthy.
 
@@ -499,9 +539,18 @@ def launch_engines(
     `len(devices) // tensor_parallel_size` (at least 1). The engines bind to `rollout.sglang.host`
     (loopback when unset; the runner sets it per node), on ports picked free here; `advertise_host` is the
     host of their URLs when they bind every interface (the node's address in a cluster). `random_seed`:
-    instance `i` samples with seed `random_seed + i` (none: each engine's default).
+    instance `i` samples with seed `random_seed + i` (none: each engine's default). `start_paused`: the
+    engines started hold every generation request, from before they listen, until `/continue_generation`
+    (a weight sync in `retract` or `in_place` mode ends with it); only the built-in engine can (SGLang has
+    no such flag, and a pause sent once it answers would let a request through first). Servers reached
+    (`external`) are left as they are.
     """
     sglang = rollout.sglang
+    if start_paused and sglang.launch == "sglang":
+        raise EngineControlError(
+            "an SGLang server cannot start paused (it has no flag for it, and a pause sent once it answers "
+            "would let requests through first); only launch: builtin engines can"
+        )
     if sglang.launch == "external":
         if not sglang.urls:
             raise EngineControlError("rollout.sglang.launch is external but rollout.sglang.urls is empty")
@@ -539,6 +588,7 @@ def launch_engines(
                 grpc_port=grpc_ports[index],
                 devices=tuple(devices[index * tp : (index + 1) * tp]) if gpu else (),
                 random_seed=None if random_seed is None else random_seed + index,
+                start_paused=start_paused,
             )
             for index, port in enumerate(ports)
         ]
@@ -568,6 +618,7 @@ def _engine_command(
     grpc_port: int | None,
     devices: tuple[int, ...],
     random_seed: int | None,
+    start_paused: bool,
 ) -> EngineCommand:
     sglang = rollout.sglang
     if sglang.launch == "sglang":
@@ -593,6 +644,7 @@ def _engine_command(
         api_key=sglang.api_key,
         grpc_port=grpc_port,
         random_seed=random_seed,
+        start_paused=start_paused,
         extra_args=sglang.extra_args,
     )
 

@@ -2,8 +2,9 @@
 
 Routing: a request goes to the engine with the fewest outstanding requests from this pool (ties: the lowest
 index), among those not marked down; an engine is marked down when it cannot be reached and no longer
-answers `/health`, and its requests go again to another engine (or wait, up to `recovery_timeout_s`, for one
-to answer again: a restarted engine). While other engines are up, a down engine's `/health` is probed again
+answers `/health` (its client's `health`: over gRPC, its gRPC service must be reachable too), and its
+requests go again to another engine (or wait, up to `recovery_timeout_s`, for one to answer again: a
+restarted engine). While other engines are up, a down engine's `/health` is probed again
 in the background at most every `reprobe_interval_s`, and it rejoins routing once it answers (the runner
 restarts a dead engine on its address). A caller may pass a `routing_key` (for example the trajectory id):
 every request with that key then goes to the engine the first one went to, so the turns of a multi-turn

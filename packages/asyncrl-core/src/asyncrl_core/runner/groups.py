@@ -261,8 +261,8 @@ class WorkerGroups:
 
     def restart_rollout(self, index: int) -> EngineEndpoint:
         """A new rollout worker in place of worker `index` (whose process died): it ends the dead worker's
-        engine and starts its own on the same port. Returns the endpoint of that engine once it is healthy;
-        it serves the model it started with, so the actor's current weights go in next."""
+        engine and starts its own on the same port, paused. Returns the endpoint of that engine once it is
+        healthy; it holds every request until the actor's current weights, pushed next, continue it."""
         import urllib.parse
 
         import ray
@@ -276,6 +276,7 @@ class WorkerGroups:
             port=port,
             replaces_pid=self.engine_pids[index],
             num_restarts=self.engine_restarts[index] + 1,
+            start_paused=True,
         )
         endpoint: EngineEndpoint = self.get(
             self.rollouts[index].endpoint.remote(),

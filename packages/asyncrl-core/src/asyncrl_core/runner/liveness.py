@@ -7,10 +7,12 @@ waits on them in the same `ray.wait` as the data, so a failure is seen as soon a
 
 - an engine process that exits or stops answering `/health` (`rollout.engine_unresponsive_s`) is restarted
   on its address and given the actor's current weights, up to `rollout.max_engine_restarts` times in the
-  run; its requests meanwhile go to the other engines or wait for it (`asyncrl_sglang.pool`);
+  run; its requests meanwhile go to the other engines or wait for it (`asyncrl_sglang.pool`). It starts
+  paused: a request that reaches it waits there until the weights are in, so none is generated with the
+  weights it loads at start;
 - a rollout worker whose process died (its engine is ended with it) is started again in its place: it
-  starts the engine on the same address, which is given the actor's current weights, up to
-  `rollout.max_worker_restarts` times; the engine's requests meanwhile fare as above;
+  starts the engine on the same address, paused, and the engine is given the actor's current weights, up
+  to `rollout.max_worker_restarts` times; the engine's requests meanwhile fare as above;
 - an agent-loop worker whose process died is started again, and the groups it had admitted are handed back
   to be issued again, up to `agentloop.max_worker_restarts` times;
 - a tool that starts failing (a retriever that died: the agent loops' calls fail) is named, and so is its
@@ -291,14 +293,16 @@ class Liveness:
         )
 
     def _rejoin(self, part: str, index: int, endpoint: EngineEndpoint) -> None:
-        """Engine `index`, started again at `endpoint`, takes the actor's current weights and is watched."""
+        """Engine `index`, started again at `endpoint` (paused), takes the actor's current weights and is
+        watched."""
         if endpoint != self.workers.endpoints[index]:
             raise self.fatal(
                 part,
                 f"came back at {endpoint.url}, not at {self.workers.endpoints[index].url} where the "
                 "agent loops send (another process holds that port)",
             )
-        # It serves the weights it started with: the actor's current ones go in before it is watched again.
+        # It holds the requests that reach it: the sync pauses it (retract), pushes the actor's current
+        # weights and continues it, so they are generated with those. A sync that fails stops the run.
         self.workers.get(
             [actor.sync_weights.remote([endpoint], "retract") for actor in self.workers.actors],
             f"pushing the weights into the restarted {part}",

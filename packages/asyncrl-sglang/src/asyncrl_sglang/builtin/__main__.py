@@ -108,6 +108,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="no prefix cache: every prefill computes all its tokens (cached_tokens stays 0)",
     )
     parser.add_argument("--skip-server-warmup", action="store_true")
+    parser.add_argument(
+        "--start-paused",
+        action="store_true",
+        help="hold every generation request at the admission gate from the start, as a pause does, until "
+        "/continue_generation (a restarted engine serves nothing before its weights are pushed)",
+    )
     parser.add_argument("--num-threads", type=int, help="torch intra-op threads on CPU")
     parser.add_argument("--log-level", default="info")
     return parser.parse_args(argv)
@@ -264,6 +270,10 @@ async def _serve(args: argparse.Namespace, model_path: Path, command: str) -> No
     )
     engine.start()
     server = BuiltinServer(engine, tokenizer, arguments)
+    if args.start_paused:
+        # The gate closes before the server listens, so no request passes it first. Only the gate: the
+        # scheduler runs the warm-up and the health probes (they go straight to it) and nothing else.
+        await server.gate.pause("in_place")
     runner = web.AppRunner(server.app, access_log=None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)

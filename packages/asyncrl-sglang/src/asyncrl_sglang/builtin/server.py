@@ -54,7 +54,8 @@ SGLang sets no limit on that route; aiohttp's default of 1 MiB would refuse any 
 class ServerArgs:
     """The launch arguments, named as SGLang's `ServerArgs` fields; `/server_info` reports them as given
     (`api_key`, `max_n` and `weight_version_route` excepted). The engine's flags that SGLang lacks
-    (`--disable-fused-kernels`, `--num-threads`, `--port-file`) are shown by `launch_command` only."""
+    (`--disable-fused-kernels`, `--num-threads`, `--port-file`, `--start-paused`) are shown by
+    `launch_command` only."""
 
     model_path: str
     served_model_name: str

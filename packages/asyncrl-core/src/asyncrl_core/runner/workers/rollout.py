@@ -45,6 +45,10 @@ class RolloutWorker:
     (`replaces_pid`): that engine, orphaned, is ended first (its whole process group), so the new engine
     starts on the address the agent loops send to; and the number of engine processes started before its
     own (`num_restarts`), so that its counters' readings are told apart from the dead one's.
+
+    An engine started again (by `restart`, or by a worker with `start_paused`) starts paused: the requests
+    that reach it wait there until the weight push that follows continues it, so none is generated with
+    the weights it loads at start.
     """
 
     def __init__(
@@ -58,6 +62,7 @@ class RolloutWorker:
         port: int | None = None,
         replaces_pid: int | None = None,
         num_restarts: int = 0,
+        start_paused: bool = False,
     ) -> None:
         gpu = config.cluster.device_type == "gpu"
         if not gpu:
@@ -83,7 +88,7 @@ class RolloutWorker:
 
         advertise_host = node_address()  # the URL's host when the engine binds every interface
 
-        def start(base_port: int) -> Any:
+        def start(base_port: int, start_paused: bool) -> Any:
             sglang = rollout.sglang.model_copy(update={"base_port": base_port})
             return backend.launch(
                 rollout.model_copy(update={"sglang": sglang}),
@@ -94,6 +99,7 @@ class RolloutWorker:
                 advertise_host=advertise_host,
                 # `runner.seed`: engine `index` samples with `seed + index`, its restarts too.
                 random_seed=config.runner.seed + index,
+                start_paused=start_paused,
             )
 
         self._launch = start
@@ -105,7 +111,7 @@ class RolloutWorker:
             raise RunnerError(
                 f"the engine process {replaces_pid} of the rollout worker that died did not end within 10 s"
             )
-        self.engines = self._launch(port if port is not None else self._base_port)
+        self.engines = self._launch(port if port is not None else self._base_port, start_paused)
         self.num_restarts = num_restarts
         """Restarts of the engine process so far (`engine_counters` tells its readings apart by it)."""
 
@@ -152,8 +158,9 @@ class RolloutWorker:
         return None
 
     def restart(self) -> EngineEndpoint:
-        """Stop what is left of the engine and start it again (same command, same address); returns its
-        endpoint once it is healthy. It serves the model it started with: push the current weights next."""
+        """Stop what is left of the engine and start it again (same command, same address), paused; returns
+        its endpoint once it is healthy. It holds every request until the current weights are pushed in a
+        `retract` or `in_place` sync, which continues it."""
         with self._lock:
             if not self.engines.processes:
                 raise RunnerError(
@@ -162,7 +169,7 @@ class RolloutWorker:
             port = urllib.parse.urlsplit(self.engines.urls[0]).port or self._base_port
             self.engines.stop()
             self.num_restarts += 1  # before the start: a reading from now on may reach the new process
-            self.engines = self._launch(port)  # its own port first: the agent loops send there
+            self.engines = self._launch(port, True)  # its own port first: the agent loops send there
         return self.endpoint()
 
     def engine_counters(self, timeout_s: float) -> EngineCounters:
