@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_testing import WAIT_S, start_engine
+from engine_testing import WAIT_S, generate_together, start_engine
 
 from asyncrl_sglang.builtin.engine import Engine, Request
 from asyncrl_sglang.builtin.model import EngineModel, KVCache, ModelLoadError
@@ -444,3 +444,22 @@ def test_flush_and_release_need_an_idle_engine(tiny_model: EngineModel, engines:
     engine.call(lambda: engine.resume_memory(["kv_cache", "weights"]))
     engine.call(engine.resume)
     assert len(_generate(engine, [1, 2], max_new_tokens=3, ignore_eos=True).output_ids) == 3
+
+
+@pytest.mark.parametrize("whole_context", [False, True])
+def test_the_kv_cache_grows_on_demand_or_takes_the_whole_context_once(
+    tiny_model: EngineModel, engines: list[Engine], whole_context: bool
+) -> None:
+    """On demand (the CPU's default) the cache grows in steps as requests lengthen; with `kv_whole_context`
+    (CUDA's default where it fits) it is allocated at the context length at once and never grows, so no
+    captured decode graph is dropped. Both give the same tokens."""
+    engine = start_engine(engines, tiny_model, context_length=700, kv_whole_context=whole_context)
+    assert engine.kv_whole_context is whole_context
+    capacities: list[int] = []
+    outputs: list[list[int]] = []
+    for new_tokens in (8, 400):
+        (request,) = generate_together(engine, [[3, 1, 4, 1, 5]], new_tokens)
+        outputs.append(request.output_ids)
+        capacities.append(engine.call(lambda: engine._cache.capacity if engine._cache else 0))  # pyright: ignore[reportPrivateUsage]
+    assert capacities == ([700, 700] if whole_context else [256, 512])
+    assert outputs[1][:8] == outputs[0]

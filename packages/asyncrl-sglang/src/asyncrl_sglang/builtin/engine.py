@@ -71,6 +71,10 @@ PREFILL_TOKEN_BUDGET = 8192
 """At most this many prompt tokens are prefilled in one batch (a single longer prompt still goes alone)."""
 KV_CAPACITY_STEP = 256
 """The KV cache grows in multiples of this many positions (up to the context length)."""
+CUDA_KV_WHOLE_CONTEXT_SHARE = 0.4
+"""On CUDA the KV cache takes the whole context length at its first allocation when that needs at most this
+share of the device's free memory (as SGLang sizes its KV pool once at start): it then never grows, and a
+growth would copy it and drop every captured decode graph, to be captured again at each batch size."""
 STOP_TEXT_MAX_PENDING_TOKENS = 16
 """Output tokens whose text may stay undecided (ending in an incomplete UTF-8 character) before the stop
 string matcher takes their text as it decodes now (a character has at most 4 bytes)."""
@@ -198,6 +202,7 @@ class Engine:
         prefix_cache_tokens: int | None = None,
         prefill_interval: int | None = None,
         overlap_schedule: bool = True,
+        kv_whole_context: bool | None = None,
     ) -> None:
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
@@ -223,6 +228,9 @@ class Engine:
         self.paused: PauseMode | None = None
         self.weights_released = False
         self._cache: KVCache | None = None
+        self.kv_whole_context = kv_whole_context
+        """Whether the KV cache is allocated at the whole context length at once rather than grown on demand
+        (None: decided at its first allocation, see `CUDA_KV_WHOLE_CONTEXT_SHARE`; False on CPU)."""
         self.prefill_interval = prefill_interval or (
             CUDA_PREFILL_INTERVAL if model.device.type == "cuda" else 1
         )
@@ -736,10 +744,17 @@ class Engine:
         cache = self._cache
         if cache is not None and cache.capacity >= length:
             return cache
+        model = self.model
+        if self.kv_whole_context is None:
+            self.kv_whole_context = model.device.type == "cuda" and (
+                KVCache.bytes_for(model.config, self.max_running_requests, self.context_length, model.dtype)
+                <= CUDA_KV_WHOLE_CONTEXT_SHARE * torch.cuda.mem_get_info(model.device)[0]
+            )
         capacity = min(self.context_length, -(-max(length, 1) // KV_CAPACITY_STEP) * KV_CAPACITY_STEP)
         if cache is not None:
             capacity = max(capacity, min(self.context_length, 2 * cache.capacity))
-        model = self.model
+        if self.kv_whole_context:
+            capacity = self.context_length
         grown = KVCache(model.config, self.max_running_requests, capacity, model.device, model.dtype)
         if cache is not None:
             used = max((r.num_tokens for r in self.running), default=0)

@@ -171,6 +171,12 @@ class KVCache:
         self.keys = list(self.kv[:, 0].unbind(0))
         self.values = list(self.kv[:, 1].unbind(0))
 
+    @staticmethod
+    def bytes_for(config: ModelConfig, num_slots: int, capacity: int, dtype: torch.dtype) -> int:
+        """The bytes of a cache of `num_slots` x `capacity` positions."""
+        per_position = 2 * config.num_layers * config.num_kv_heads * config.head_dim
+        return per_position * num_slots * capacity * dtype.itemsize
+
     def move_slot(self, source: int, target: int, length: int) -> None:
         """Copy the first `length` positions of slot `source` into slot `target` (every layer at once)."""
         self.kv[:, :, target, :, :length].copy_(self.kv[:, :, source, :, :length])
