@@ -192,6 +192,12 @@ def parse_args() -> argparse.Namespace:
         help="the engine reads each decode step's tokens before launching the next (SGLang's flag)",
     )
     parser.add_argument(
+        "--kv-grow",
+        action="store_true",
+        help="the KV cache grows on demand on CUDA too (kv_whole_context=False), as before it took the "
+        "whole context length at once",
+    )
+    parser.add_argument(
         "--compare-overlap",
         action="store_true",
         help="like --compare-decode-kernel, for the engine's overlap scheduler: on, then off, `--rounds` "
@@ -985,6 +991,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         options["prefill_interval"] = args.prefill_interval
     if args.disable_overlap_schedule:
         options["overlap_schedule"] = False
+    if args.kv_grow:
+        options["kv_whole_context"] = False
     return options
 
 
