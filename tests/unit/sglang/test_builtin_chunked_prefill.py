@@ -1,5 +1,5 @@
-"""The built-in engine's chunked prefill (SGLang's `--chunked-prefill-size`): a prompt longer than the chunk is
-prefilled one chunk per step while the running requests decode between the chunks, and gives what one
+"""The built-in engine's chunked prefill (SGLang's `--chunked-prefill-size`): a prompt longer than the chunk
+is prefilled one chunk per step while the running requests decode between the chunks, and gives what one
 prefill gives (tokens, logprobs, prompt logprobs); aborts, pauses and failures in the middle of its chunks.
 
 Some tests step the scheduler by hand (an engine that is not started, `_step` called in a loop, control
@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from aiohttp.test_utils import TestClient
 from engine_testing import WAIT_S, generate_together, start_engine
 
 from asyncrl_sglang.builtin.engine import Engine, Request
@@ -173,7 +174,8 @@ def test_a_half_prefilled_request_is_neither_running_nor_waiting(tiny_model: Eng
     snapshot = engine.snapshot
     assert (snapshot.num_running, snapshot.num_waiting) == (1, 0)
     assert snapshot.num_used_tokens == short.num_tokens + 11 + CHUNK
-    assert not engine.is_idle() and long.output_ids == []
+    assert not engine.is_idle()
+    assert long.output_ids == []
     _run_to_end(engine)
     _assert_same([short, long], _reference(tiny_model, [short, long]))
 
@@ -187,8 +189,10 @@ def test_abort_in_the_middle_of_the_chunks(tiny_model: EngineModel) -> None:
     for _ in range(3):
         engine._step()
     assert _between_steps(engine, lambda: engine.abort(long.rid))
-    assert long.finish_reason is not None and long.finish_reason["type"] == "abort"
-    assert long.output_ids == [] and not long.was_running
+    assert long.finish_reason is not None
+    assert long.finish_reason["type"] == "abort"
+    assert long.output_ids == []
+    assert not long.was_running
     # The slot and the KV of its chunks (11 + 16 + 16 tokens: two whole blocks cached) serve the next one.
     again = _request(LONG)
     engine.add_request(again)
@@ -264,3 +268,35 @@ def test_a_failed_chunk_is_retried_and_loses_nothing(
     assert all(r.finish_reason == {"type": "length", "length": len(r.output_ids)} for r in got)
     want = _reference(tiny_model, got)
     _assert_same(got, want)
+
+
+# ---------------------------------------------------------------------------------------------- the server
+async def test_the_server_takes_and_reports_the_flag(make_client: Any) -> None:
+    """`--chunked-prefill-size` reaches the engine and `/server_info`; a long prompt's prompt logprobs over
+    HTTP are those of an unchunked server's."""
+    bodies: list[Any] = []
+    for size in (CHUNK, -1):
+        client: TestClient[Any, Any]
+        client, server = await make_client(chunked_prefill_size=size)
+        assert server.engine.chunked_prefill_size == (CHUNK if size > 0 else None)
+        info = await (await client.get("/server_info")).json()
+        assert info["chunked_prefill_size"] == size
+        response = await client.post(
+            "/generate",
+            json={
+                "input_ids": LONG,
+                "return_logprob": True,
+                "logprob_start_len": 0,
+                "sampling_params": {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True},
+            },
+        )
+        assert response.status == 200
+        bodies.append(await response.json())
+    chunked, whole = bodies
+    assert chunked["output_ids"] == whole["output_ids"]
+    assert chunked["meta_info"]["prompt_tokens"] == len(LONG)
+    got, want = chunked["meta_info"]["input_token_logprobs"], whole["meta_info"]["input_token_logprobs"]
+    assert [item[1] for item in got] == LONG
+    assert got[0][0] is None
+    assert want[0][0] is None
+    assert [item[0] for item in got[1:]] == pytest.approx([item[0] for item in want[1:]], abs=TOLERANCE)
