@@ -20,7 +20,7 @@ from aiohttp.test_utils import TestClient
 from engine_testing import WAIT_S, generate_together, start_engine
 
 from asyncrl_sglang.builtin.engine import Engine, Request
-from asyncrl_sglang.builtin.model import EngineModel
+from asyncrl_sglang.builtin.model import EngineModel, KVCache
 from asyncrl_sglang.builtin.sampling import SamplingOptions
 
 CHUNK = 16
@@ -243,6 +243,37 @@ def test_a_retract_in_the_middle_of_the_chunks_recomputes_under_new_weights(tiny
     assert long.cached_tokens == 0  # the chunks' KV was computed under the old weights
     _assert_same([long], _reference(model, [long]))  # the model holds the new weights now
     assert long.weight_versions() == [{"version": "v2", "start": 0, "end": 8}]
+
+
+def test_an_in_place_weight_load_between_chunks_keeps_the_old_chunks(tiny_llama_path: Path) -> None:
+    """`in_place`'s contract for a half-prefilled request, as for a running one: the KV computed before the
+    load stays; its later chunks and its tokens are computed under the new weights."""
+    model = EngineModel.from_pretrained(tiny_llama_path)
+    engine = Engine(model, chunked_prefill_size=CHUNK, max_running_requests=2)
+    long = _request(LONG)
+    engine.add_request(long)
+    for _ in range(3):
+        engine._step()  # 48 tokens prefilled under the old weights
+    _between_steps(engine, lambda: engine.pause("in_place"))
+    new_weights = _perturbed(model, seed=4)
+    # The reference: the first 48 positions' KV under the old weights, every later one under the new.
+    reference = EngineModel.from_pretrained(tiny_llama_path)
+    cache = KVCache(reference.config, 1, 128, reference.device, reference.dtype)
+    reference.prefill_packed([LONG[:48]], cache, [0], [0])
+    reference.load_named_tensors(new_weights)
+    hidden = reference.prefill_packed([LONG[48:]], cache, [0], [48])
+    tokens = [int(reference.logits(hidden[-1:]).argmax())]
+    while len(tokens) < 8:
+        position = len(LONG) + len(tokens) - 1
+        hidden = reference.decode(torch.tensor(tokens[-1:]), torch.tensor([position]), cache, position + 1)
+        tokens.append(int(reference.logits(hidden).argmax()))
+    _between_steps(engine, lambda: engine.load_weights(new_weights, "v2"))
+    _between_steps(engine, engine.resume)
+    _run_to_end(engine)
+    assert long.output_ids == tokens
+    # And the old chunks matter: a recompute under the new weights gives other logprobs.
+    recomputed = _reference(model, [long])[0]
+    assert long.output_logprobs != pytest.approx(recomputed.output_logprobs, abs=1e-3)
 
 
 # ---------------------------------------------------------------------------------------------- failures
