@@ -74,10 +74,10 @@ SERVER_INFO_OPTIONAL = {"status", "kv_event_sources"}  # in the handshake of som
 # those that apply to it, under these names. `api_key` is a field too, which the built-in engine never echoes.
 SERVER_ARGS = {
     "model_path", "served_model_name", "tokenizer_path", "host", "port", "grpc_port", "max_running_requests",
-    "max_queued_requests", "context_length", "weight_version", "device", "dtype", "enable_metrics",
-    "random_seed", "load_format", "disable_cuda_graph", "disable_radix_cache", "disable_overlap_schedule",
-    "skip_server_warmup", "log_level", "tp_size", "dp_size", "pp_size", "enable_dp_attention",
-    "attention_backend",
+    "chunked_prefill_size", "max_queued_requests", "context_length", "weight_version", "device", "dtype",
+    "enable_metrics", "random_seed", "load_format", "disable_cuda_graph", "disable_radix_cache",
+    "disable_overlap_schedule", "skip_server_warmup", "log_level", "tp_size", "dp_size", "pp_size",
+    "enable_dp_attention", "attention_backend",
 }  # fmt: skip
 # Flags of `python -m asyncrl_sglang.builtin` that are no ServerArgs field: `/server_info` leaves them out
 # (`launch_command` shows them). `--random-weights` is reported as SGLang names it, `load_format: dummy`;
@@ -475,7 +475,8 @@ def test_server_info_reports_every_sglang_flag_the_engine_takes() -> None:
     argv = [
         "--model-path", "m", "--tokenizer-path", "t", "--served-model-name", "s", "--host", "::1",
         "--port", "1", "--port-file", "p", "--grpc-port", "2", "--api-key", "k",
-        "--max-running-requests", "3", "--max-queued-requests", "4", "--max-n", "5", "--context-length", "6",
+        "--max-running-requests", "3", "--chunked-prefill-size", "9", "--max-queued-requests", "4",
+        "--max-n", "5", "--context-length", "6",
         "--weight-version", "v", "--device", "cuda:1", "--dtype", "float16", "--enable-metrics",
         "--random-seed", "7", "--random-weights", "--weight-version-route", "old", "--disable-cuda-graph",
         "--disable-overlap-schedule", "--disable-fused-kernels", "--disable-radix-cache",

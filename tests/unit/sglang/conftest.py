@@ -64,6 +64,7 @@ async def make_client(
             weight_version=args.weight_version,
             eos_token_ids=[tokenizer.eos_token_id],
             decode_text=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+            chunked_prefill_size=args.chunked_prefill_size,
         )
         engine.start()
         server = BuiltinServer(engine, tokenizer, args)

@@ -5,6 +5,11 @@
 `testing` (start a server subprocess on a free loopback port). See the package README.
 """
 
+DEFAULT_CHUNKED_PREFILL_SIZE = 8192
+"""Default of `--chunked-prefill-size` (SGLang's default on an 80 GB GPU): at most this many tokens are
+prefilled in one batch, and a request with more still to prefill is prefilled in chunks of at most this many,
+one per step (see `engine.Engine`). With chunking disabled (-1 or 0, as SGLang reads them) a batch still holds
+at most this many, and a longer prompt goes alone in one prefill."""
 DEFAULT_MAX_N = 256
 """Default of `--max-n`: the largest `sampling_params.n` a request may ask for."""
 DEFAULT_MAX_QUEUED_REQUESTS = 65536

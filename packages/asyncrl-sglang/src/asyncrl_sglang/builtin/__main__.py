@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from asyncrl_sglang.builtin import DEFAULT_MAX_N, DEFAULT_MAX_QUEUED_REQUESTS
+from asyncrl_sglang.builtin import DEFAULT_CHUNKED_PREFILL_SIZE, DEFAULT_MAX_N, DEFAULT_MAX_QUEUED_REQUESTS
 
 if TYPE_CHECKING:
     from asyncrl_sglang.builtin.server import ServerArgs
@@ -55,6 +55,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route but /health")
     parser.add_argument("--max-running-requests", type=int, default=32)
+    parser.add_argument(
+        "--chunked-prefill-size",
+        type=int,
+        default=DEFAULT_CHUNKED_PREFILL_SIZE,
+        help="the most tokens one prefill batch holds; a longer prompt is prefilled in chunks of this many, "
+        "one per decode step of the running requests (-1 or 0: no chunking, a longer prompt goes alone)",
+    )
     parser.add_argument(
         "--max-queued-requests",
         type=_positive,
@@ -155,6 +162,7 @@ def launch_arguments(
         grpc_port=args.grpc_port,
         api_key=args.api_key,
         max_running_requests=args.max_running_requests,
+        chunked_prefill_size=args.chunked_prefill_size,
         max_queued_requests=args.max_queued_requests,
         max_n=args.max_n,
         context_length=context_length,
@@ -258,6 +266,7 @@ async def _serve(args: argparse.Namespace, model_path: Path, command: str) -> No
         use_cuda_graphs=not args.disable_cuda_graph,
         prefix_cache=not args.disable_radix_cache,
         overlap_schedule=not args.disable_overlap_schedule,
+        chunked_prefill_size=args.chunked_prefill_size,
     )
     arguments = launch_arguments(
         args,

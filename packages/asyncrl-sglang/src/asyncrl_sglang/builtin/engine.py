@@ -14,6 +14,17 @@ is retracted, and a request whose tokens start with a cached prefix copies that 
 only the rest. Loading weights empties the cache, except under an `in_place` pause (whose running requests
 keep their old KV too); `/flush_cache` empties it.
 
+Chunked prefill (SGLang's `--chunked-prefill-size`, the token budget of one prefill batch): a request with
+more tokens still to prefill than the budget leaves on its own (`_chunked`, one at a time, in neither the
+waiting queue nor the running batch, as SGLang's `chunked_req`) into the last slot, which the running
+requests then leave free. Each step prefills its next chunk (filling the rest of the step's budget at its
+first, behind the requests admitted before it; a whole budget after), its cached prefix loaded at the first,
+and the running requests decode one token between two chunks. Its last chunk is an ordinary admission: its
+KV moves into the slot after the running ones, the rest is prefilled with the requests admitted beside it,
+and it samples its first token and joins the batch. A chunk step is a sync point of the overlap scheduler.
+Its prompt logprobs are computed chunk by chunk. A retract puts it back at the head of the queue (the KV of
+its chunks, if computed under the current weights, into the prefix cache), an abort or a failure drops it.
+
 Invariant of a running request: the cache of its slot holds K/V for `prompt + output[:-1]`; the last output
 token is fed at the next decode step (at position `len(prompt) + len(output) - 1`).
 
@@ -51,6 +62,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
+from asyncrl_sglang.builtin import DEFAULT_CHUNKED_PREFILL_SIZE
 from asyncrl_sglang.builtin.model import EngineModel, KVCache
 from asyncrl_sglang.builtin.prefix_cache import PrefixCache
 from asyncrl_sglang.builtin.sampling import (
@@ -67,8 +79,6 @@ from asyncrl_sglang.wire import PauseMode as PauseMode
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-PREFILL_TOKEN_BUDGET = 8192
-"""At most this many prompt tokens are prefilled in one batch (a single longer prompt still goes alone)."""
 KV_CAPACITY_STEP = 256
 """The KV cache grows in multiples of this many positions (up to the context length)."""
 CUDA_KV_WHOLE_CONTEXT_SHARE = 0.4
@@ -203,6 +213,7 @@ class Engine:
         prefill_interval: int | None = None,
         overlap_schedule: bool = True,
         kv_whole_context: bool | None = None,
+        chunked_prefill_size: int | None = DEFAULT_CHUNKED_PREFILL_SIZE,
     ) -> None:
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
@@ -241,6 +252,19 @@ class Engine:
         self._in_flight: _LaunchedStep | None = None
         """The decode step launched and not read yet (overlap scheduler only)."""
         self._last_decode_end = 0.0
+        self.chunked_prefill_size = (
+            chunked_prefill_size if chunked_prefill_size is not None and chunked_prefill_size > 0 else None
+        )
+        """The token budget of one prefill batch, and of one chunk of a longer request (None: chunking
+        disabled, as SGLang reads -1 or 0; then a batch holds `DEFAULT_CHUNKED_PREFILL_SIZE` and a longer
+        prompt goes alone)."""
+        self._chunked: Request | None = None
+        """The request being prefilled in chunks, its KV in `_chunk_slot` (see the module's docstring)."""
+        self._chunk_slot = max_running_requests - 1
+        self._chunk_prefilled = 0
+        """Positions of `_chunked`'s KV in `_chunk_slot` (its prefix-cache hit included)."""
+        self._chunk_next = 0
+        """Tokens of `_chunked`'s chunk this step (set by `_take_admitted`, 0: none)."""
         self.weights_epoch = 0
         """Counts weight loads: KV computed before the last load is stale under the current weights."""
         if prefix_cache_tokens is None:
@@ -329,7 +353,7 @@ class Engine:
         return 0 if self._graphs is None else self._graphs.memory_bytes
 
     def is_idle(self) -> bool:
-        return not self.running and not self.waiting
+        return not self.running and not self.waiting and self._chunked is None
 
     def find(self, rid: str) -> Request | None:
         return self._by_rid.get(rid)
@@ -342,6 +366,8 @@ class Engine:
             if r.finish_reason is None:
                 num_running += 1
                 num_used_tokens += len(r.prompt_ids) + len(r.output_ids)
+        if self._chunked is not None:  # neither running nor waiting (as SGLang counts it); its KV is held
+            num_used_tokens += self._chunk_prefilled
         self.snapshot = EngineSnapshot(
             num_running=num_running,
             num_waiting=len(self.waiting),
@@ -376,11 +402,14 @@ class Engine:
         return True
 
     def _abort_all(self, message: str = "Aborted") -> int:
-        victims = [*self.running, *self.waiting]
+        victims = [*self.running, *self._chunked_list(), *self.waiting]
         self.waiting.clear()  # at once: removing each from a long queue would be quadratic
         for request in victims:
             self._abort(request, message)
         return len(victims)
+
+    def _chunked_list(self) -> list[Request]:
+        return [] if self._chunked is None else [self._chunked]
 
     def abort_all(self) -> int:
         """Abort every running and waiting request; returns how many."""
@@ -389,6 +418,15 @@ class Engine:
     def pause(self, mode: PauseMode) -> None:
         """Stop forming batches. `retract` also frees the KV of every running request and requeues it."""
         if mode == "retract":
+            chunked = self._chunked
+            if chunked is not None:
+                # Retracted as SGLang retracts its chunked request: back to the queue, after the running ones,
+                # its chunks' KV kept in the prefix cache under the same rule as theirs.
+                self._drop_chunked(store=chunked.kv_weights_epoch == self.weights_epoch)
+                chunked.num_retractions += 1
+                self.counters.num_retracted_requests_total += 1
+                self.counters.num_retracted_output_tokens_total += len(chunked.output_ids)
+                self.waiting.appendleft(chunked)
             for slot, request in enumerate(self.running):
                 # Only KV computed wholly under the current weights: a request kept through an in_place update
                 # holds older KV, and retraction promises a recomputation under the current weights.
@@ -415,7 +453,7 @@ class Engine:
         if version == self.weight_version:
             return
         self.weight_version = version
-        for request in (*self.running, *self.waiting):
+        for request in (*self.running, *self._chunked_list(), *self.waiting):
             position = len(request.output_ids)
             last_version, last_start = request.version_marks[-1]
             if last_start == position:
@@ -529,7 +567,7 @@ class Engine:
         # Stopping. No call can queue a request any more (`call_async` refuses under the lock that was held
         # when the loop saw `_stopping`), so these are the last requests: every one is answered.
         self._drain()
-        victims = [*self.running, *self.waiting]
+        victims = [*self.running, *self._chunked_list(), *self.waiting]
         self.waiting.clear()
         for request in victims:
             self.counters.num_aborted_requests_total += 1
@@ -561,6 +599,12 @@ class Engine:
         step's requests a re-prefill, never their output."""
         # A step in flight when the failure came is dropped with its tokens (no client heard of them).
         involved = [r for r in self._step_requests if not r.finished]
+        chunked = self._chunked
+        if chunked is not None:
+            # Its KV is dropped and it is probed as the others (its chunks may be what failed).
+            self._chunked = None
+            if chunked not in involved:
+                involved.append(chunked)
         logger.exception("engine step failed for %d requests; retrying them one by one", len(involved))
         # Every running request belongs to the step (a finished one the failure left in place included).
         self.running.clear()
@@ -575,11 +619,12 @@ class Engine:
                 continue
             self.running.clear()
             try:
-                self._prefill([request])
+                self._prefill_alone(request)
                 if self.running:
                     self._decode()
             except Exception as probe_error:
                 self.running.clear()
+                self._chunked = None
                 if not request.finished:
                     logger.exception("request %s fails alone: finished with the error", request.rid)
                     self._abort(request, f"Internal engine error: {probe_error}", INTERNAL_ERROR)
@@ -607,14 +652,20 @@ class Engine:
                 )
 
     def _has_work(self) -> bool:
-        return self.paused is None and not self.weights_released and bool(self.running or self.waiting)
+        return (
+            self.paused is None
+            and not self.weights_released
+            and bool(self.running or self.waiting or self._chunked is not None)
+        )
 
     def _admission_due(self) -> bool:
-        """Whether this step admits waiting requests (see `prefill_interval`)."""
+        """Whether this step admits waiting requests (see `prefill_interval`); every step while a request is
+        prefilled in chunks (one chunk a step)."""
         if not self.waiting:
-            return False
+            return self._chunked is not None
         return (
-            not self.running
+            self._chunked is not None
+            or not self.running
             or self._steps_since_prefill + 1 >= self.prefill_interval
             or 4 * len(self.waiting) >= self.max_running_requests
         )
@@ -641,9 +692,12 @@ class Engine:
         self._steps_since_prefill = 0 if due else self._steps_since_prefill + 1
         admitted = self._take_admitted(self.max_running_requests - len(self.running)) if due else []
         self._step_requests = [*admitted, *self.running]
-        if admitted:
+        if admitted or self._chunk_next:
             began = time.perf_counter()
-            self._prefill(admitted)
+            if admitted:
+                self._prefill(admitted)
+            if self._chunk_next:
+                self._prefill_chunk()
             self.counters.prefill_busy_us += round((time.perf_counter() - began) * 1e6)
         if self.running:
             if self.overlap_schedule:
@@ -652,11 +706,23 @@ class Engine:
                 self._decode()
 
     def _take_admitted(self, free: int, simple_only: bool = False) -> list[Request]:
-        """Pop the waiting requests that join now: FIFO, at most `free`, within `PREFILL_TOKEN_BUDGET` prompt
-        tokens (a longer one alone). `simple_only`: stop before the first one whose prefill needs the host at
-        once (prompt logprobs to read, or `max_new_tokens` 0: finished at its prefill)."""
+        """Pop the requests that join now: FIFO, at most `free`, within `chunked_prefill_size` tokens to
+        prefill. The request prefilled in chunks goes first: its next chunk alone (`_chunk_next`) while the
+        rest exceeds the budget, else its last chunk, admitted. A longer waiting request then starts its
+        chunks with the rest of the budget (`_chunked`) and ends the admission (chunking disabled: a longer
+        one joins alone). `simple_only`: stop before the first one whose prefill needs the host at once
+        (prompt logprobs to read, `max_new_tokens` 0: finished at its prefill, or a chunk)."""
         admitted: list[Request] = []
-        budget = PREFILL_TOKEN_BUDGET
+        size_limit = self.chunked_prefill_size
+        budget = size_limit or DEFAULT_CHUNKED_PREFILL_SIZE
+        chunked = self._chunked
+        if chunked is not None:
+            remaining = chunked.num_tokens - self._chunk_prefilled
+            if remaining > budget:
+                self._chunk_next = budget
+                return admitted
+            admitted.append(chunked)  # its last chunk (its slot is counted in `free`)
+            budget -= remaining
         while self.waiting and len(admitted) < free:
             head = self.waiting[0]
             if simple_only and (
@@ -665,8 +731,18 @@ class Engine:
             ):
                 break
             size = head.num_tokens
-            if admitted and size > budget:
-                break
+            if size > budget:
+                if size_limit is None:
+                    if admitted:
+                        break
+                elif simple_only or self._chunked is not None or budget <= 0:
+                    break
+                else:
+                    # Its slot is the last one, which the running and admitted requests leave free.
+                    self._chunked = self.waiting.popleft()
+                    self._chunk_prefilled = 0
+                    self._chunk_next = budget
+                    break
             admitted.append(self.waiting.popleft())
             budget -= size
         return admitted
@@ -684,7 +760,7 @@ class Engine:
         finished row or a free slot, and the KV cache already long enough for the prefill and the next step
         (growing it would copy what the step in flight is still writing)."""
         running = self.running
-        if running != step.requests or not self._admission_due():
+        if running != step.requests or self._chunked is not None or not self._admission_due():
             return False
         reusable = [slot for slot, r in enumerate(running) if r.finished]
         free = len(reusable) + self.max_running_requests - len(running)
@@ -759,6 +835,8 @@ class Engine:
         if cache is not None:
             used = max((r.num_tokens for r in self.running), default=0)
             grown.copy_from(cache, len(self.running), min(used, cache.capacity))
+            if self._chunked is not None and self._chunk_prefilled:
+                grown.copy_slot_from(cache, self._chunk_slot, self._chunk_prefilled)
         self._cache = grown
         if self._graphs is not None:
             self._graphs.clear()
@@ -778,18 +856,26 @@ class Engine:
         if slots is None:
             slots = list(range(len(self.running), len(self.running) + len(requests)))
         starts = [0] * len(requests)
-        if self.prefix_cache is not None:
-            for row, request in enumerate(requests):
-                starts[row] = self.prefix_cache.load(
+        cached = 0
+        prefix_cache = self.prefix_cache
+        for row, request in enumerate(requests):
+            if request is self._chunked:  # its last chunk: the KV of the others moves into its slot
+                starts[row] = self._chunk_prefilled
+                if slots[row] != self._chunk_slot:
+                    cache.move_slot(self._chunk_slot, slots[row], self._chunk_prefilled)
+                self._chunked = None
+                continue
+            request.kv_weights_epoch = self.weights_epoch
+            if prefix_cache is not None:
+                starts[row] = prefix_cache.load(
                     sequences[row], self._cacheable_prefix(request, len(sequences[row])), cache, slots[row]
                 )
                 request.cached_tokens += starts[row]
-        for request in requests:
-            request.kv_weights_epoch = self.weights_epoch
-        total = sum(len(s) for s in sequences)
-        self.counters.cached_tokens_total += sum(starts)
-        self.counters.prefill_tokens_total += total - sum(starts)
-        self.counters.cache_hit_rate = sum(starts) / total
+                cached += starts[row]
+        computed = sum(len(s) for s in sequences) - sum(starts)
+        self.counters.cached_tokens_total += cached
+        self.counters.prefill_tokens_total += computed
+        self.counters.cache_hit_rate = cached / (cached + computed)
         suffixes = [s[start:] for s, start in zip(sequences, starts, strict=True)]
         hidden = self.model.prefill_packed(suffixes, cache, slots, starts)  # [total new tokens, hidden]
         ends = list(itertools.accumulate(len(s) for s in suffixes))
@@ -800,7 +886,7 @@ class Engine:
                 self.counters.prompt_tokens_total += len(request.prompt_ids)
                 if request.return_logprob and request.logprob_start_len >= 0:
                     rows = hidden[ends[row] - len(suffixes[row]) : ends[row]]
-                    self._input_logprobs(request, rows, starts[row])
+                    self._input_logprobs(request, rows, starts[row], len(sequences[row]))
             request.was_running = True
         for slot, request in zip(slots, requests, strict=True):
             if slot < len(self.running):
@@ -825,6 +911,57 @@ class Engine:
         self._accept(requests, self.model.logits(last_hidden))
         return None
 
+    def _prefill_chunk(self) -> None:
+        """Prefill the next `_chunk_next` tokens of `_chunked` into its slot (its cached prefix loaded at its
+        first chunk), and their prompt logprobs. Samples nothing: its last chunk is admitted by `_prefill`."""
+        request, size = self._chunked, self._chunk_next
+        self._chunk_next = 0
+        if request is None:  # aborted since its chunk was planned (by a callback of this step)
+            return
+        sequence = request.prompt_ids + request.output_ids
+        # The whole length at its first chunk: the cache grows once, not once per chunk.
+        cache = self._ensure_cache(len(sequence) + 1)
+        slot, start = self._chunk_slot, self._chunk_prefilled
+        if start == 0:
+            request.kv_weights_epoch = self.weights_epoch
+            if self.prefix_cache is not None:
+                start = self.prefix_cache.load(
+                    sequence, self._cacheable_prefix(request, len(sequence)), cache, slot
+                )
+                request.cached_tokens += start
+                self.counters.cached_tokens_total += start
+        # At least its last token is left for the last chunk, which samples from it.
+        end = min(start + size, len(sequence) - 1)
+        if end > start:
+            hidden = self.model.prefill_packed([sequence[start:end]], cache, [slot], [start])
+            self.counters.prefill_tokens_total += end - start
+            if not request.was_running and request.return_logprob and request.logprob_start_len >= 0:
+                self._input_logprobs(request, hidden, start, end)
+        self._chunk_prefilled = end
+
+    def _prefill_alone(self, request: Request) -> None:
+        """Prefill one request into slot 0 (nothing running) and sample its next token, in chunks if it is
+        longer than `chunked_prefill_size` (the probes of `_recover`)."""
+        size = self.chunked_prefill_size
+        if size is not None and request.num_tokens > size:
+            self._chunked, self._chunk_prefilled = request, 0
+            while request.num_tokens - self._chunk_prefilled > size:
+                self._chunk_next = size
+                self._prefill_chunk()
+        self._prefill([request])
+
+    def _drop_chunked(self, store: bool) -> None:
+        """End the chunked prefill of `_chunked` (retracted, aborted): with `store`, the KV of its chunks goes
+        into the prefix cache; its prompt logprobs so far are dropped (recomputed at its next prefill)."""
+        request = self._chunked
+        assert request is not None
+        if store and self._chunk_prefilled:
+            self._store_prefix(request, self._chunk_slot, self._chunk_prefilled)
+        request.input_logprobs.clear()
+        request.input_top_logprobs.clear()
+        self._chunked = None
+        self._chunk_prefilled = self._chunk_next = 0
+
     @staticmethod
     def _cacheable_prefix(request: Request, length: int) -> int:
         """How much of a request's `length` tokens may come from the prefix cache: all but the last (whose
@@ -834,31 +971,32 @@ class Engine:
             limit = min(limit, max(0, min(request.logprob_start_len, len(request.prompt_ids)) - 1))
         return limit
 
-    def _store_prefix(self, request: Request, slot: int) -> None:
-        """Put the KV that `slot` holds for `request` (all its tokens but the last) into the prefix cache.
-        Caching is an optimisation: a failure is logged, and the finish or retract that called goes on."""
+    def _store_prefix(self, request: Request, slot: int, held: int | None = None) -> None:
+        """Put the KV that `slot` holds for `request` (its first `held` tokens; default all but the last) into
+        the prefix cache. Caching is an optimisation: a failure is logged, and the finish or retract that
+        called goes on."""
         if self.prefix_cache is not None and self._cache is not None:
-            held = min(request.num_tokens - 1, self._cache.capacity)
+            held = min(request.num_tokens - 1 if held is None else held, self._cache.capacity)
             try:
                 self.prefix_cache.store((request.prompt_ids + request.output_ids)[:held], self._cache, slot)
             except Exception:
                 logger.exception("the prefix of request %s could not be cached", request.rid)
 
-    def _input_logprobs(self, request: Request, hidden: Tensor, offset: int = 0) -> None:
-        """Logprobs of prompt tokens from `logprob_start_len` on (the first prompt token has none).
-
-        `hidden` holds the hidden states of positions `offset..` (the part that was prefilled)."""
-        start = min(request.logprob_start_len, len(request.prompt_ids))
-        if start == 0:
+    def _input_logprobs(self, request: Request, hidden: Tensor, offset: int, end: int) -> None:
+        """Append the logprobs of prompt tokens from `logprob_start_len` on (the first prompt token has none)
+        that the hidden states of positions `offset..end-1` (`hidden`, a prefill or one chunk of it) predict:
+        those of positions `offset + 1..end`, in order (a chunk predicts the next chunk's first token)."""
+        num_prompt = len(request.prompt_ids)
+        first = min(request.logprob_start_len, num_prompt)
+        if first == 0 and offset == 0:
             request.input_logprobs.append(None)
             request.input_top_logprobs.append(None)
-            start = 1
-        num_prompt = len(request.prompt_ids)
-        if start >= num_prompt:
+        start, stop = max(first, offset + 1), min(num_prompt, end + 1)
+        if start >= stop:
             return
-        logits = self.model.logits(hidden[start - 1 - offset : num_prompt - 1 - offset])
+        logits = self.model.logits(hidden[start - 1 - offset : stop - 1 - offset])
         logprobs = torch.log_softmax(logits / request.options.logprob_temperature, dim=-1)
-        targets = torch.tensor(request.prompt_ids[start:num_prompt], device=logprobs.device)
+        targets = torch.tensor(request.prompt_ids[start:stop], device=logprobs.device)
         chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
         request.input_logprobs.extend(chosen)
         if request.top_logprobs_num > 0:
@@ -1029,6 +1167,8 @@ class Engine:
             if self._in_flight is None:
                 self._free_slot(slot)
             # Else the step in flight decodes this slot: it is freed once that step is read.
+        elif request is self._chunked:
+            self._drop_chunked(store=request.kv_weights_epoch == self.weights_epoch)
         elif request in self.waiting:
             self.waiting.remove(request)
         self._publish()  # a client told that its request finished never reads a snapshot where it runs

@@ -185,6 +185,10 @@ class KVCache:
         """Copy the first `length` positions of the first `num_slots` slots of `other` (a smaller cache)."""
         self.kv[:, :, :num_slots, :, :length].copy_(other.kv[:, :, :num_slots, :, :length])
 
+    def copy_slot_from(self, other: KVCache, slot: int, length: int) -> None:
+        """Copy the first `length` positions of slot `slot` of `other` (a smaller cache), into that slot."""
+        self.kv[:, :, slot, :, :length].copy_(other.kv[:, :, slot, :, :length])
+
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
 

@@ -18,7 +18,7 @@ from typing import Any, Literal, get_args
 
 from aiohttp import web
 
-from asyncrl_sglang.builtin import DEFAULT_MAX_N, DEFAULT_MAX_QUEUED_REQUESTS
+from asyncrl_sglang.builtin import DEFAULT_CHUNKED_PREFILL_SIZE, DEFAULT_MAX_N, DEFAULT_MAX_QUEUED_REQUESTS
 from asyncrl_sglang.builtin._http import (
     Handler,
     error_response,
@@ -65,6 +65,9 @@ class ServerArgs:
     grpc_port: int | None = None
     api_key: str | None = None
     max_running_requests: int = 32
+    chunked_prefill_size: int = DEFAULT_CHUNKED_PREFILL_SIZE
+    """The most tokens of one prefill batch, and the chunk of a longer prompt (-1 or 0: no chunking), as
+    SGLang's flag (`Engine.chunked_prefill_size`)."""
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
     """The most requests waiting at once (SGLang's flag): a call that does not fit beside those waiting is
     answered 503 "The request queue is full.", a call larger than this is a 400."""
