@@ -22,6 +22,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from asyncrl_core.errors import EngineUnavailableError, GenerationError
 from asyncrl_core.types import SamplingParams
+from asyncrl_sglang._schema import AbortStatusError, parse_generation
 from asyncrl_sglang.builtin.engine import Engine, EngineStoppedError, Request, shutdown_reason
 from asyncrl_sglang.builtin.grpc_service import SchedulerService, start_grpc_server
 from asyncrl_sglang.builtin.model import EngineModel
@@ -69,6 +70,15 @@ async def make_served(make_client: Callable[..., Any]) -> AsyncIterator[Callable
 async def _post(served: Served, **body: Any) -> tuple[int, Any]:
     response = await served.client.post("/generate", json=body)
     return response.status, json.loads(await response.text())
+
+
+async def _last_event(served: Served, **body: Any) -> str:
+    """The last ordinary `data:` event (before `[DONE]`) of a streamed `/generate` with output logprobs."""
+    response = await served.client.post("/generate", json={**body, "stream": True, "return_logprob": True})
+    assert response.status == 200
+    chunks = [c for c in (await response.text()).split("\n\n") if c]
+    assert chunks[-1] == "data: [DONE]"
+    return chunks[-2].removeprefix("data: ")
 
 
 async def _until(predicate: Callable[[], bool]) -> None:
@@ -239,12 +249,18 @@ async def test_requests_the_engine_stops_under_answer_unavailable_not_a_partial_
         return grpc.StatusCode.OK
 
     rpc = asyncio.create_task(grpc_call())
-    await _until(lambda: served.engine.snapshot.num_running == 2)
+    # A stream has the abort, status 503 included, as its last event (HTTP 200): the client's reading of a
+    # result takes it for a 503, not for an output.
+    stream = asyncio.create_task(_last_event(served, input_ids=[8, 9], sampling_params=endless))
+    await _until(lambda: served.engine.snapshot.num_running == 3)
     served.server.ready = False
     await asyncio.to_thread(served.engine.stop)
     status, body = await asyncio.wait_for(http, WAIT_S)
     assert (status, body["code"], body["message"]) == (503, 503, "The server is shutting down.")
     assert await asyncio.wait_for(rpc, WAIT_S) == grpc.StatusCode.UNAVAILABLE
+    with pytest.raises(AbortStatusError) as cut:
+        parse_generation(await asyncio.wait_for(stream, WAIT_S), 2)
+    assert (cut.value.status, cut.value.message) == (503, "The server is shutting down.")
 
 
 async def test_a_request_that_fails_alone_answers_an_internal_error_not_a_partial_output(
@@ -275,15 +291,12 @@ async def test_a_request_that_fails_alone_answers_an_internal_error_not_a_partia
     assert "unreadable" in body["message"]
     assert body == {"object": "error", "message": body["message"], "type": "500", "param": None, "code": 500}
 
-    response = await served.client.post(
-        "/generate", json={"input_ids": prompt, "stream": True, "sampling_params": {"max_new_tokens": 4}}
-    )
-    assert response.status == 200
-    chunks = [c for c in (await response.text()).split("\n\n") if c]
-    assert chunks[-1] == "data: [DONE]"
-    last = json.loads(chunks[-2].removeprefix("data: "))
-    assert last["meta_info"]["finish_reason"]["type"] == "abort"
-    assert last["meta_info"]["finish_reason"]["status_code"] == 500
+    last = await _last_event(served, input_ids=prompt, sampling_params={"max_new_tokens": 4})
+    assert json.loads(last)["meta_info"]["finish_reason"]["type"] == "abort"
+    with pytest.raises(AbortStatusError) as failed_in_stream:
+        parse_generation(last, len(prompt))
+    assert failed_in_stream.value.status == 500
+    assert "unreadable" in failed_in_stream.value.message
 
     with pytest.raises(grpc.aio.AioRpcError) as failed:
         async for _ in served.stub.Generate(_grpc_request(input_ids=prompt), timeout=WAIT_S):

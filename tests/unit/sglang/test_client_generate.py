@@ -11,7 +11,7 @@ import pytest
 
 from asyncrl_core.errors import EngineControlError, EngineUnavailableError, GenerationError
 from asyncrl_core.types import SamplingParams, VersionSpan
-from asyncrl_sglang._schema import parse_generation, parse_version
+from asyncrl_sglang._schema import AbortStatusError, parse_generation, parse_version
 from asyncrl_sglang.client import ClientTimeouts, RetryPolicy, SGLangClient, parse_prometheus
 
 FAST_RETRY = RetryPolicy(max_attempts=3, initial_backoff_s=0.001, max_backoff_s=0.002)
@@ -186,6 +186,112 @@ async def test_a_full_queue_is_retried_then_reported_unavailable() -> None:
     async with SGLangClient("http://e", transport=httpx.MockTransport(full), retry=FAST_RETRY) as client:
         with pytest.raises(EngineUnavailableError, match="queue is full"):
             await client.generate([1], SamplingParams())
+
+
+def aborted(ids: list[int], status: int | None, message: str) -> dict[str, Any]:
+    """A finished result the engine aborted, as SGLang writes `FINISH_ABORT.to_json()`."""
+    err_type = "BadRequestError" if status == 400 else None  # what `set_finish_with_abort` writes
+    reason = {"type": "abort", "message": message, "status_code": status, "err_type": err_type}
+    return response(ids, finish_reason=reason)
+
+
+def last_event(stream: str) -> str:
+    """The JSON of the last ordinary `data:` event of a server-sent `/generate` stream (before `[DONE]`)."""
+    events = [chunk.removeprefix("data: ") for chunk in stream.split("\n\n") if chunk.strip()]
+    assert events[-1] == "[DONE]"
+    return events[-2]
+
+
+@pytest.mark.parametrize(
+    ("status", "message"),
+    [
+        (503, "The server is shutting down."),
+        (500, "Internal engine error: RuntimeError: a cached block is unreadable"),
+        (400, "The input (70 tokens) is longer than the model's context length (64 tokens)."),
+    ],
+)
+def test_an_abort_with_a_status_is_no_output_in_a_body_or_as_a_streams_last_event(
+    status: int, message: str
+) -> None:
+    # SGLang's native streamed /generate ends such a request with the abort, status included, as its last
+    # ordinary event under HTTP 200; some versions send it in a 200 body too. Neither is the model's end.
+    body = json.dumps(aborted([5, 6], status, message))
+    partial = json.dumps(response([5]))
+    stream = f"data: {partial}\n\ndata: {body}\n\ndata: [DONE]\n\n"
+    for text in (body, last_event(stream)):
+        with pytest.raises(AbortStatusError) as refused:
+            parse_generation(text, 4)
+        assert (refused.value.status, refused.value.message) == (status, message)
+        assert isinstance(refused.value, GenerationError)  # a caller that does not look never trains on it
+
+
+async def test_an_abort_with_status_503_in_a_200_body_is_resent_like_a_503() -> None:
+    """The engine stopped under the request (SGLang's abort with status 503): the same request, under the
+    same rid, later; once the retries are spent `EngineUnavailableError`, which the pool sends elsewhere."""
+    seen: list[tuple[str, Any]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append((request.url.path, json.loads(request.content)))
+        if len(seen) < 3:
+            return httpx.Response(200, json=aborted([5, 6], 503, "The server is shutting down."))
+        return httpx.Response(200, json=response([7, 8]))
+
+    async with SGLangClient("http://e", transport=httpx.MockTransport(handler), retry=FAST_RETRY) as client:
+        generation = await client.generate([1], SamplingParams(), rid="cut")
+    assert generation.output_ids == [7, 8]
+    assert generation.finish_reason == "length"
+    # The aborted copy was ended by the engine (its answer came): nothing to abort before the resend.
+    assert [(path, body["rid"]) for path, body in seen] == [("/generate", "cut")] * 3
+
+    def stopping(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json=aborted([5], 503, "The server is shutting down."))
+
+    async with SGLangClient("http://e", transport=httpx.MockTransport(stopping), retry=FAST_RETRY) as client:
+        with pytest.raises(EngineUnavailableError, match="answered 503: The server is shutting down"):
+            await client.generate([1], SamplingParams())
+
+
+@pytest.mark.parametrize(
+    ("status", "message", "verb"),
+    [
+        (500, "Internal engine error: RuntimeError: a cached block is unreadable", "failed"),
+        (400, "The input (70 tokens) is longer than the model's context length (64 tokens).", "refused"),
+    ],
+)
+async def test_an_abort_with_status_500_or_400_in_a_200_body_is_final(
+    status: int, message: str, verb: str
+) -> None:
+    """A request that failed alone (500) or that the engine refused (400, SGLang's `set_finish_with_abort`):
+    `GenerationError` as for that answer, never sent again."""
+    attempts: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        attempts.append(json.loads(request.content)["rid"])
+        return httpx.Response(200, json=aborted([5, 6], status, message))
+
+    async with SGLangClient("http://e", transport=httpx.MockTransport(handler), retry=FAST_RETRY) as client:
+        with pytest.raises(GenerationError) as failed:
+            await client.generate([1], SamplingParams(), rid="r")
+        assert not isinstance(failed.value, AbortStatusError)
+        assert str(failed.value) == f"http://e/generate {verb} request r ({status}): {message}"
+        assert client.num_outstanding == 0
+    assert attempts == ["r"]
+
+
+async def test_a_user_abort_keeps_its_partial_output() -> None:
+    """An abort with no status (`abort_request`, a pause in abort mode) is the output so far, finish reason
+    `abort`, answered once."""
+    attempts: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        attempts.append(json.loads(request.content)["rid"])
+        return httpx.Response(200, json=aborted([5, 6], None, "Aborted"))
+
+    async with SGLangClient("http://e", transport=httpx.MockTransport(handler), retry=FAST_RETRY) as client:
+        generation = await client.generate([1], SamplingParams(), rid="u")
+    assert (generation.output_ids, generation.finish_reason) == ([5, 6], "abort")
+    assert generation.logprobs == [-0.25, -0.5]
+    assert attempts == ["u"]
 
 
 async def test_a_duplicate_rid_that_the_client_did_not_cause_is_an_error() -> None:

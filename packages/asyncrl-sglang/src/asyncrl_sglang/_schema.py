@@ -4,7 +4,11 @@ The tolerance rules of the SGLang contract that are about meaning rather than sh
 - per-token version spans come from `meta_info.weight_versions` when the server sends them, else one span of
   `meta_info.weight_version` covers every token and the generation is marked `versions_verified=False`;
 - retractions are `num_retractions` (or `total_retractions`, early-2026 servers), else 0;
-- `prompt_tokens` is absent on abort responses built from the waiting queue: the prompt length is used.
+- `prompt_tokens` is absent on abort responses built from the waiting queue: the prompt length is used;
+- an abort whose finish reason carries a status (SGLang's `FINISH_ABORT` with `status_code`: 400 bad input,
+  500 an internal error, 503 the engine cannot serve it) is the engine's answer of that status, not an
+  output (`AbortStatusError`), wherever it comes: a 200 body or a stream's last event. Only an abort with no
+  status (a user's `abort_request`, a pause in abort mode) is a partial output with finish reason `abort`.
 (The alternative key spellings themselves are aliases of the wire model.)
 
 Weight versions are ints in asyncrl (the actor's step count) and travel as their decimal string. A server
@@ -132,8 +136,25 @@ def tiles(spans: tuple[VersionSpan, ...], num_tokens: int) -> bool:
     return expected == num_tokens
 
 
+class AbortStatusError(GenerationError):
+    """A finished `/generate` result that is no output: the engine aborted the request with an HTTP status
+    (`status`, with its `message`). SGLang answers such an abort (`_handle_abort_finish_reason`) with the
+    status itself (400 as a refused request, 500 and 503 as an HTTPException), except in a stream, whose last
+    event is the abort, status included, under HTTP 200. A caller treats it exactly as an answer of
+    `status`: the HTTP client resends a 503 and raises `GenerationError` for the others."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(status, message)
+        self.status = status
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"the engine aborted the request with status {self.status}: {self.message}"
+
+
 def parse_generation(response: bytes | str, num_prompt_tokens: int) -> Generation:
-    """A `Generation` from the JSON text of a finished, non-streamed, single `/generate` response."""
+    """A `Generation` from the JSON text of a finished, single `/generate` result (a non-streamed body, or
+    a stream's last event). `AbortStatusError` when it is an abort carrying a status."""
     try:
         body = parse_json(GenerateResponse, response)
     except WireError as error:
@@ -142,6 +163,8 @@ def parse_generation(response: bytes | str, num_prompt_tokens: int) -> Generatio
     finish = meta.finish_reason
     if finish is None:
         raise GenerationError("malformed /generate response: a final response has finish_reason null")
+    if finish.type == "abort" and finish.status_code is not None:
+        raise AbortStatusError(finish.status_code, finish.message or "aborted")
     matched = finish.matched
     if isinstance(matched, list):
         # Several stop ids may be reported at once; the first is the one that ended the output.

@@ -41,7 +41,13 @@ from asyncrl_core.errors import (
 )
 from asyncrl_core.metrics import ENGINE_NUM_GENERATED_TOKENS, ENGINE_PREFILL_S
 from asyncrl_core.types import Generation, SamplingParams
-from asyncrl_sglang._schema import generate_body, parse_generation, parse_version, version_label
+from asyncrl_sglang._schema import (
+    AbortStatusError,
+    generate_body,
+    parse_generation,
+    parse_version,
+    version_label,
+)
 from asyncrl_sglang.tensor_codec import TensorCodecError, encode_tensors
 from asyncrl_sglang.wire import (
     DEFAULT_GROUP_NAME as DEFAULT_GROUP_NAME,
@@ -356,19 +362,20 @@ class SGLangClient:
         `GenerationError` with the server's message when the engine refuses the request (400: too long for
         the context, bad sampling values, a rid already in flight) or fails it (500: an internal error of
         the engine, such as a request that fails a step on its own; never sent again), and
-        `EngineUnavailableError` when the engine cannot be reached or the request does not finish within
-        `timeouts.generate_s`.
+        `EngineUnavailableError` when the engine cannot be reached, keeps answering 503 or the request does
+        not finish within `timeouts.generate_s`. A 200 body whose finish reason is an abort carrying a
+        status is read as an answer of that status (`_schema.AbortStatusError`); an abort without one
+        (`abort(rid)`, a pause in abort mode) is returned: its partial output, finish reason `abort`.
         """
         rid = rid or uuid.uuid4().hex
         body = generate_body(input_ids, sampling, rid)
         self._num_outstanding += 1
         try:
-            response = await self._post_generate(body, rid)
+            return await self._post_generate(body, rid, len(input_ids))
         finally:
             self._num_outstanding -= 1
-        return parse_generation(response, len(input_ids))
 
-    async def _post_generate(self, body: JsonObject, rid: str) -> bytes:
+    async def _post_generate(self, body: JsonObject, rid: str, num_prompt_tokens: int) -> Generation:
         timeout_s = self.timeouts.generate_s
         resent = False
         last_error: Exception | None = None
@@ -394,22 +401,30 @@ class SGLangClient:
                         await self._abort_quietly(rid)
                         continue
                     if response.status_code == 200:
-                        return response.content
-                    message = error_message(response.content, response.text.strip())
-                    if resent and response.status_code == 400 and DUPLICATE_RID in message:
+                        try:
+                            return parse_generation(response.content, num_prompt_tokens)
+                        except AbortStatusError as abort:
+                            # An abort with a status in a 200 body is the answer of that status.
+                            status, message = abort.status, abort.message
+                    else:
+                        status = response.status_code
+                        message = error_message(response.content, response.text.strip())
+                    if resent and status == 400 and DUPLICATE_RID in message:
                         # The copy sent before the connection dropped is still being aborted.
                         continue
-                    if response.status_code == 503:
-                        # The engine's queue is full now (nothing was queued): the same request, later.
+                    if status == 503:
+                        # The engine's queue is full (nothing was queued), or it stopped under the request
+                        # (which it ended): the same request, later; once the retries are spent the pool
+                        # sends it to another engine if this one no longer answers /health.
                         last_error = EngineUnavailableError(
                             f"{self.base_url}/generate answered 503: {message}"
                         )
                         continue
                     # Final: a 4xx refuses the request as it is, a 500 is a failure the engine met running it
                     # alone (SGLang's internal error): sent again, it would fail again.
-                    verb = "failed" if response.status_code >= 500 else "refused"
+                    verb = "failed" if status >= 500 else "refused"
                     raise GenerationError(
-                        f"{self.base_url}/generate {verb} request {rid} ({response.status_code}): {message}"
+                        f"{self.base_url}/generate {verb} request {rid} ({status}): {message}"
                     )
         except TimeoutError as exc:
             await self._abort_quietly(rid)

@@ -19,10 +19,13 @@ Errors keep the HTTP client's meaning: a request the engine refuses (`INVALID_AR
 `UNAUTHENTICATED`, ...) or fails (`INTERNAL`, HTTP's 500) raises `GenerationError` with the server's message;
 `UNAVAILABLE` is retried under the same request id after aborting it (a duplicate id that the client's own
 resend caused is waited out), and raises `EngineUnavailableError` once the retries or `timeouts.generate_s`
-are spent, with the HTTP client's retry policy and overall deadline. A call cancelled by the caller cancels
-its RPC, which aborts the request on the server. An engine that cannot be reached is waited for by the pool,
-as over HTTP: `health` is `/health` and a connected gRPC channel, and the channel reconnects on the retry
-policy's backoff (`channel_options`).
+are spent, with the HTTP client's retry policy and overall deadline. An abort that carries an HTTP status
+reaches the client as the call's code, never as a `GenerateComplete` (which has no status field): SGLang's
+servicer maps 400 to `INVALID_ARGUMENT`, 503 to `UNAVAILABLE`, 500 to `INTERNAL`, as the built-in engine
+does, so a `GenerateComplete` with finish reason `abort` is a user's abort. A call cancelled by the caller
+cancels its RPC, which aborts the request on the server. An engine that cannot be reached is waited for by
+the pool, as over HTTP: `health` is `/health` and a connected gRPC channel, and the channel reconnects on the
+retry policy's backoff (`channel_options`).
 """
 
 from __future__ import annotations
