@@ -180,6 +180,23 @@ def test_a_half_prefilled_request_is_neither_running_nor_waiting(tiny_model: Eng
     _assert_same([short, long], _reference(tiny_model, [short, long]))
 
 
+def test_a_cached_prefix_does_not_count_against_the_prefill_budget(tiny_model: EngineModel) -> None:
+    """An agentic turn: 100 tokens of context cached, 8 new ones. It joins in one prefill of its 8 + the
+    uncached tail, not in chunks as a 108-token prompt would."""
+    engine = Engine(tiny_model, chunked_prefill_size=CHUNK, max_running_requests=2, kv_block_size=4)
+    first = _request(LONG, max_new_tokens=4)
+    engine.add_request(first)
+    _run_to_end(engine)
+    turn = _request(first.prompt_ids + first.output_ids + [11, 12, 13, 14, 15, 16, 17, 18])
+    engine.add_request(turn)
+    engine._step()
+    assert engine._chunked is None
+    assert engine.running == [turn]
+    assert turn.cached_tokens == 100  # the context less its last token, in whole blocks of 4
+    _run_to_end(engine)
+    _assert_same([turn], _reference(tiny_model, [turn]))
+
+
 # ---------------------------------------------------------------------------------------------- abort, pauses
 def test_abort_in_the_middle_of_the_chunks(tiny_model: EngineModel) -> None:
     engine = Engine(tiny_model, chunked_prefill_size=CHUNK, max_running_requests=2)

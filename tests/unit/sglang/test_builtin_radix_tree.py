@@ -105,7 +105,10 @@ def test_tree_and_allocator_stay_consistent(
         elif operation == "evict":
             allocator.free(tree.evict(len(tokens)))
         else:
+            # The read-only length first: it neither splits nor marks, so the match after it agrees.
+            length = tree.matched_length(tokens)
             blocks = tree.match(tokens).blocks
+            assert length == len(blocks) * block_size
             for index, block in enumerate(blocks):
                 assert content[block] == tuple(tokens[: (index + 1) * block_size])
         assert tree.num_blocks == allocator.num_allocated

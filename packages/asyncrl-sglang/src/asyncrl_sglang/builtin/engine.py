@@ -344,7 +344,8 @@ class Engine:
 
     @property
     def cuda_graph_batch_sizes(self) -> list[int]:
-        """The decode batch sizes captured as CUDA graphs so far (captured on first use; none on CPU)."""
+        """The decode batch sizes captured as CUDA graphs so far (none on CPU): every bucket when the KV cache
+        takes the whole context at once, else each on first use."""
         return [] if self._graphs is None else sorted(self._graphs.graphs)
 
     @property
@@ -707,10 +708,11 @@ class Engine:
 
     def _take_admitted(self, free: int, simple_only: bool = False) -> list[Request]:
         """Pop the requests that join now: FIFO, at most `free`, within `chunked_prefill_size` tokens to
-        prefill. The request prefilled in chunks goes first: its next chunk alone (`_chunk_next`) while the
-        rest exceeds the budget, else its last chunk, admitted. A longer waiting request then starts its
-        chunks with the rest of the budget (`_chunked`) and ends the admission (chunking disabled: a longer
-        one joins alone). `simple_only`: stop before the first one whose prefill needs the host at once
+        prefill (`_tokens_to_prefill`: a prefix the cache holds is not prefilled, so it does not count). The
+        request prefilled in chunks goes first: its next chunk alone (`_chunk_next`) while the rest exceeds
+        the budget, else its last chunk, admitted. A longer waiting request then starts its chunks with the
+        rest of the budget (`_chunked`) and ends the admission (chunking disabled: a longer one joins
+        alone). `simple_only`: stop before the first one whose prefill needs the host at once
         (prompt logprobs to read, `max_new_tokens` 0: finished at its prefill, or a chunk)."""
         admitted: list[Request] = []
         size_limit = self.chunked_prefill_size
@@ -730,7 +732,7 @@ class Engine:
                 or (not head.was_running and head.return_logprob and head.logprob_start_len >= 0)
             ):
                 break
-            size = head.num_tokens
+            size = self._tokens_to_prefill(head)
             if size > budget:
                 if size_limit is None:
                     if admitted:
@@ -746,6 +748,15 @@ class Engine:
             admitted.append(self.waiting.popleft())
             budget -= size
         return admitted
+
+    def _tokens_to_prefill(self, request: Request) -> int:
+        """The tokens a prefill of `request` computes now: its sequence less the prefix that the prefix cache
+        holds (what counts against the prefill budget, as SGLang counts a request's extend tokens)."""
+        size = request.num_tokens
+        if self.prefix_cache is None:
+            return size
+        sequence = request.prompt_ids + request.output_ids
+        return size - self.prefix_cache.cached_length(sequence, self._cacheable_prefix(request, size))
 
     def _admit_beside(self, step: _LaunchedStep) -> bool:
         """Admit waiting requests without reading the decode step in flight, if nothing needs the host first;
@@ -840,6 +851,10 @@ class Engine:
         self._cache = grown
         if self._graphs is not None:
             self._graphs.clear()
+            if self.kv_whole_context:
+                # This cache never grows, so its graphs stay valid: capture every batch size now, as SGLang
+                # does at start, rather than one at each new size in the middle of the generation.
+                self._graphs.capture_all(grown)
         return grown
 
     def _prefill(
@@ -1258,18 +1273,18 @@ class _DecodeGraphs:
             size *= 2
         return min(size, self.engine.max_running_requests)
 
+    def capture_all(self, cache: KVCache) -> None:
+        """Capture the graph of every batch-size bucket over `cache` (those not captured yet)."""
+        limit = self.engine.max_running_requests
+        for size in sorted({self.bucket(batch) for batch in range(1, limit + 1)}):
+            self._ensure(size, cache)
+
     def decode(self, input_ids: Tensor, positions: list[int], cache: KVCache) -> Tensor:
         """Replay the graph of `input_ids`' batch size (ids [B] on the device, copied device to device, so a
         launch never waits for the step before) at `positions`; hidden states [B, hidden]."""
         batch = len(positions)
         size = self.bucket(batch)
-        entry = self.graphs.get(size)
-        if entry is None:
-            before = torch.cuda.memory_allocated(self.engine.model.device)
-            entry = self._capture(size, cache)
-            self.graphs[size] = entry
-            self.memory_bytes += torch.cuda.memory_allocated(self.engine.model.device) - before
-        graph, static_ids, static_positions, static_lengths, output = entry
+        graph, static_ids, static_positions, static_lengths, output = self._ensure(size, cache)
         # Padding rows write into free slots at the last position, which no live request uses, and attend
         # to one position only (the decode kernel's work follows the lengths).
         padding = size - batch
@@ -1283,6 +1298,16 @@ class _DecodeGraphs:
         static_lengths.copy_(inputs[1], non_blocking=True)
         graph.replay()
         return output[:batch]
+
+    def _ensure(
+        self, size: int, cache: KVCache
+    ) -> tuple[torch.cuda.CUDAGraph, Tensor, Tensor, Tensor, Tensor]:
+        entry = self.graphs.get(size)
+        if entry is None:
+            before = torch.cuda.memory_allocated(self.engine.model.device)
+            entry = self.graphs[size] = self._capture(size, cache)
+            self.memory_bytes += torch.cuda.memory_allocated(self.engine.model.device) - before
+        return entry
 
     def _capture(
         self, size: int, cache: KVCache

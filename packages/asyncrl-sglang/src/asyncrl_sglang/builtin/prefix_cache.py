@@ -55,6 +55,10 @@ class PrefixCache:
         self.hit_tokens_total += cached
         return cached
 
+    def cached_length(self, tokens: Sequence[int], limit: int) -> int:
+        """What `load(tokens, limit, ...)` would copy now, without copying it or marking it used."""
+        return 0 if limit < self.block_size else self.tree.matched_length(tokens[:limit])
+
     def store(self, tokens: Sequence[int], cache: KVCache, slot: int) -> None:
         """Keep the KV of `tokens`, which `slot` holds at positions `0..len(tokens)-1` (whole blocks only;
         what is cached already is shared, not copied; as much as fits when the pool is full)."""

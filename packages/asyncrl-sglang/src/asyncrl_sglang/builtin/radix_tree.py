@@ -82,6 +82,21 @@ class RadixTree:
             node = child
         return PrefixMatch(blocks, node)
 
+    def matched_length(self, tokens: Sequence[int]) -> int:
+        """The length of `match(tokens)`, read only: no edge is split and no use is marked."""
+        usable = len(tokens) - len(tokens) % self.block_size
+        node, position = self.root, 0
+        while position < usable:
+            child = node.children.get(self._first_block(tokens, position))
+            if child is None:
+                break
+            matched = self._common_blocks(child.key, tokens, position, usable)
+            position += matched * self.block_size
+            if matched < len(child.blocks):
+                break
+            node = child
+        return position
+
     def _common_blocks(self, key: list[int], tokens: Sequence[int], start: int, end: int) -> int:
         """How many whole blocks of `key` equal `tokens[start:end]` from the first (at least one: the
         children are indexed by their first block)."""
