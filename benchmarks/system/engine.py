@@ -338,11 +338,14 @@ DEVICE_WORK: dict[str, float] = {
     "graph_captures": 0,
     "graph_capture_s": 0.0,
     "cache_grows": 0,
+    "prefill_calls": 0,
+    "prefill_cpu_s": 0.0,
 }
 """Once `time_device_work` has wrapped the engine's device work: the CPU seconds the scheduler thread spent
 in the model's forward calls and the sampling operators, and the decode steps sampled and their rows (the
 decode batch, finished rows still decoded included); the CUDA graphs captured and the wall seconds their
-captures took, and the times the KV cache grew (each growth drops the graphs)."""
+captures took, and the times the KV cache grew (each growth drops the graphs); the model's packed prefill
+calls and the scheduler's CPU seconds in them."""
 
 
 def _timed(function: Any) -> Any:
@@ -367,6 +370,18 @@ def time_device_work(model: Any) -> None:
     for name in ("decode", "prefill_batch", "prefill_packed", "logits"):
         if hasattr(model, name):
             setattr(model, name, _timed(getattr(model, name)))
+    packed = getattr(model, "prefill_packed", None)
+    if packed is not None:
+
+        def prefill_packed(*args: Any, **kwargs: Any) -> Any:
+            began = time.thread_time()
+            try:
+                return packed(*args, **kwargs)
+            finally:
+                DEVICE_WORK["prefill_calls"] += 1
+                DEVICE_WORK["prefill_cpu_s"] += time.thread_time() - began
+
+        model.prefill_packed = prefill_packed
     for name in ("sample_on_device", "sample_tokens"):
         function = getattr(engine_module, name, None)
         if function is not None and not getattr(function, "device_work", False):
@@ -541,6 +556,10 @@ class AgenticResult:
     """CUDA graphs captured during the run (a KV cache growth drops them all)."""
     graph_capture_s: float
     cache_grows: int
+    prefill_calls: int
+    """The model's packed prefill calls (admissions and chunks)."""
+    prefill_cpu_s: float
+    """The scheduler thread's CPU seconds in them (on CUDA: their launches)."""
     turns: list[list[Any]] = field(default_factory=lambda: list[list[Any]]())
     """Per trajectory, its finished turn requests in order."""
 
@@ -636,7 +655,8 @@ def run_agentic(
     before = (counters.prefill_tokens_total, _cached_total(counters), counters.prefill_busy_us)
     cpu_before = scheduler_cpu_s(engine)
     steps_before = (DEVICE_WORK["decode_steps"], DEVICE_WORK["decode_rows"])
-    graphs_before = {k: DEVICE_WORK[k] for k in ("graph_captures", "graph_capture_s", "cache_grows")}
+    counted = ("graph_captures", "graph_capture_s", "cache_grows", "prefill_calls", "prefill_cpu_s")
+    graphs_before = {k: DEVICE_WORK[k] for k in counted}
     started = time.perf_counter()
     engine.call(lambda: [engine.add_request(r) for r in first])
     if not done.wait(timeout_s):
@@ -662,6 +682,8 @@ def run_agentic(
         graph_captures=int(DEVICE_WORK["graph_captures"] - graphs_before["graph_captures"]),
         graph_capture_s=DEVICE_WORK["graph_capture_s"] - graphs_before["graph_capture_s"],
         cache_grows=int(DEVICE_WORK["cache_grows"] - graphs_before["cache_grows"]),
+        prefill_calls=int(DEVICE_WORK["prefill_calls"] - graphs_before["prefill_calls"]),
+        prefill_cpu_s=DEVICE_WORK["prefill_cpu_s"] - graphs_before["prefill_cpu_s"],
         turns=history,
     )
 
@@ -792,6 +814,15 @@ def main() -> int:
             f"agentic KV cache growths: {agentic['cache_grows']}, CUDA graphs captured: "
             f"{agentic['graph_captures']} ({agentic['graph_capture_s']:.2f} s of the run)"
         )
+        if agentic["prefill_calls"]:
+            calls = agentic["prefill_calls"]
+            wall_ms = 1e3 * agentic["prefill_busy_share"] * agentic["elapsed_s"] / calls
+            print(
+                f"agentic prefills: {calls} model calls, {agentic['prefill_tokens'] / calls:.0f} tokens "
+                f"each; per call {wall_ms:.1f} ms of "
+                f"the scheduler's wall time in admission, {1e3 * agentic['prefill_cpu_s'] / calls:.1f} ms "
+                "of its CPU in the model's prefill"
+            )
     if switch is not None:
         print(f"\nside by side ({compared[switch][1]} on / off, alternating):")
         print(

@@ -193,6 +193,23 @@ class KVCache:
         return self.kv.numel() * self.kv.element_size()
 
 
+def _to_device_aligned(columns: Sequence[Tensor], device: torch.device) -> list[Tensor]:
+    """1-D int64 host tensors as views of one tensor on `device`, copied at once without waiting for the
+    device, each view starting on a 16-byte boundary whatever the lengths: Triton specializes a kernel on
+    its pointers' 16-byte alignment, so a view that is aligned or not by the parity of a batch's length
+    would compile a second variant of the kernel in the middle of serving."""
+    bounds: list[tuple[int, int]] = []
+    end = 0
+    for column in columns:
+        bounds.append((end, end + column.numel()))
+        end += column.numel() + column.numel() % 2  # 2 int64 = 16 bytes
+    packed = torch.zeros(end, dtype=torch.long)
+    for (start, stop), column in zip(bounds, columns, strict=True):
+        packed[start:stop] = column
+    on_device = packed.to(device, non_blocking=True)
+    return [on_device[start:stop] for start, stop in bounds]
+
+
 class EngineModel:
     """The decoder. Parameters are plain tensors (no autograd) in fused layouts with HuggingFace-named views.
 
@@ -546,21 +563,18 @@ class EngineModel:
         c = self.config
         total = sum(lengths)
         # Per token: its id, position and slot; per sequence: slot, cached prefix and the offsets of its rows.
-        # Built on the host and moved in two copies that do not wait for the device (a blocking copy would
+        # Built on the host and moved in one copy that does not wait for the device (a blocking copy would
         # wait for the decode step in flight beside which the engine admits).
         length_t = torch.tensor(lengths)
         offsets = torch.zeros(num + 1, dtype=torch.long)
         torch.cumsum(length_t, 0, out=offsets[1:])
-        per_sequence = torch.stack([torch.tensor(slots), torch.tensor(starts), offsets[:-1]])
+        slot_t, start_t = torch.tensor(slots), torch.tensor(starts)
         owner = torch.repeat_interleave(torch.arange(num), length_t)
-        positions = torch.arange(total) - per_sequence[2, owner] + per_sequence[1, owner]
+        positions = torch.arange(total) - offsets[owner] + start_t[owner]
         tokens = torch.tensor(list(itertools.chain.from_iterable(sequences)), dtype=torch.long)
-        per_token = torch.stack([tokens, positions, per_sequence[0, owner]]).to(
-            self.device, non_blocking=True
+        input_ids, positions, token_slots, slot_index, prefix_lengths, cu_seqlens = _to_device_aligned(
+            [tokens, positions, slot_t[owner], slot_t, start_t, offsets], self.device
         )
-        input_ids, positions, token_slots = per_token.unbind(0)
-        metadata = torch.cat([per_sequence[:2].flatten(), offsets]).to(self.device, non_blocking=True)
-        slot_index, prefix_lengths, cu_seqlens = metadata[:num], metadata[num : 2 * num], metadata[2 * num :]
         self._ensure_rope(max(start + length for start, length in zip(starts, lengths, strict=True)))
         fused_path = self.fused_kernels
         # [N, 1, D] each, for the torch path.
