@@ -123,8 +123,11 @@ def test_flush_empties_the_cache(tiny_model: EngineModel, engines: list[Engine])
     (first,) = generate_together(engine, [prompt])
     assert engine.prefix_cache is not None
     assert engine.prefix_cache.num_cached_tokens > 0
+    held = engine.call(lambda: engine.kv_cache_bytes)
     engine.call(engine.flush_cache)
     assert engine.prefix_cache.num_cached_tokens == 0
+    # Its memory and the KV cache stay allocated for the next requests (as SGLang's pool does).
+    assert engine.call(lambda: engine.kv_cache_bytes) == held > 0
     (again,) = generate_together(engine, [prompt + first.output_ids])
     assert again.cached_tokens == 0
 

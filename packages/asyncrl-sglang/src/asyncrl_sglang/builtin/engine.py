@@ -485,13 +485,16 @@ class Engine:
             self.set_weight_version(version)
 
     def flush_cache(self) -> None:
-        """Empty the prefix cache, drop the KV buffers (reallocated on demand); refused unless fully idle."""
+        """Empty the prefix cache; refused unless fully idle. Its memory, the KV cache and the CUDA graphs
+        stay (as SGLang's flush keeps its memory pool): a drain-mode weight sync flushes at every update, and
+        reallocating and capturing again would cost the next step. `release_memory` frees them."""
         if not self.is_idle():
             raise EngineBusyError(
                 f"Cannot flush the cache: {self.num_running} running and {self.num_waiting} waiting requests "
                 "are held (finish, abort or continue them first)."
             )
-        self._release_cache()
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
 
     def release_memory(self, tags: Sequence[str]) -> None:
         """Free the KV cache (`kv_cache`) and move the weights to host memory (`weights`, CUDA only)."""
