@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 
@@ -62,40 +62,37 @@ class RadixTree:
 
         A match that ends inside an edge splits the edge there, so the returned node spells exactly the match.
         """
-        size = self.block_size
-        usable = len(tokens) - len(tokens) % size
-        node = self.root
-        blocks: list[int] = []
-        position = 0
         tick = next(self._clock)
+        node = self.root
         node.last_used = tick
-        while position < usable:
-            child = node.children.get(self._first_block(tokens, position))
-            if child is None:
-                break
-            matched = self._common_blocks(child.key, tokens, position, usable)
+        blocks: list[int] = []
+        for child, matched in self._walk(tokens):
             if matched < len(child.blocks):
                 child = self._split(child, matched)
             blocks.extend(child.blocks)
-            position += len(child.key)
             child.last_used = tick
             node = child
         return PrefixMatch(blocks, node)
 
     def matched_length(self, tokens: Sequence[int]) -> int:
         """The length of `match(tokens)`, read only: no edge is split and no use is marked."""
+        return self.block_size * sum(matched for _, matched in self._walk(tokens))
+
+    def _walk(self, tokens: Sequence[int]) -> Iterator[tuple[_Node, int]]:
+        """The edges along the longest cached prefix of `tokens` (whole blocks), each with how many of its
+        blocks match: all of them, except perhaps on the last edge yielded."""
         usable = len(tokens) - len(tokens) % self.block_size
         node, position = self.root, 0
         while position < usable:
             child = node.children.get(self._first_block(tokens, position))
             if child is None:
-                break
+                return
             matched = self._common_blocks(child.key, tokens, position, usable)
-            position += matched * self.block_size
+            yield child, matched
             if matched < len(child.blocks):
-                break
+                return
+            position += len(child.key)
             node = child
-        return position
 
     def _common_blocks(self, key: list[int], tokens: Sequence[int], start: int, end: int) -> int:
         """How many whole blocks of `key` equal `tokens[start:end]` from the first (at least one: the
