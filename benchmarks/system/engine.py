@@ -348,13 +348,20 @@ captures took, and the times the KV cache grew (each growth drops the graphs); t
 calls and the scheduler's CPU seconds in them."""
 
 
-def _timed(function: Any) -> Any:
+def _timed(function: Any, counted: str | None = None) -> Any:
+    """`function`, its scheduler CPU time added to `DEVICE_WORK["cpu_s"]` (and, with `counted`, its calls and
+    CPU seconds to `DEVICE_WORK[counted + "_calls"]` and `[counted + "_cpu_s"]`)."""
+
     def timed(*args: Any, **kwargs: Any) -> Any:
         began = time.thread_time()
         try:
             return function(*args, **kwargs)
         finally:
-            DEVICE_WORK["cpu_s"] += time.thread_time() - began
+            spent = time.thread_time() - began
+            DEVICE_WORK["cpu_s"] += spent
+            if counted is not None:
+                DEVICE_WORK[counted + "_calls"] += 1
+                DEVICE_WORK[counted + "_cpu_s"] += spent
 
     return timed
 
@@ -369,19 +376,8 @@ def time_device_work(model: Any) -> None:
 
     for name in ("decode", "prefill_batch", "prefill_packed", "logits"):
         if hasattr(model, name):
-            setattr(model, name, _timed(getattr(model, name)))
-    packed = getattr(model, "prefill_packed", None)
-    if packed is not None:
-
-        def prefill_packed(*args: Any, **kwargs: Any) -> Any:
-            began = time.thread_time()
-            try:
-                return packed(*args, **kwargs)
-            finally:
-                DEVICE_WORK["prefill_calls"] += 1
-                DEVICE_WORK["prefill_cpu_s"] += time.thread_time() - began
-
-        model.prefill_packed = prefill_packed
+            counted = "prefill" if name == "prefill_packed" else None
+            setattr(model, name, _timed(getattr(model, name), counted))
     for name in ("sample_on_device", "sample_tokens"):
         function = getattr(engine_module, name, None)
         if function is not None and not getattr(function, "device_work", False):
@@ -656,7 +652,7 @@ def run_agentic(
     cpu_before = scheduler_cpu_s(engine)
     steps_before = (DEVICE_WORK["decode_steps"], DEVICE_WORK["decode_rows"])
     counted = ("graph_captures", "graph_capture_s", "cache_grows", "prefill_calls", "prefill_cpu_s")
-    graphs_before = {k: DEVICE_WORK[k] for k in counted}
+    counted_before = {k: DEVICE_WORK[k] for k in counted}
     started = time.perf_counter()
     engine.call(lambda: [engine.add_request(r) for r in first])
     if not done.wait(timeout_s):
@@ -679,11 +675,11 @@ def run_agentic(
         longest_trajectory_tokens=max(sum(len(r.output_ids) for r in turns_of) for turns_of in history),
         decode_steps=int(DEVICE_WORK["decode_steps"] - steps_before[0]),
         decode_rows=int(DEVICE_WORK["decode_rows"] - steps_before[1]),
-        graph_captures=int(DEVICE_WORK["graph_captures"] - graphs_before["graph_captures"]),
-        graph_capture_s=DEVICE_WORK["graph_capture_s"] - graphs_before["graph_capture_s"],
-        cache_grows=int(DEVICE_WORK["cache_grows"] - graphs_before["cache_grows"]),
-        prefill_calls=int(DEVICE_WORK["prefill_calls"] - graphs_before["prefill_calls"]),
-        prefill_cpu_s=DEVICE_WORK["prefill_cpu_s"] - graphs_before["prefill_cpu_s"],
+        graph_captures=int(DEVICE_WORK["graph_captures"] - counted_before["graph_captures"]),
+        graph_capture_s=DEVICE_WORK["graph_capture_s"] - counted_before["graph_capture_s"],
+        cache_grows=int(DEVICE_WORK["cache_grows"] - counted_before["cache_grows"]),
+        prefill_calls=int(DEVICE_WORK["prefill_calls"] - counted_before["prefill_calls"]),
+        prefill_cpu_s=DEVICE_WORK["prefill_cpu_s"] - counted_before["prefill_cpu_s"],
         turns=history,
     )
 
