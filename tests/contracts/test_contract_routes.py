@@ -464,15 +464,12 @@ async def test_20_distributed_group_lifecycle(
     rendezvous store namespaced by the group name (`PrefixStore(group_name)`), a separate communicator. An
     engine that joins through `init_process_group`'s default-group store layout (`default_pg/...`) never
     meets such a trainer: both sides wait for keys the other never writes."""
-    from asyncrl_sglang.launcher import free_port
     from asyncrl_sglang.pool import EnginePool
     from asyncrl_sglang.weight_sync import DistributedTransport
 
     weights = model_weights(tiny_llama_path)
     pool = EnginePool([SGLangClient(engine_url)])
-    transport = DistributedTransport(
-        master_address="127.0.0.1", master_port=free_port(), backend="gloo", device="cpu", timeout_s=60.0
-    )
+    transport = DistributedTransport(master_address="127.0.0.1", backend="gloo", device="cpu", timeout_s=60.0)
     try:
         await transport.connect(pool)
         await client.pause("abort")

@@ -123,7 +123,12 @@ def test_every_step_trained_on_two_ranks(runs: Runs) -> None:
     assert [record[metrics.WEIGHT_VERSION] for record in records] == [1.0, 2.0, 3.0]
     assert records[0][metrics.TRAIN_KL] == 0.0  # the policy starts as the reference, on both ranks
     assert records[2][metrics.TRAIN_KL] > 0.0
-    assert read_summary(runs.run_dir)["version"] == STEPS["distributed"]
+    summary = read_summary(runs.run_dir)
+    assert summary["version"] == STEPS["distributed"]
+    # The ranks met at the store a worker of its own hosted on rank 0's node, on the port it bound.
+    address, port = summary["nodes"]["actor_master"].rsplit(":", 1)
+    assert address == summary["nodes"]["actor"][0]
+    assert int(port) > 0
     for step in STEPS.values():
         state = json.loads((runs.actor_dir(step) / "actor_state.json").read_text())
         # The ranks formed one process group (a rank alone would say 1) and held the same weights and

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from asyncrl_core.actor import ActorError, ProcessGroupSettings, TorchActor, free_port
+from asyncrl_core.actor import ActorError, ProcessGroupSettings, TorchActor, host_store
 from asyncrl_core.actor.distributed import destroy_process_group, init_process_group
 from asyncrl_core.config import AlgorithmConfig, TorchActorConfig
 from asyncrl_core.models import tiny_llama
@@ -105,7 +105,8 @@ def test_two_gloo_ranks_make_the_single_process_update(model_dir: Path, tmp_path
     single_metrics = single.train_step(make_groups())
     single_weights = parameters_of(single)
 
-    port = free_port()
+    store = host_store("127.0.0.1", RANK_TIMEOUT_S)  # served while the ranks run
+    port = store.port
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, __file__, "--world-size", "2", "--port", str(port)]
     command += ["--model", str(model_dir), "--out", str(tmp_path)]

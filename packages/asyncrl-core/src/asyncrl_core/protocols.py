@@ -117,7 +117,8 @@ class WeightGroup:
     """Where the trainer meets the engines for a weight sync by broadcast (a process group), and how.
 
     The runner chooses it: the trainer (rank 0 of the actor) hosts the group's store at
-    `master_address:master_port`, its node's address and a port picked free there."""
+    `master_address:master_port`, its node's address and, with `master_port` 0, a port the system gives the
+    store when it binds there (the transport tells the engines which)."""
 
     master_address: str
     master_port: int

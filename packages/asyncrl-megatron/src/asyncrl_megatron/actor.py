@@ -163,8 +163,8 @@ class MegatronActorSettings:
 class MegatronActor(UpdateLoop):
     """The `asyncrl_core.protocols.Actor` on Megatron-Core, tensor and data parallel.
 
-    Build one in every rank of the actor's world (after `torch.distributed` is initialised when there is
-    more than one rank, e.g. by a launcher that sets `RANK`/`WORLD_SIZE`/`MASTER_ADDR`/`MASTER_PORT`); every
+    Build one in every rank of the actor's world (with more than one rank, after a launcher that hosts the
+    world's store set `RANK`/`WORLD_SIZE`/`MASTER_ADDR`/`MASTER_PORT`: `asyncrl_megatron.parallel`); every
     rank must get the same groups in `train_step` and consume `export_weights` in step. The temperature and
     the updates of a step come from the settings (`MegatronActorSettings.from_config(config.actor)`).
     """

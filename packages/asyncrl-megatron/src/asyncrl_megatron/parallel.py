@@ -1,8 +1,10 @@
 """Process groups for the Megatron actor: torch.distributed (NCCL on GPUs, gloo on CPUs) and Megatron's
 tensor / data parallel groups.
 
-A worker launched by a launcher (torchrun, Ray) finds `RANK`, `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT`
-in its environment; a single process with none of them becomes a world of one on a free loopback port.
+A worker launched by a launcher (the runner's actor group, `spawn`) finds `RANK`, `WORLD_SIZE`, `MASTER_ADDR`
+and `MASTER_PORT` in its environment, where the launcher hosts the store its world meets at
+(`asyncrl_core.actor.distributed`); a single process without them becomes a world of one on a store of its
+own, in memory.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import HashStore  # pyright: ignore[reportPrivateImportUsage] (documented, no __all__)
 
-from asyncrl_core.server_process import free_port
+from asyncrl_core.actor.distributed import host_store, init_process_group, settings_from_environment
 from asyncrl_megatron import _cpu
 from asyncrl_megatron.model import megatron_warnings_ignored
 
@@ -38,19 +41,20 @@ def initialize(tensor_parallel_size: int = 1, *, seed: int = 0, timeout_s: float
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(free_port()))
-        rank = int(os.environ.get("RANK", "0"))
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        if torch.cuda.is_available():
+        cuda = torch.cuda.is_available()
+        if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(
-            backend="nccl" if torch.cuda.is_available() else "gloo",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
-        )
+        settings = settings_from_environment(timeout_s)
+        if settings is not None:
+            init_process_group(settings, "cuda" if cuda else "cpu")
+        else:
+            dist.init_process_group(
+                backend="nccl" if cuda else "gloo",
+                store=HashStore(),
+                rank=0,
+                world_size=1,
+                timeout=timedelta(seconds=timeout_s),
+            )
     world_size = dist.get_world_size()
     if world_size % tensor_parallel_size:
         raise ValueError(
@@ -116,15 +120,17 @@ def spawn(
 ) -> list[Any]:
     """Run `fn(*args)` in `world_size` fresh processes forming one torch.distributed world on loopback.
 
-    Each process gets `RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `MASTER_ADDR` and a free `MASTER_PORT`, so
-    `initialize()` inside `fn` joins the world. Returns the ranks' return values (which must be picklable),
-    in rank order. If a rank raises, or the whole run exceeds `timeout_s`, every process still alive is
-    killed and a `RuntimeError` carries the failing rank's traceback.
+    Each process gets `RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT`, where this
+    process hosts the world's store while they run, so `initialize()` inside `fn` joins the world. Returns
+    the ranks' return values (which must be picklable), in rank order. If a rank raises, or the whole run
+    exceeds `timeout_s`, every process still alive is killed and a `RuntimeError` carries the failing rank's
+    traceback.
     """
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     collected = context.Event()
-    port = free_port()
+    store = host_store("127.0.0.1", timeout_s)  # kept until the ranks are gone
+    port = store.port
     # Not daemonic: Megatron's checkpoint writer starts processes of its own, which a daemon may not. Every
     # process is killed in the `finally` below whatever happens.
     processes = [

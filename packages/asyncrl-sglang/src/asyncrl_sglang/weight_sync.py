@@ -48,6 +48,7 @@ from asyncrl_sglang.process_group import join_weight_update_group
 
 if TYPE_CHECKING:
     import torch.distributed as dist
+    from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage]
 
     from asyncrl_core.protocols import NamedTensors
 
@@ -129,13 +130,17 @@ class TensorTransport:
 class DistributedTransport:
     """Weights broadcast over a torch process group: the trainer is rank 0, engine `i` (with `num_ranks`
     tensor-parallel ranks each) holds ranks `1 + i * num_ranks ...`. `connect` once, `push` per bucket,
-    `close` at the end. `device` is where the trainer stages tensors for the broadcast (`cuda` for NCCL)."""
+    `close` at the end. `device` is where the trainer stages tensors for the broadcast (`cuda` for NCCL).
+
+    The trainer hosts the group's store on `master_address`: on `master_port`, or with 0 (the default) on a
+    port the system gives the store when it binds, which no other process can take first; `master_port` then
+    says where the last group formed."""
 
     def __init__(
         self,
         *,
         master_address: str,
-        master_port: int,
+        master_port: int = 0,
         backend: Literal["nccl", "gloo"] = "nccl",
         num_ranks: int = 1,
         group_name: str = DEFAULT_GROUP_NAME,
@@ -144,17 +149,25 @@ class DistributedTransport:
     ) -> None:
         self.master_address = master_address
         self.master_port = master_port
+        self._port_asked = master_port
         self.backend = backend
         self.num_ranks = num_ranks
         self.group_name = group_name
         self.device = device
         self.timeout_s = timeout_s
         self._group: dist.ProcessGroup | None = None
+        self._store: TCPStore | None = None
 
     async def connect(self, pool: EnginePool) -> None:
         """Form the group with every engine of `pool` (engines and trainer join at once)."""
         if self._group is not None:
             return
+        if self._port_asked == 0:
+            from asyncrl_core.actor.distributed import host_store
+
+            # Multi-tenant: the trainer's join below, as rank 0 on this port, shares the server.
+            self._store = host_store(self.master_address, self.timeout_s)
+            self.master_port = self._store.port
         world_size = 1 + self.num_ranks * len(pool.clients)
         joined = pool.each(
             lambda client: client.init_weights_update_group(
@@ -249,6 +262,7 @@ class DistributedTransport:
             )
         finally:
             dist.destroy_process_group(group)
+            self._store = None
 
 
 def _with_last(buckets: Iterable[NamedTensors]) -> Iterator[tuple[NamedTensors, bool]]:

@@ -6,7 +6,7 @@ Importing this package imports torch; only actor workers do.
 from asyncrl_core.actor.distributed import (
     ProcessGroupSettings,
     destroy_process_group,
-    free_port,
+    host_store,
     init_process_group,
 )
 from asyncrl_core.actor.torch_actor import TorchActor
@@ -18,7 +18,7 @@ __all__ = [
     "ProcessGroupSettings",
     "TorchActor",
     "destroy_process_group",
-    "free_port",
+    "host_store",
     "init_process_group",
     "warm_start",
 ]

@@ -2,8 +2,9 @@
 
 Every rank builds the same `TorchActor` and is given its share of the step's rows (or the step's groups,
 which it cuts the same way: `asyncrl_core.shares`), and DDP averages the gradients (gloo on CPU, NCCL on
-GPU). Whoever starts the ranks (the actor group, or a test) calls `init_process_group` in each of them first
-and `destroy_process_group` at the end.
+GPU). Whoever starts the ranks (the actor group, `asyncrl_megatron.parallel.spawn`, a test) hosts the store
+they meet at (`host_store`) and keeps it while they live; each rank calls `init_process_group` first and
+`destroy_process_group` at the end.
 """
 
 from __future__ import annotations
@@ -16,16 +17,17 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage] (documented, no __all__)
 
 from asyncrl_core.errors import AsyncRLError
-from asyncrl_core.server_process import free_port as free_port  # re-exported
 
 DeviceType = Literal["cpu", "cuda"]
 
 
 @dataclass(frozen=True, slots=True)
 class ProcessGroupSettings:
-    """Where the ranks of one actor meet: a TCP store on `address:port`, served by rank 0."""
+    """Where the ranks of one actor meet: the TCP store on `address:port` that whoever started them hosts
+    (`host_store`)."""
 
     rank: int
     world_size: int
@@ -40,27 +42,55 @@ def backend_for(device_type: DeviceType) -> str:
     return "nccl" if device_type == "cuda" else "gloo"
 
 
+def host_store(address: str, timeout_s: float) -> TCPStore:
+    """Serve the TCP store a world of ranks meets at, on `address` and a port the system gives when it binds
+    (the store's `port`): no other process can take that port first, as one can take a port probed free
+    and bound later. The server lives as long as the returned store: keep it while the ranks do.
+
+    Multi-tenant, so that this process can also join the world as rank 0 through torch's own rendezvous on
+    that port (`tcp://`, `env://`, the weight-update group), sharing the server instead of binding again.
+    """
+    return TCPStore(
+        address,
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        multi_tenant=True,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
 def init_process_group(settings: ProcessGroupSettings, device_type: DeviceType) -> None:
     """Join this process to the actor's process group (blocks until all ranks joined or the timeout).
 
+    Every rank, rank 0 too, joins as a client of the store whoever started the ranks hosts (`host_store`).
     On CUDA, call it after `torch.cuda.set_device` so NCCL binds this rank's device.
     """
     if dist.is_initialized():
         raise AsyncRLError("torch.distributed is already initialised in this process")
     if not 0 <= settings.rank < settings.world_size:
         raise AsyncRLError(f"rank {settings.rank} is outside a world of {settings.world_size}")
+    timeout = datetime.timedelta(seconds=settings.timeout_s)
+    try:
+        store = TCPStore(settings.address, settings.port, is_master=False, timeout=timeout)
+    except RuntimeError as error:  # torch.distributed.DistNetworkError, DistStoreError
+        raise AsyncRLError(
+            f"rank {settings.rank} could not reach the store of its world at "
+            f"{settings.address}:{settings.port} within {settings.timeout_s:.0f} s: {error}"
+        ) from error
     dist.init_process_group(
         backend=backend_for(device_type),
-        init_method=f"tcp://{settings.address}:{settings.port}",
+        store=store,
         rank=settings.rank,
         world_size=settings.world_size,
-        timeout=datetime.timedelta(seconds=settings.timeout_s),
+        timeout=timeout,
     )
 
 
 def settings_from_environment(timeout_s: float) -> ProcessGroupSettings | None:
-    """The group a launcher (the runner's actor group, torchrun) put this process in through `RANK`,
-    `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT`; None when `WORLD_SIZE` is absent or 1."""
+    """The group a launcher (the runner's actor group, `asyncrl_megatron.parallel.spawn`) put this process in
+    through `RANK`, `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT`, the launcher hosting the store there; None
+    when `WORLD_SIZE` is absent or 1."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size <= 1:
         return None

@@ -165,17 +165,20 @@ class WorkerGroups:
             )
             for rank in range(world_size)
         ]
-        # The ranks meet at rank 0's node, on a port picked there.
-        master_address, master_port = placement.rendezvous(
-            actor_slots[0], timeout_of(config, "runner.startup_timeout_s")
-        )
         self.nodes: dict[str, Any] = {
             "actor": [slot.node.address for slot in actor_slots],
             "rollout": [slot.node.address for slot in self.rollout_slots],
-            "actor_master": f"{master_address}:{master_port}",
         }
         """Where the run's parts are: the node address of each actor rank and engine, and where the actor
-        ranks meet (written to `summary.json`, with the engines' URLs once they started)."""
+        ranks meet when there are several (written to `summary.json`, with the engines' URLs once they
+        started)."""
+        master_address, master_port = actor_slots[0].node.address, 0  # a world of one meets nobody
+        if world_size > 1:  # the ranks meet at a store on rank 0's node
+            store, master_address, master_port = placement.rendezvous(
+                actor_slots[0], timeout_of(config, "runner.startup_timeout_s")
+            )
+            self._keep(store)
+            self.nodes["actor_master"] = f"{master_address}:{master_port}"
         # A concurrency group of its own for `watch`, so its call pends beside the rank's serial calls.
         actor_class = ray.remote(concurrency_groups={ACTOR_WATCH_GROUP: 1})(ActorWorker)  # pyright: ignore[reportCallIssue]
         for rank, slot in enumerate(actor_slots):

@@ -18,7 +18,8 @@ device, asking Ray for no resources of its own, and uses its ids itself: GPU ids
   has one node, and to its node's address when the cluster has several, so the actor and the agent loops
   on other nodes reach it. Its URL carries the address it bound, or its node's address when it binds every
   interface (`0.0.0.0`). Its port is picked on its node by the launcher;
-- the actor ranks meet at rank 0's node (`MASTER_ADDR`), on a port picked free there (`rendezvous`);
+- the actor ranks (when there are several) meet at a store on rank 0's node (`MASTER_ADDR`), which a worker
+  of its own hosts there for the run, on a port the system gave it when it bound (`rendezvous`);
 - the weight-update group of the `distributed` transport meets at actor rank 0, which hosts its store on
   its node's address and a port it picks there itself.
 """
@@ -273,20 +274,25 @@ class Placement:
         """The address the engine in `slot` binds to (`engine_bind_host`)."""
         return engine_bind_host(self.config.rollout.sglang.host, slot.node.address, self.num_nodes)
 
-    def rendezvous(self, slot: Slot, timeout_s: float) -> tuple[str, int]:
-        """`(address, port)` for a store the worker in `slot` will host: the address of its node as Ray
-        knows it, and a port free there now, both found by a task on that node."""
+    def rendezvous(self, slot: Slot, timeout_s: float) -> tuple[Any, str, int]:
+        """Start the store the actor ranks meet at on the node of `slot` (rank 0's): the handle of the worker
+        hosting it, which the caller keeps while the ranks live and kills at the end, the address of its
+        node as Ray knows it, and the port it bound. A worker of its own, since every rank blocks in its
+        constructor until all have joined: none can host a store the others must know of first."""
         import ray
-        from ray.exceptions import GetTimeoutError
+        from ray.exceptions import GetTimeoutError, RayActorError
 
-        probe = ray.remote(_node_address_and_port).options(**self.options(slot, ()))
+        store = ray.remote(RendezvousStore).options(**self.options(slot, ()))  # pyright: ignore[reportFunctionMemberAccess]
+        host: Any = store.remote(timeout_s)
         try:
-            address, port = ray.get(probe.remote(), timeout=timeout_s)
-        except GetTimeoutError as error:
+            address, port = ray.get(host.where.remote(), timeout=timeout_s)
+        except (GetTimeoutError, RayActorError) as error:
+            ray.kill(host)
             raise RunnerError(
-                f"no answer from node {slot.node.address} within {timeout_s:.0f} s (runner.startup_timeout_s)"
+                f"no store for the actor ranks on node {slot.node.address} within {timeout_s:.0f} s "
+                f"(runner.startup_timeout_s): {error}"
             ) from error
-        return str(address), int(port)
+        return host, str(address), int(port)
 
     def remove(self) -> None:
         """Give every reserved device back to Ray (idempotent)."""
@@ -312,8 +318,16 @@ def node_address() -> str:
     return str(ray.util.get_node_ip_address())
 
 
-def _node_address_and_port() -> tuple[str, int]:
-    from asyncrl_core.server_process import free_port
+class RendezvousStore:
+    """Hosts the TCP store where the actor ranks meet, on the address of the node it runs on and a port the
+    system gives it when it binds, for as long as it lives (`asyncrl_core.actor.distributed.host_store`)."""
 
-    address = node_address()
-    return address, free_port(address)
+    def __init__(self, timeout_s: float) -> None:
+        from asyncrl_core.actor.distributed import host_store
+
+        self.address = node_address()
+        self.store = host_store(self.address, timeout_s)
+
+    def where(self) -> tuple[str, int]:
+        """`(address, port)` of the store."""
+        return self.address, int(self.store.port)

@@ -33,11 +33,11 @@ def rollout_backend(config: AsyncRLConfig) -> RolloutBackend:
 
 
 def weight_group(config: AsyncRLConfig) -> WeightGroup:
-    """Where this process (actor rank 0) hosts a broadcast weight sync: its node's address, a port free
-    there now, NCCL between separate GPUs and gloo on CPUs or where trainer and engines share a GPU (NCCL
-    forms no group with two ranks on one device), bounded by `actor.train_timeout_s`."""
+    """Where this process (actor rank 0) hosts a broadcast weight sync: its node's address, on a port the
+    system gives the store when it binds (0), NCCL between separate GPUs and gloo on CPUs or where trainer and
+    engines share a GPU (NCCL forms no group with two ranks on one device), bounded by
+    `actor.train_timeout_s`."""
     from asyncrl_core.runner.placement import node_address
-    from asyncrl_core.server_process import free_port
 
     cluster = config.cluster
     shared = set(cluster.devices_of("actor")) & set(cluster.devices_of("rollout"))
@@ -45,7 +45,7 @@ def weight_group(config: AsyncRLConfig) -> WeightGroup:
     address = node_address()
     return WeightGroup(
         master_address=address,
-        master_port=free_port(address),
+        master_port=0,
         backend="nccl" if nccl else "gloo",
         device="cuda" if nccl else "cpu",
         timeout_s=config.actor.train_timeout_s,
