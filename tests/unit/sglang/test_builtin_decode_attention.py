@@ -25,18 +25,20 @@ from asyncrl_sglang.builtin import decode_attention
 from asyncrl_sglang.builtin.model import EngineModel, KVCache, ModelConfig
 
 # Lengths at block edges (1, 64, 65) and beyond, rows reading the first of more slots, every split count (a
-# split past a row's length included): equal to SDPA under a length mask.
+# split past a row's length included), head dims of a power of two and not (80 and 10, padded to 128 and 16 in
+# the kernel): equal to SDPA under a length mask.
 generator = torch.Generator().manual_seed(0)
-batch, heads, group, dim, capacity = 5, 3, 3, 64, 300
-q = torch.randn(batch, heads, group, dim, generator=generator)
-keys = torch.randn(7, heads, capacity, dim, generator=generator)
-values = torch.randn(7, heads, capacity, dim, generator=generator)
-lengths = torch.tensor([1, 64, 65, 200, 300])
-mask = (torch.arange(capacity) < lengths.unsqueeze(1)).view(batch, 1, 1, capacity)
-reference = F.scaled_dot_product_attention(q, keys[:batch], values[:batch], attn_mask=mask)
-for splits in (1, 3, 16):
-    got = decode_attention.decode_attention(q, keys, values, lengths, splits=splits)
-    torch.testing.assert_close(got, reference, atol=1e-5, rtol=1e-5)
+for dim in (64, 80, 10):
+    batch, heads, group, capacity = 5, 3, 3, 300
+    q = torch.randn(batch, heads, group, dim, generator=generator)
+    keys = torch.randn(7, heads, capacity, dim, generator=generator)
+    values = torch.randn(7, heads, capacity, dim, generator=generator)
+    lengths = torch.tensor([1, 64, 65, 200, 300])
+    mask = (torch.arange(capacity) < lengths.unsqueeze(1)).view(batch, 1, 1, capacity)
+    reference = F.scaled_dot_product_attention(q, keys[:batch], values[:batch], attn_mask=mask)
+    for splits in (1, 3, 16):
+        got = decode_attention.decode_attention(q, keys, values, lengths, splits=splits)
+        torch.testing.assert_close(got, reference, atol=1e-5, rtol=1e-5)
 
 # The model's decode step over a KV cache's views (its strides), rows of different lengths, 4 query heads over
 # 1, 2 or 4 KV heads: the kernel's hidden states and cache equal SDPA's.

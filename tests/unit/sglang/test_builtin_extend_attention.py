@@ -256,7 +256,8 @@ def test_engine_turns_over_cached_prefixes_match_a_full_recompute(
 def test_the_kernel_and_the_packed_prefill_on_cuda(dtype: torch.dtype) -> None:
     """Compiled on the GPU: the self-check passes (so the model takes the kernel), the kernel on agentic-like
     shapes (32 sequences of up to 130 new tokens over up to 1,200 cached positions, 9 query / 3 KV heads)
-    equals the reference, and the model's packed prefill with it equals the padded prefill."""
+    equals the reference, and the model's packed prefill with it equals the padded prefill (a head dim of 10,
+    no power of two: the fused rotary kernel and the attention kernels pad it)."""
     device = torch.device("cuda")
     assert extend_attention.available(device), "Triton is importable, so the kernel runs on CUDA"
     generator = torch.Generator(device=device).manual_seed(0)

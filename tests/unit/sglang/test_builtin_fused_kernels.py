@@ -50,44 +50,47 @@ for shape in ((1, 72), (3, 7, 72), (5, 576)):
     torch.testing.assert_close(fused.rms_norm(x, weight, 1e-5), want, atol=1e-6, rtol=1e-6)
 
 # rotary: 9 query and 3 KV heads (padded to 16 and 4 in the kernel), B = 1, T = 1, odd T, positions past 0 as
-# [B, T], [B] and [T]; q and k equal torch bit for bit, v untouched; the cache write at slots and positions.
-heads, kv_heads, dim = 9, 3, 64
-angles = torch.outer(torch.arange(300.0), torch.rand(dim // 2, generator=generator))
-angles = torch.cat([angles, angles], dim=-1)
-cos, sin = angles.cos(), angles.sin()
-width = (heads + 2 * kv_heads) * dim
-cases = [
-    (randn(1, 1, width), torch.tensor([[17]])),
-    (randn(1, 5, width), torch.arange(5) + 40),
-    (randn(3, 7, width), torch.arange(7) + torch.tensor([[0], [9], [250]])),
-    (randn(4, width), torch.tensor([3, 0, 299, 64])),
-]
-for qkv, positions in cases:
-    tokens = qkv.view(qkv.shape[0], -1, heads + 2 * kv_heads, dim)
-    shared = positions.dim() == 1 and qkv.dim() == 3  # [T], every row
-    full = positions.expand(qkv.shape[0], -1) if shared else positions.view(qkv.shape[0], -1)
-    want = tokens.clone()
-    rope = cos[full].unsqueeze(2), sin[full].unsqueeze(2)
-    want[:, :, : heads + kv_heads] = fused.torch_rotate(want[:, :, : heads + kv_heads], *rope)
-    keys, values = torch.zeros(6, kv_heads, 300, dim), torch.zeros(6, kv_heads, 300, dim)
-    slots = torch.tensor([4, 0, 5, 2][: qkv.shape[0]])
-    written = (full + 1) % 300
-    got = qkv.clone()
-    fused.rotary(got, positions, cos, sin, heads, kv_heads, dim, (keys, values), slots, written)
-    assert torch.equal(got.view_as(want), want)
-    expected_keys, expected_values = torch.zeros_like(keys), torch.zeros_like(values)
-    for row, slot in enumerate(slots.tolist()):
-        expected_keys[slot][:, written[row]] = want[row, :, heads : heads + kv_heads].transpose(0, 1)
-        expected_values[slot][:, written[row]] = want[row, :, heads + kv_heads :].transpose(0, 1)
-    assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
-    # Without a cache: q and k rotated alone; without slots, row b writes slot b at `positions`.
-    alone = qkv.clone()
-    fused.rotary(alone, positions, cos, sin, heads, kv_heads, dim)
-    assert torch.equal(alone, got)
-    keys.zero_()
-    fused.rotary(qkv.clone(), positions, cos, sin, heads, kv_heads, dim, (keys, values))
-    for row in range(qkv.shape[0]):
-        assert torch.equal(keys[row][:, full[row]], want[row, :, heads : heads + kv_heads].transpose(0, 1))
+# [B, T], [B] and [T], head dims 64 and 80 (half 40, padded to 64 in the kernel); q and k equal torch bit for
+# bit, v untouched; the cache write at slots and positions.
+heads, kv_heads = 9, 3
+for dim in (64, 80):
+    angles = torch.outer(torch.arange(300.0), torch.rand(dim // 2, generator=generator))
+    angles = torch.cat([angles, angles], dim=-1)
+    cos, sin = angles.cos(), angles.sin()
+    width = (heads + 2 * kv_heads) * dim
+    cases = [
+        (randn(1, 1, width), torch.tensor([[17]])),
+        (randn(1, 5, width), torch.arange(5) + 40),
+        (randn(3, 7, width), torch.arange(7) + torch.tensor([[0], [9], [250]])),
+        (randn(4, width), torch.tensor([3, 0, 299, 64])),
+    ]
+    for qkv, positions in cases:
+        tokens = qkv.view(qkv.shape[0], -1, heads + 2 * kv_heads, dim)
+        shared = positions.dim() == 1 and qkv.dim() == 3  # [T], every row
+        full = positions.expand(qkv.shape[0], -1) if shared else positions.view(qkv.shape[0], -1)
+        want = tokens.clone()
+        rope = cos[full].unsqueeze(2), sin[full].unsqueeze(2)
+        want[:, :, : heads + kv_heads] = fused.torch_rotate(want[:, :, : heads + kv_heads], *rope)
+        keys, values = torch.zeros(6, kv_heads, 300, dim), torch.zeros(6, kv_heads, 300, dim)
+        slots = torch.tensor([4, 0, 5, 2][: qkv.shape[0]])
+        written = (full + 1) % 300
+        got = qkv.clone()
+        fused.rotary(got, positions, cos, sin, heads, kv_heads, dim, (keys, values), slots, written)
+        assert torch.equal(got.view_as(want), want)
+        expected_keys, expected_values = torch.zeros_like(keys), torch.zeros_like(values)
+        for row, slot in enumerate(slots.tolist()):
+            expected_keys[slot][:, written[row]] = want[row, :, heads : heads + kv_heads].transpose(0, 1)
+            expected_values[slot][:, written[row]] = want[row, :, heads + kv_heads :].transpose(0, 1)
+        assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
+        # Without a cache: q and k rotated alone; without slots, row b writes slot b at `positions`.
+        alone = qkv.clone()
+        fused.rotary(alone, positions, cos, sin, heads, kv_heads, dim)
+        assert torch.equal(alone, got)
+        keys.zero_()
+        fused.rotary(qkv.clone(), positions, cos, sin, heads, kv_heads, dim, (keys, values))
+        for row in range(qkv.shape[0]):
+            written_keys = want[row, :, heads : heads + kv_heads].transpose(0, 1)
+            assert torch.equal(keys[row][:, full[row]], written_keys)
 
 # silu_mul: one row, odd widths, a width over several programs (1536 = SmolLM2's FFN).
 for shape in ((1, 2 * 100), (3, 5, 2 * 7), (4, 2 * 1536)):

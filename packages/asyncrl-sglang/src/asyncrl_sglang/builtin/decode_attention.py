@@ -111,6 +111,8 @@ def decode_attention(
         GROUP=group,
         GROUP_PAD=group_pad,
         HEAD_DIM=head_dim,
+        # A power of two, at least 16 (tl.arange, tl.dot); the columns past the head dim are masked.
+        DIM_PAD=max(16, 1 << (head_dim - 1).bit_length()),
         BLOCK_N=BLOCK_N,
         # float32 in IEEE precision (Triton's default for float32 dots is TF32), so float32 runs match SDPA.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
@@ -167,6 +169,7 @@ def _build() -> Any:
         GROUP: tl.constexpr,
         GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr,
+        DIM_PAD: tl.constexpr,
         BLOCK_N: tl.constexpr,
         PRECISION: tl.constexpr,
         FINAL: tl.constexpr,
@@ -181,23 +184,26 @@ def _build() -> Any:
         end = tl.minimum(start + per_split, length)
 
         g = tl.arange(0, GROUP_PAD)
-        d = tl.arange(0, HEAD_DIM)
+        d = tl.arange(0, DIM_PAD)
         n = tl.arange(0, BLOCK_N)
+        columns = d[None, :] < HEAD_DIM
+        rows = (g[:, None] < GROUP) & columns
         q = tl.load(
             q_ptr + row * stride_qb + head * stride_qh + g[:, None] * stride_qg + d[None, :],
-            mask=g[:, None] < GROUP,
+            mask=rows,
             other=0.0,
         )
         k_base = k_ptr + row * stride_kb + head * stride_kh
         v_base = v_ptr + row * stride_vb + head * stride_vh
         m_i = tl.full((GROUP_PAD,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((GROUP_PAD,), dtype=tl.float32)
-        acc = tl.zeros((GROUP_PAD, HEAD_DIM), dtype=tl.float32)
+        acc = tl.zeros((GROUP_PAD, DIM_PAD), dtype=tl.float32)
         for block_start in range(start, end, BLOCK_N):
             positions = block_start + n
             valid = positions < end
-            k = tl.load(k_base + positions[:, None] * stride_kt + d[None, :], mask=valid[:, None], other=0.0)
-            v = tl.load(v_base + positions[:, None] * stride_vt + d[None, :], mask=valid[:, None], other=0.0)
+            cells = valid[:, None] & columns
+            k = tl.load(k_base + positions[:, None] * stride_kt + d[None, :], mask=cells, other=0.0)
+            v = tl.load(v_base + positions[:, None] * stride_vt + d[None, :], mask=cells, other=0.0)
             # [GROUP_PAD, BLOCK_N], float32
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             scores = tl.where(valid[None, :], scores, float("-inf"))
@@ -212,9 +218,9 @@ def _build() -> Any:
             # The whole row in one split: the output itself, divided as torch divides (IEEE rounding) and
             # stored in out's dtype. Padded group rows (l_i = 0) are not stored.
             normalised = tl.math.div_rn(acc, tl.where(g < GROUP, l_i, 1.0)[:, None])
-            tl.store(out_base + g[:, None] * stride_og + d[None, :], normalised, mask=g[:, None] < GROUP)
+            tl.store(out_base + g[:, None] * stride_og + d[None, :], normalised, mask=rows)
         else:
-            tl.store(out_base + g[:, None] * stride_og + d[None, :], acc, mask=g[:, None] < GROUP)
+            tl.store(out_base + g[:, None] * stride_og + d[None, :], acc, mask=rows)
             stat = row * stride_mb + head * stride_mh + split * stride_ms + g
             tl.store(max_ptr + stat, m_i, mask=g < GROUP)
             tl.store(den_ptr + stat, l_i, mask=g < GROUP)

@@ -215,6 +215,7 @@ def rotary(
         HEADS_PAD=_next_power_of_2(num_heads),
         KV_HEADS_PAD=_next_power_of_2(num_kv_heads),
         HALF=head_dim // 2,
+        HALF_PAD=_next_power_of_2(head_dim // 2),
         WRITE_CACHE=cache is not None,
         HAS_SLOTS=slots is not None,
         enable_fp_fusion=False,
@@ -332,6 +333,7 @@ def _build() -> dict[str, Any]:
         HEADS_PAD: tl.constexpr,
         KV_HEADS_PAD: tl.constexpr,
         HALF: tl.constexpr,
+        HALF_PAD: tl.constexpr,
         WRITE_CACHE: tl.constexpr,
         HAS_SLOTS: tl.constexpr,
     ):
@@ -341,16 +343,18 @@ def _build() -> dict[str, Any]:
         position = tl.minimum(
             tl.load(positions_ptr + row * stride_pos_b + token * stride_pos_t), max_position
         )
-        i = tl.arange(0, HALF)
-        cos = tl.load(cos_ptr + position * stride_cos + i)[None, :]
-        sin = tl.load(sin_ptr + position * stride_sin + i)[None, :]
+        # A half of a head dim that is no power of two (80, 96) is padded; its columns past HALF are masked.
+        i = tl.arange(0, HALF_PAD)
+        half = i < HALF
+        cos = tl.load(cos_ptr + position * stride_cos + i, mask=half, other=0.0)[None, :]
+        sin = tl.load(sin_ptr + position * stride_sin + i, mask=half, other=0.0)[None, :]
         base = qkv_ptr + row * stride_b + token * stride_t
 
         # q: heads 0..HEADS-1. out[:half] = x1 cos - x2 sin, out[half:] = x2 cos + x1 sin (torch's products
         # and sum, each rounded in float32).
         heads = tl.arange(0, HEADS_PAD)[:, None]
         first = base + heads * (2 * HALF) + i[None, :]
-        inside = heads < HEADS
+        inside = (heads < HEADS) & half[None, :]
         x1 = tl.load(first, mask=inside, other=0.0)
         x2 = tl.load(first + HALF, mask=inside, other=0.0)
         x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
@@ -360,7 +364,7 @@ def _build() -> dict[str, Any]:
         # k: the KV_HEADS heads after q's; v after k's.
         kv = tl.arange(0, KV_HEADS_PAD)[:, None]
         first = base + (HEADS + kv) * (2 * HALF) + i[None, :]
-        inside = kv < KV_HEADS
+        inside = (kv < KV_HEADS) & half[None, :]
         x1 = tl.load(first, mask=inside, other=0.0)
         x2 = tl.load(first + HALF, mask=inside, other=0.0)
         x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
