@@ -43,6 +43,18 @@ def test_match_shares_prefixes_and_splits_edges() -> None:
     assert tree.match([2, 1]).blocks == []
 
 
+def test_a_match_ending_inside_an_edge_stops_there() -> None:
+    """The edge is split where the match ends; the walk must not go on from the split's lower part, whose
+    child here starts with the query's next token (it spells a later position)."""
+    tree = RadixTree(block_size=1)
+    allocator = BlockAllocator(16)
+    _store(tree, allocator, [1, 2, 3])
+    _store(tree, allocator, [1, 2, 3, 2, 8])  # the edge [1, 2, 3] with the child [2, 8]
+    assert tree.matched_length([1, 2, 7]) == 2
+    assert tree.match([1, 2, 7]).blocks == [0, 1]
+    assert tree.match([1, 2, 3, 2, 8]).blocks == [0, 1, 2, 3, 4]
+
+
 def test_eviction_frees_least_recently_used_unlocked_leaves() -> None:
     tree = RadixTree(block_size=1)
     allocator = BlockAllocator(6)

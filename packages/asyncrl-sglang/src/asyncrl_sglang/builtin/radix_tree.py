@@ -80,7 +80,8 @@ class RadixTree:
 
     def _walk(self, tokens: Sequence[int]) -> Iterator[tuple[_Node, int]]:
         """The edges along the longest cached prefix of `tokens` (whole blocks), each with how many of its
-        blocks match: all of them, except perhaps on the last edge yielded."""
+        blocks match: all of them, except perhaps on the last edge yielded. The caller may split that last
+        edge (`match`) before the walk resumes, so whether it was the last is decided before it is yielded."""
         usable = len(tokens) - len(tokens) % self.block_size
         node, position = self.root, 0
         while position < usable:
@@ -88,8 +89,9 @@ class RadixTree:
             if child is None:
                 return
             matched = self._common_blocks(child.key, tokens, position, usable)
+            partial = matched < len(child.blocks)
             yield child, matched
-            if matched < len(child.blocks):
+            if partial:
                 return
             position += len(child.key)
             node = child
