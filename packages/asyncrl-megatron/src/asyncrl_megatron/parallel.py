@@ -22,7 +22,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed import HashStore  # pyright: ignore[reportPrivateImportUsage] (documented, no __all__)
 
-from asyncrl_core.actor.distributed import host_store, init_process_group, settings_from_environment
+from asyncrl_core.actor.distributed import (
+    backend_for,
+    host_store,
+    init_process_group,
+    settings_from_environment,
+)
 from asyncrl_megatron import _cpu
 from asyncrl_megatron.model import megatron_warnings_ignored
 
@@ -41,15 +46,15 @@ def initialize(tensor_parallel_size: int = 1, *, seed: int = 0, timeout_s: float
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     if not dist.is_initialized():
-        cuda = torch.cuda.is_available()
-        if cuda:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         settings = settings_from_environment(timeout_s)
         if settings is not None:
-            init_process_group(settings, "cuda" if cuda else "cpu")
+            init_process_group(settings, device_type)
         else:
             dist.init_process_group(
-                backend="nccl" if cuda else "gloo",
+                backend=backend_for(device_type),
                 store=HashStore(),
                 rank=0,
                 world_size=1,
