@@ -218,6 +218,26 @@ def test_waiting_requests_join_at_the_prefill_interval(tiny_model: EngineModel) 
     assert Engine(tiny_model).prefill_interval == 1  # on CPU every step admits
 
 
+def test_an_admission_cut_short_by_its_prefill_budget_goes_on_at_the_next_step(
+    tiny_model: EngineModel,
+) -> None:
+    """Requests that a free slot but not the prefill budget could take are admitted at the next step, not at
+    the interval's: one left over (fewer than a quarter of the slots) would otherwise join 100 steps after
+    the others, and a batch submitted at once would end in a tail of few rows."""
+    engine = Engine(tiny_model, max_running_requests=20, prefill_interval=100, chunked_prefill_size=20)
+    options = SamplingOptions(max_new_tokens=50, temperature=0.0, ignore_eos=True)
+    for i in range(16):  # 4 tokens each, distinct: 5 fit the budget of 20
+        engine.add_request(Request(rid=f"r{i}", prompt_ids=[3 + i, 4, 5, 6], options=options))
+    waiting: list[int] = []
+    for _ in range(4):
+        engine._step()  # pyright: ignore[reportPrivateUsage]
+        waiting.append(engine.num_waiting)
+    assert waiting == [11, 6, 1, 0]
+    engine.add_request(Request(rid="late", prompt_ids=[40, 4, 5, 6], options=options))
+    engine._step()  # pyright: ignore[reportPrivateUsage]
+    assert engine.num_waiting == 1  # one arriving later, with slots free, still waits for the interval
+
+
 def test_the_cpu_pool_defaults_to_a_gibibyte(tiny_model: EngineModel) -> None:
     engine = Engine(tiny_model, max_running_requests=1024, context_length=4096, kv_block_size=BLOCK)
     assert engine.prefix_cache is not None

@@ -95,11 +95,11 @@ CPU_PREFIX_CACHE_BYTES = 1 << 30
 rest of the job; on CUDA the default is the size of the slots at full length)."""
 CUDA_PREFILL_INTERVAL = 32
 """On CUDA, waiting requests join the running batch at most every this many decode steps (unless the batch
-is empty or a quarter of its slots are waiting): an eager prefill costs ~10-20 ms of kernel launches for a
-30-layer model whatever its token count, so one prefill of many turns beats one per decode step. Under the
-agentic workload of `benchmarks/system/engine.py` (256 trajectories, a turn ending about every step) 32
-against 8 took 3% more decode steps and a third of the prefills (20 against 63), and ran 1.2x faster; a
-turn waits at most 32 steps (~0.1 s) to join."""
+is empty, a quarter of its slots are waiting, or the last admission's prefill budget left some waiting): an
+eager prefill costs ~10-20 ms of kernel launches for a 30-layer model whatever its token count, so one
+prefill of many turns beats one per decode step. Under the agentic workload of `benchmarks/system/engine.py`
+(256 trajectories, a turn ending about every step) 32 against 8 took 3% more decode steps and a third of the
+prefills (20 against 63), and ran 1.2x faster; a turn waits at most 32 steps (~0.1 s) to join."""
 
 
 SHUTTING_DOWN = "The server is shutting down."
@@ -250,6 +250,10 @@ class Engine:
         )
         """Decode steps between two admissions of waiting requests while others run (1: every step)."""
         self._steps_since_prefill = 0
+        self._admission_cut_short = False
+        """The last admission left requests waiting that a slot was free for but its prefill budget was not:
+        the next step admits again, as a chunked prefill goes on every step. (The interval gathers turns
+        into a prefill worth its launches; a backlog that filled one budget is worth another at once.)"""
         self.overlap_schedule = overlap_schedule
         """Launch each decode step before reading the previous one's tokens (see the module's docstring)."""
         self._in_flight: _LaunchedStep | None = None
@@ -667,11 +671,12 @@ class Engine:
 
     def _admission_due(self) -> bool:
         """Whether this step admits waiting requests (see `prefill_interval`); every step while a request is
-        prefilled in chunks (one chunk a step)."""
+        prefilled in chunks (one chunk a step) or the last admission was cut short by its prefill budget."""
         if not self.waiting:
             return self._chunked is not None
         return (
             self._chunked is not None
+            or self._admission_cut_short
             or not self.running
             or self._steps_since_prefill + 1 >= self.prefill_interval
             or 4 * len(self.waiting) >= self.max_running_requests
@@ -753,6 +758,7 @@ class Engine:
                     break
             admitted.append(self.waiting.popleft())
             budget -= size
+        self._admission_cut_short = bool(self.waiting) and len(admitted) < free
         return admitted
 
     def _tokens_to_prefill(self, request: Request) -> int:
