@@ -14,7 +14,7 @@ import pytest
 import torch
 from engine_testing import WAIT_S, generate_together, start_engine
 
-from asyncrl_sglang.builtin.engine import Engine, Request
+from asyncrl_sglang.builtin.engine import KV_CAPACITY_STEP, Engine, Request
 from asyncrl_sglang.builtin.gate import AdmissionGate
 from asyncrl_sglang.builtin.info import Load
 from asyncrl_sglang.builtin.model import EngineModel, KVCache
@@ -236,6 +236,33 @@ def test_an_admission_cut_short_by_its_prefill_budget_goes_on_at_the_next_step(
     engine.add_request(Request(rid="late", prompt_ids=[40, 4, 5, 6], options=options))
     engine._step()  # pyright: ignore[reportPrivateUsage]
     assert engine.num_waiting == 1  # one arriving later, with slots free, still waits for the interval
+
+
+def test_an_admission_put_back_for_a_cache_growth_still_goes_on_at_the_next_step(
+    tiny_model: EngineModel,
+) -> None:
+    """The last prompt left by a cut-short admission is taken beside the step in flight, put back because the
+    KV cache must grow first, and then admitted by the same step's sync path: putting it back restores that
+    an admission is due (taking it had cleared it, the queue being empty for a moment)."""
+    length = KV_CAPACITY_STEP - 4  # the fourth step's decode positions need the cache to grow
+    engine = Engine(
+        tiny_model,
+        max_running_requests=20,
+        prefill_interval=100,
+        chunked_prefill_size=5 * length,
+        context_length=4 * KV_CAPACITY_STEP,
+    )
+    options = SamplingOptions(max_new_tokens=50, temperature=0.0, ignore_eos=True)
+    for i in range(16):
+        engine.add_request(Request(rid=f"r{i}", prompt_ids=[3 + i] + [4] * (length - 1), options=options))
+    waiting: list[int] = []
+    for _ in range(4):
+        engine._step()  # pyright: ignore[reportPrivateUsage]
+        waiting.append(engine.num_waiting)
+    assert waiting == [11, 6, 1, 0]
+    cache = engine._cache  # pyright: ignore[reportPrivateUsage]
+    assert cache is not None
+    assert cache.capacity > KV_CAPACITY_STEP  # the path that puts the prompt back was taken
 
 
 def test_the_cpu_pool_defaults_to_a_gibibyte(tiny_model: EngineModel) -> None:

@@ -791,11 +791,14 @@ class Engine:
         if cache is None or free == 0:
             return False
         positions = self._decode_positions(pending=1)
+        cut_short = self._admission_cut_short
         admitted = self._take_admitted(free, simple_only=True)
         needed = max([*positions, *(r.num_tokens for r in admitted)], default=0) + 2
         if not admitted or cache.capacity < min(needed, self.context_length):
+            # Undone: the queue and whether an admission is due are as before, for the sync path.
             for request in reversed(admitted):
                 self.waiting.appendleft(request)
+            self._admission_cut_short = cut_short
             return False
         slots = (reusable + list(range(len(running), self.max_running_requests)))[: len(admitted)]
         self._steps_since_prefill = 0
