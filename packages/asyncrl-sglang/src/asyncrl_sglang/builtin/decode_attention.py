@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from asyncrl_sglang.builtin._kernel_check import KernelCheck
+from asyncrl_sglang.builtin._kernel_shapes import dot_size
 
 BLOCK_N = 64
 """Key positions per block of the kernel's loop."""
@@ -79,7 +80,7 @@ def decode_attention(
     batch, kv_heads, group, head_dim = q.shape
     if splits is None:
         splits = num_splits(batch, kv_heads)
-    group_pad = max(16, 1 << (group - 1).bit_length())
+    group_pad = dot_size(group)
     out = None
     if splits == 1:
         # One program per row and head: it divides by the softmax's denominator and writes the output in q's
@@ -111,8 +112,8 @@ def decode_attention(
         GROUP=group,
         GROUP_PAD=group_pad,
         HEAD_DIM=head_dim,
-        # A power of two, at least 16 (tl.arange, tl.dot); the columns past the head dim are masked.
-        DIM_PAD=max(16, 1 << (head_dim - 1).bit_length()),
+        # The columns past the head dim are masked.
+        DIM_PAD=dot_size(head_dim),
         BLOCK_N=BLOCK_N,
         # float32 in IEEE precision (Triton's default for float32 dots is TF32), so float32 runs match SDPA.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",

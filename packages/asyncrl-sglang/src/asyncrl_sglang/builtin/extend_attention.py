@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from asyncrl_sglang.builtin._kernel_check import KernelCheck
+from asyncrl_sglang.builtin._kernel_shapes import dot_size
 
 ROWS = 64
 """Query rows (tokens x the query heads of one KV head) per program."""
@@ -109,7 +110,7 @@ def extend_attention(
     per_block = ROWS // group  # query tokens per program
     batch = slots.shape[0]
     out = torch.empty((tokens, num_heads, head_dim), device=q.device, dtype=q.dtype)
-    dim_pad = max(16, 1 << (head_dim - 1).bit_length())
+    dim_pad = dot_size(head_dim)
     kernel[(batch, max(1, -(-max_seqlen // per_block)), kv_heads)](
         q,
         keys,

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from asyncrl_sglang.builtin._kernel_check import KernelCheck
+from asyncrl_sglang.builtin._kernel_shapes import next_power_of_2
 
 _kernels: dict[str, Any] = {}
 """The compiled kernels by name (`add_rms_norm`, `rotary`, `silu_mul`), built at the first use."""
@@ -151,7 +152,7 @@ def _norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tup
         1.0 / hidden,
         eps,
         HAS_RESIDUAL=residual is not None,
-        BLOCK=_next_power_of_2(hidden),
+        BLOCK=next_power_of_2(hidden),
         enable_fp_fusion=False,
     )
     return total.view(x.shape), normed.view(x.shape)
@@ -212,10 +213,10 @@ def rotary(
         length,
         HEADS=num_heads,
         KV_HEADS=num_kv_heads,
-        HEADS_PAD=_next_power_of_2(num_heads),
-        KV_HEADS_PAD=_next_power_of_2(num_kv_heads),
+        HEADS_PAD=next_power_of_2(num_heads),
+        KV_HEADS_PAD=next_power_of_2(num_kv_heads),
         HALF=head_dim // 2,
-        HALF_PAD=_next_power_of_2(head_dim // 2),
+        HALF_PAD=next_power_of_2(head_dim // 2),
         WRITE_CACHE=cache is not None,
         HAS_SLOTS=slots is not None,
         enable_fp_fusion=False,
@@ -242,7 +243,7 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     width = gate_up.shape[-1] // 2
     rows = _rows(gate_up)
     out = torch.empty((rows.shape[0], width), device=gate_up.device, dtype=gate_up.dtype)
-    block = min(SILU_BLOCK, _next_power_of_2(width))
+    block = min(SILU_BLOCK, next_power_of_2(width))
     kernel[(rows.shape[0], -(-width // block))](
         rows, out, rows.stride(0), out.stride(0), width, BLOCK=block, enable_fp_fusion=False
     )
@@ -253,10 +254,6 @@ def _rows(x: Tensor) -> Tensor:
     """x [..., n] as rows [N, n] with a contiguous last dimension (a view where it can be one)."""
     rows = x.reshape(-1, x.shape[-1])
     return rows if rows.stride(-1) == 1 else rows.contiguous()
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 def _load(name: str) -> Any:
