@@ -33,12 +33,15 @@ def generate_together(
     max_new_tokens: int | Sequence[int] = 8,
     *,
     num_prompt_logprobs: int = 0,
+    options: Sequence[SamplingOptions] | None = None,
 ) -> list[Request]:
     """Greedy requests with logprobs, one a prompt, submitted at once (one prefill batch); waits for every
     one. `max_new_tokens`: for every request, or one a prompt (requests of different lengths leave the batch
     one by one); EOS does not stop them. `num_prompt_logprobs`: also the logprobs of each prompt's last that
-    many tokens (`input_logprobs`)."""
+    many tokens (`input_logprobs`). `options`: each request's instead (`max_new_tokens` is then unused)."""
     lengths = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    if options is None:
+        options = [SamplingOptions(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
     remaining = [len(prompts)]
     done = threading.Event()
 
@@ -53,12 +56,12 @@ def generate_together(
         Request(
             rid=f"r{index}-{time.monotonic_ns()}",
             prompt_ids=prompt,
-            options=SamplingOptions(max_new_tokens=length, temperature=0.0, ignore_eos=True),
+            options=request_options,
             return_logprob=True,
             logprob_start_len=len(prompt) - num_prompt_logprobs if num_prompt_logprobs else -1,
             on_update=on_update,
         )
-        for index, (prompt, length) in enumerate(zip(prompts, lengths, strict=True))
+        for index, (prompt, request_options) in enumerate(zip(prompts, options, strict=True))
     ]
     engine.call(lambda: [engine.add_request(r) for r in requests], timeout_s=WAIT_S)
     assert done.wait(WAIT_S), "generation did not finish"

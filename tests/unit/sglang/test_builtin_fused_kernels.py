@@ -18,6 +18,7 @@ from engine_testing import generate_together, run_interpreted
 from asyncrl_sglang.builtin import fused_kernels
 from asyncrl_sglang.builtin.engine import Engine, Request
 from asyncrl_sglang.builtin.model import EngineModel, ModelConfig
+from asyncrl_sglang.builtin.sampling import SamplingOptions
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 
@@ -333,3 +334,36 @@ def test_the_engine_with_the_fused_kernels_and_cuda_graphs_matches_torch_on_cuda
     for got, want in zip(results[1], results[3], strict=True):
         assert got.output_ids == want.output_ids
         assert got.output_logprobs == pytest.approx(want.output_logprobs, abs=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_decode_graphs_draw_as_the_eager_sampler_on_cuda() -> None:
+    """The sampling captured in the decode graphs (`sample_dense`) against the same engine without graphs,
+    from the same seed, float32: every row drawn at temperature 1 (one graph's draws), every row drawn at
+    mixed temperatures (copied to the graph when they change), and a batch the graphs leave to the eager
+    sampler (a greedy row beside drawn ones, top-k): the same tokens, logprobs within 1e-4."""
+    prompts = [[(13 * i + 3 * j) % 290 + 3 for j in range(9 + 17 * i)] for i in range(6)]
+    batches = [
+        [SamplingOptions(max_new_tokens=40 - 4 * i, temperature=1.0, ignore_eos=True) for i in range(6)],
+        [SamplingOptions(max_new_tokens=30, temperature=0.5 + 0.2 * i, ignore_eos=True) for i in range(6)],
+        [
+            SamplingOptions(max_new_tokens=30, temperature=0.0 if i == 0 else 1.0, top_k=8 if i == 1 else -1)
+            for i in range(6)
+        ],
+    ]
+    model = EngineModel.random(_config(), "cuda", torch.float32, seed=5)
+    results: list[list[list[Request]]] = []
+    for graphs in (True, False):
+        engine = Engine(model, max_running_requests=8, use_cuda_graphs=graphs, context_length=512, seed=11)
+        engine.start()
+        try:
+            results.append([generate_together(engine, prompts, options=batch) for batch in batches])
+            if graphs:
+                assert engine.cuda_graph_batch_sizes == [1, 2, 4, 8]
+        finally:
+            engine.stop()
+    for got_batch, want_batch in zip(*results, strict=True):
+        for got, want in zip(got_batch, want_batch, strict=True):
+            assert got.output_ids == want.output_ids
+            assert got.output_logprobs == pytest.approx(want.output_logprobs, abs=1e-4)

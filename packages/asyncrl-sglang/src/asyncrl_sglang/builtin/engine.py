@@ -69,6 +69,8 @@ from asyncrl_sglang.builtin.sampling import (
     DeviceSample,
     SampledToken,
     SamplingOptions,
+    SamplingPlan,
+    sample_dense,
     sample_on_device,
     sample_tokens,
     unpack_samples,
@@ -353,7 +355,7 @@ class Engine:
     def cuda_graph_batch_sizes(self) -> list[int]:
         """The decode batch sizes captured as CUDA graphs so far (none on CPU): every bucket when the KV cache
         takes the whole context at once, else each on first use."""
-        return [] if self._graphs is None else sorted(self._graphs.graphs)
+        return [] if self._graphs is None else self._graphs.batch_sizes
 
     @property
     def cuda_graph_bytes(self) -> int:
@@ -1071,15 +1073,18 @@ class Engine:
                 input_ids = torch.tensor([r.output_ids[-1] for r in running]).to(device, non_blocking=True)
             else:
                 input_ids = previous.tokens
+        num_outputs = [len(r.output_ids) + pending for r in running]
+        plan = SamplingPlan.of(running, self.eos_token_ids, num_outputs)
+        sample: DeviceSample | None = None
         if self._graphs is not None:
-            hidden = self._graphs.decode(input_ids, positions, cache)
+            hidden, sample = self._graphs.decode(input_ids, positions, cache, plan)
         else:
             position_ids = torch.tensor(positions).to(device, non_blocking=True)
             hidden = self.model.decode(input_ids, position_ids, cache, max(positions) + 1)
-        num_outputs = [len(r.output_ids) + pending for r in running]
-        sample = sample_on_device(
-            running, self.model.logits(hidden), self.generator, self.eos_token_ids, num_outputs
-        )
+        if sample is None:
+            sample = sample_on_device(
+                running, self.model.logits(hidden), self.generator, self.eos_token_ids, num_outputs, plan
+            )
         return _LaunchedStep.launch(running, sample)
 
     def _complete(self, step: _LaunchedStep) -> None:
@@ -1257,20 +1262,45 @@ class _LaunchedStep:
         return unpack_samples(self.requests, self.results, self.top_num)
 
 
-class _DecodeGraphs:
-    """CUDA graphs of the decode step, one per batch-size bucket, over the whole KV capacity.
+@dataclass(slots=True, eq=False)
+class _DecodeGraph:
+    """One captured decode step and its static tensors: inputs (ids, positions, lengths; temperatures and
+    uniforms for a graph that draws) and outputs (the hidden states, and the draws of `sample_dense`)."""
 
-    Each graph reads its inputs from static tensors (ids, positions) and writes the hidden states to a static
-    output; rows beyond the live batch decode into free slots (harmless: a slot's KV is rewritten by its next
-    prefill). The weights are read in place, so a weight update needs no recapture unless they move.
+    graph: torch.cuda.CUDAGraph
+    ids: Tensor
+    positions: Tensor
+    lengths: Tensor
+    temperatures: Tensor | None
+    uniforms: Tensor | None
+    hidden: Tensor
+    sample: DeviceSample
+    uploaded_temperatures: list[float]
+    """What `temperatures` holds (its first rows), as last copied from the host."""
+
+
+class _DecodeGraphs:
+    """CUDA graphs of the decode step, two per batch-size bucket (one that takes the argmax, one that draws),
+    over the whole KV capacity, each with its sampling (`sample_dense`).
+
+    Each graph reads its inputs from static tensors and writes the hidden states and the draws to static
+    outputs; rows beyond the live batch decode into free slots (harmless: a slot's KV is rewritten by its next
+    prefill) and draw what no one reads. A step whose sampling `sample_dense` cannot do (`SamplingPlan.dense`
+    None) replays the argmax graph and samples its hidden states eagerly. The weights are read in place, so a
+    weight update needs no recapture unless they move.
     """
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor, Tensor, Tensor, Tensor]] = {}
+        self.graphs: dict[tuple[int, bool], _DecodeGraph] = {}
+        """Keyed by (batch-size bucket, whether it draws)."""
         self.pool: Any = None
         self.memory_bytes = 0
         """Device memory allocated while the graphs were captured (their pool and static tensors)."""
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        return sorted({size for size, _ in self.graphs})
 
     def clear(self) -> None:
         # The pool goes with its graphs: capturing into a pool whose graphs are gone is an allocator error.
@@ -1289,44 +1319,59 @@ class _DecodeGraphs:
         return min(size, self.engine.max_running_requests)
 
     def capture_all(self, cache: KVCache) -> None:
-        """Capture the graph of every batch-size bucket over `cache` (those not captured yet)."""
+        """Capture the graphs of every batch-size bucket over `cache` (those not captured yet)."""
         limit = self.engine.max_running_requests
         for size in sorted({self.bucket(batch) for batch in range(1, limit + 1)}):
-            self._ensure(size, cache)
+            for draws in (False, True):
+                self._ensure(size, draws, cache)
 
-    def decode(self, input_ids: Tensor, positions: list[int], cache: KVCache) -> Tensor:
-        """Replay the graph of `input_ids`' batch size (ids [B] on the device, copied device to device, so a
-        launch never waits for the step before) at `positions`; hidden states [B, hidden]."""
+    def decode(
+        self, input_ids: Tensor, positions: list[int], cache: KVCache, plan: SamplingPlan
+    ) -> tuple[Tensor, DeviceSample | None]:
+        """Replay a graph of `input_ids`' batch size (ids [B] on the device, copied device to device, so a
+        launch never waits for the step before) at `positions`: the hidden states [B, hidden], and the step's
+        draws when `plan.dense` is not None (else None: the caller samples the hidden states)."""
         batch = len(positions)
         size = self.bucket(batch)
-        graph, static_ids, static_positions, static_lengths, output = self._ensure(size, cache)
+        dense = plan.dense
+        entry = self._ensure(size, dense is True, cache)
         # Padding rows write into free slots at the last position, which no live request uses, and attend
         # to one position only (the decode kernel's work follows the lengths).
         padding = size - batch
-        # (The padding rows' ids are whatever an earlier step left there: any id is harmless.)
+        # (The padding rows' ids, temperatures and uniforms are whatever an earlier step left there: any is
+        # harmless.)
         inputs = torch.tensor(
             [positions + [cache.capacity - 1] * padding, [p + 1 for p in positions] + [1] * padding],
             dtype=torch.long,
         )
-        static_ids[:batch].copy_(input_ids, non_blocking=True)
-        static_positions.copy_(inputs[0], non_blocking=True)
-        static_lengths.copy_(inputs[1], non_blocking=True)
-        graph.replay()
-        return output[:batch]
+        entry.ids[:batch].copy_(input_ids, non_blocking=True)
+        entry.positions.copy_(inputs[0], non_blocking=True)
+        entry.lengths.copy_(inputs[1], non_blocking=True)
+        if entry.uniforms is not None:
+            assert entry.temperatures is not None
+            if entry.uploaded_temperatures != plan.temperatures:
+                entry.temperatures[:batch].copy_(
+                    torch.tensor(plan.temperatures, dtype=torch.float32), non_blocking=True
+                )
+                entry.uploaded_temperatures = plan.temperatures
+            # The shared generator's draws in row order, as `sample_on_device` takes them.
+            torch.rand(batch, generator=self.engine.generator, out=entry.uniforms[:batch])
+        entry.graph.replay()
+        hidden = entry.hidden[:batch]
+        if dense is None:
+            return hidden, None
+        sample = entry.sample
+        return hidden, DeviceSample(sample.tokens[:batch], sample.packed[:batch], sample.top_num)
 
-    def _ensure(
-        self, size: int, cache: KVCache
-    ) -> tuple[torch.cuda.CUDAGraph, Tensor, Tensor, Tensor, Tensor]:
-        entry = self.graphs.get(size)
+    def _ensure(self, size: int, draws: bool, cache: KVCache) -> _DecodeGraph:
+        entry = self.graphs.get((size, draws))
         if entry is None:
             before = torch.cuda.memory_allocated(self.engine.model.device)
-            entry = self.graphs[size] = self._capture(size, cache)
+            entry = self.graphs[size, draws] = self._capture(size, draws, cache)
             self.memory_bytes += torch.cuda.memory_allocated(self.engine.model.device) - before
         return entry
 
-    def _capture(
-        self, size: int, cache: KVCache
-    ) -> tuple[torch.cuda.CUDAGraph, Tensor, Tensor, Tensor, Tensor]:
+    def _capture(self, size: int, draws: bool, cache: KVCache) -> _DecodeGraph:
         model = self.engine.model
         device = model.device
         # Warm-up and capture run on the live cache: write only at the last position, which the capacity rule
@@ -1334,14 +1379,31 @@ class _DecodeGraphs:
         static_ids = torch.zeros(size, dtype=torch.long, device=device)
         static_positions = torch.full((size,), cache.capacity - 1, dtype=torch.long, device=device)
         static_lengths = torch.ones(size, dtype=torch.long, device=device)
+        temperatures = torch.ones(size, dtype=torch.float32, device=device) if draws else None
+        uniforms = torch.full((size,), 0.5, dtype=torch.float32, device=device) if draws else None
+
+        def step() -> tuple[Tensor, DeviceSample]:
+            hidden = model.decode(static_ids, static_positions, cache, cache.capacity, static_lengths)
+            return hidden, sample_dense(model.logits(hidden), temperatures, uniforms)
+
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                model.decode(static_ids, static_positions, cache, cache.capacity, static_lengths)
+                step()
         torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            output = model.decode(static_ids, static_positions, cache, cache.capacity, static_lengths)
+            hidden, sample = step()
         self.pool = graph.pool()
-        return graph, static_ids, static_positions, static_lengths, output
+        return _DecodeGraph(
+            graph,
+            static_ids,
+            static_positions,
+            static_lengths,
+            temperatures,
+            uniforms,
+            hidden,
+            sample,
+            [1.0] * size,
+        )

@@ -170,18 +170,75 @@ def sample_tokens(
     return unpack_samples(requests, sample.packed, sample.top_num)
 
 
+@dataclass(slots=True)
+class SamplingPlan:
+    """What one step's sampling needs of its rows, read in one pass over them (it runs every decode step)."""
+
+    banned_rows: list[int]
+    banned_ids: list[int]
+    """(row, id) pairs that cannot be drawn: EOS and stop ids before a row's `min_new_tokens`."""
+    temperatures: list[float]
+    """Each row's `logprob_temperature`."""
+    sampled_rows: list[int]
+    """The rows that draw (the others take the argmax)."""
+    top_num: int
+    """The most top logprobs a row asks for."""
+    truncating: bool
+    """Whether a sampled row truncates (top-k, top-p, min-p)."""
+    own_generators: bool
+    """Whether a sampled row draws from its own generator (`sampling_seed`)."""
+
+    @classmethod
+    def of(
+        cls,
+        requests: Sequence[SamplingState],
+        eos_token_ids: frozenset[int],
+        num_outputs: Sequence[int] | None = None,
+    ) -> SamplingPlan:
+        """`num_outputs[b]`: see `sample_on_device`."""
+        plan = cls([], [], [], [], 0, False, False)
+        for row, request in enumerate(requests):
+            options = request.options
+            num_output = len(request.output_ids) if num_outputs is None else num_outputs[row]
+            if num_output < options.min_new_tokens:
+                banned = options.stop_token_ids | (frozenset() if options.ignore_eos else eos_token_ids)
+                plan.banned_rows.extend([row] * len(banned))
+                plan.banned_ids.extend(banned)
+            plan.temperatures.append(options.logprob_temperature)
+            if not options.greedy:
+                plan.sampled_rows.append(row)
+                plan.truncating = plan.truncating or options.needs_truncation
+                plan.own_generators = plan.own_generators or request.generator is not None
+            plan.top_num = max(plan.top_num, request.top_logprobs_num)
+        return plan
+
+    @property
+    def dense(self) -> bool | None:
+        """How `sample_dense` can draw this step: False when every row takes the argmax at temperature 1, True
+        when every row draws (from the shared generator, untruncated); None when it cannot (bans, top
+        logprobs, truncation, own generators, greedy rows beside sampled ones or under another temperature):
+        `sample_on_device` then does."""
+        if self.banned_rows or self.top_num or self.truncating or self.own_generators:
+            return None
+        if not self.sampled_rows:
+            return None if any(t != 1.0 for t in self.temperatures) else False
+        return True if len(self.sampled_rows) == len(self.temperatures) else None
+
+
 def sample_on_device(
     requests: Sequence[SamplingState],
     logits: Tensor,
     generator: torch.Generator,
     eos_token_ids: frozenset[int],
     num_outputs: Sequence[int] | None = None,
+    plan: SamplingPlan | None = None,
 ) -> DeviceSample:
     """Draw one token per row of logits [B, vocab] (float32, modified in place) under each request's options,
     without waiting for the device: every copy to it is non-blocking and nothing is read back.
 
     `num_outputs[b]`: the output tokens row b has when this token is drawn (default `len(output_ids)`; more
-    when earlier draws are still on the device), which `min_new_tokens` compares with.
+    when earlier draws are still on the device), which `min_new_tokens` compares with. `plan`: the rows'
+    `SamplingPlan`, when the caller has read it.
 
     Sampling inverts the cumulative distribution: one uniform draw per row, the first token whose cumulative
     probability exceeds it (exact but for the float32 rounding of the cumulative sum, as `torch.multinomial`).
@@ -190,49 +247,55 @@ def sample_on_device(
     depend on the batch it runs in. Greedy rows take the argmax.
     """
     device = logits.device
-    # One pass over the rows (it runs every decode step): the ids banned by min_new_tokens (EOS and stop
-    # ids cannot be drawn before the minimum), the temperatures, the rows that sample, the top logprobs.
-    banned_rows: list[int] = []
-    banned_ids: list[int] = []
-    temperatures: list[float] = []
-    sampled_rows: list[int] = []
-    top_num = 0
-    for row, request in enumerate(requests):
-        options = request.options
-        num_output = len(request.output_ids) if num_outputs is None else num_outputs[row]
-        if num_output < options.min_new_tokens:
-            banned = options.stop_token_ids | (frozenset() if options.ignore_eos else eos_token_ids)
-            banned_rows.extend([row] * len(banned))
-            banned_ids.extend(banned)
-        temperatures.append(options.logprob_temperature)
-        if not options.greedy:
-            sampled_rows.append(row)
-        top_num = max(top_num, request.top_logprobs_num)
-    if banned_rows:
-        index = _to_device([banned_rows, banned_ids], torch.long, device)
+    if plan is None:
+        plan = SamplingPlan.of(requests, eos_token_ids, num_outputs)
+    if plan.banned_rows:
+        index = _to_device([plan.banned_rows, plan.banned_ids], torch.long, device)
         logits[index[0], index[1]] = float("-inf")
-    if any(t != 1.0 for t in temperatures):
-        logits.div_(_to_device(temperatures, torch.float32, device).unsqueeze(1))
+    if any(t != 1.0 for t in plan.temperatures):
+        logits.div_(_to_device(plan.temperatures, torch.float32, device).unsqueeze(1))
     logprobs = torch.log_softmax(logits, dim=-1)
     tokens = logprobs.argmax(dim=-1)
+    sampled_rows = plan.sampled_rows
     if sampled_rows:
         every_row = len(sampled_rows) == len(requests)
         rows = None if every_row else _to_device(sampled_rows, torch.long, device)
         probs = (logprobs if rows is None else logprobs[rows]).exp()
-        truncating = [requests[row].options for row in sampled_rows]
-        if any(o.needs_truncation for o in truncating):
-            probs = _truncate(probs, truncating)
-        drawn = _inverse_cdf(probs, _uniforms([requests[row] for row in sampled_rows], generator, device))
-        # A draw that rounding put on a token of probability 0 (past the end, or one truncation removed)
-        # takes the row's most likely token instead.
-        inside = drawn.clamp(max=probs.shape[1] - 1)
-        valid = (drawn < probs.shape[1]) & (probs.gather(1, inside.unsqueeze(1)).squeeze(1) > 0)
-        fallback = tokens if rows is None else tokens[rows]
-        drawn = torch.where(valid, inside, fallback)
+        if plan.truncating:
+            probs = _truncate(probs, [requests[row].options for row in sampled_rows])
+        uniforms = _uniforms([requests[row] for row in sampled_rows], generator, device)
+        drawn = _draw(probs, uniforms, tokens if rows is None else tokens[rows])
         if rows is None:
             tokens = drawn
         else:
             tokens[rows] = drawn
+    return _pack(logprobs, tokens, plan.top_num)
+
+
+def sample_dense(logits: Tensor, temperatures: Tensor | None, uniforms: Tensor | None) -> DeviceSample:
+    """`sample_on_device` for a step whose `SamplingPlan.dense` is not None, from tensors alone (what a CUDA
+    graph of the decode step captures): logits [B, vocab] (float32, modified in place) divided by
+    `temperatures` [B] (None: all 1), then every row drawn with `uniforms` [B] (the shared generator's draws
+    in row order, as `sample_on_device` takes them), or every row's argmax when `uniforms` is None."""
+    if temperatures is not None:
+        logits.div_(temperatures.unsqueeze(1))
+    logprobs = torch.log_softmax(logits, dim=-1)
+    tokens = logprobs.argmax(dim=-1)
+    if uniforms is not None:
+        tokens = _draw(logprobs.exp(), uniforms, tokens)
+    return _pack(logprobs, tokens, 0)
+
+
+def _draw(probs: Tensor, uniforms: Tensor, fallback: Tensor) -> Tensor:
+    """Each row's token under `uniforms` (`_inverse_cdf`); a draw that rounding put on a token of probability
+    0 (past the end, or one truncation removed) takes the row's `fallback` (its most likely token)."""
+    drawn = _inverse_cdf(probs, uniforms)
+    inside = drawn.clamp(max=probs.shape[1] - 1)
+    valid = (drawn < probs.shape[1]) & (probs.gather(1, inside.unsqueeze(1)).squeeze(1) > 0)
+    return torch.where(valid, inside, fallback)
+
+
+def _pack(logprobs: Tensor, tokens: Tensor, top_num: int) -> DeviceSample:
     chosen = logprobs.gather(1, tokens.unsqueeze(1))
     columns = [tokens.unsqueeze(1).double(), chosen.double()]
     if top_num > 0:
