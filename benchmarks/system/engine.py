@@ -394,7 +394,7 @@ def time_device_work(model: Any) -> None:
 
         counted.device_work = True
         engine_module.Engine._launch_decode = counted  # pyright: ignore[reportPrivateUsage]
-    graphs = getattr(engine_module, "_DecodeGraphs", None)
+    graphs = getattr(engine_module, "_CudaGraphs", None) or getattr(engine_module, "_DecodeGraphs", None)
     capture = getattr(graphs, "_capture", None)
     if graphs is not None and capture is not None and not getattr(capture, "device_work", False):
 

@@ -303,11 +303,11 @@ def test_a_failed_chunk_is_retried_and_loses_nothing(
     prefill_packed = tiny_model.prefill_packed
     failures = {"left": 1}
 
-    def flaky(sequences: Any, cache: Any, slots: Any, starts: Any = None) -> torch.Tensor:
+    def flaky(sequences: Any, cache: Any, slots: Any, starts: Any = None, replay: Any = None) -> torch.Tensor:
         if starts is not None and list(starts) == [27] and failures["left"]:
             failures["left"] -= 1
             raise RuntimeError("transient failure of a chunk")
-        return prefill_packed(sequences, cache, slots, starts)
+        return prefill_packed(sequences, cache, slots, starts, replay)
 
     monkeypatch.setattr(tiny_model, "prefill_packed", flaky)
     got = generate_together(engine, [[1, 2, 3, 4, 5], LONG], max_new_tokens=[40, 8], num_prompt_logprobs=50)

@@ -18,7 +18,7 @@ from asyncrl_sglang.builtin import extend_attention
 from asyncrl_sglang.builtin.__main__ import launch_arguments, parse_args
 from asyncrl_sglang.builtin.engine import Engine
 from asyncrl_sglang.builtin.info import server_args
-from asyncrl_sglang.builtin.model import EngineModel, KVCache, ModelConfig
+from asyncrl_sglang.builtin.model import EngineModel, KVCache, ModelConfig, PackedShape
 from asyncrl_sglang.launcher import builtin_command
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
@@ -41,16 +41,22 @@ for heads, kv_heads, dim in ((4, 4, 64), (9, 3, 64), (8, 2, 24)):
     offsets = torch.tensor([0, *lengths]).cumsum(0)
     for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
         args = [t.to(dtype) for t in (q, keys, values)]
-        got = ea.extend_attention(
-            *args, torch.tensor(slots), torch.tensor(prefixes), offsets, max(lengths)
-        )
-        assert got.dtype == dtype
-        want = ea.torch_extend_attention(*(t.float() for t in args), slots, prefixes, lengths)
-        torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=tolerance)
+        per_program = ea.tokens_per_program(heads, kv_heads)
+        # The exact work list, and one padded as a CUDA graph's grid is (its extra programs do nothing).
+        size = ea.max_work_items(sum(lengths), len(lengths), per_program) + 3
+        for work in (
+            ea.work_items(torch.tensor(lengths), per_program),
+            ea.work_items(torch.tensor(lengths), per_program, size),
+        ):
+            got = ea.extend_attention(*args, torch.tensor(slots), torch.tensor(prefixes), offsets, *work)
+            assert got.dtype == dtype
+            want = ea.torch_extend_attention(*(t.float() for t in args), slots, prefixes, lengths)
+            torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=tolerance)
     # q as the model passes it: a view of a q|k|v projection (rows wider than the heads).
     wide = torch.randn(sum(lengths), (heads + 2 * kv_heads) * dim, generator=generator)
     view = wide[:, : heads * dim].view(-1, heads, dim)
-    got = ea.extend_attention(view, keys, values, torch.tensor(slots), torch.tensor(prefixes), offsets, 130)
+    work = ea.work_items(torch.tensor(lengths), ea.tokens_per_program(heads, kv_heads))
+    got = ea.extend_attention(view, keys, values, torch.tensor(slots), torch.tensor(prefixes), offsets, *work)
     want = ea.torch_extend_attention(view, keys, values, slots, prefixes, lengths)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     ea.self_check(torch.device("cpu"), torch.float32)
@@ -59,7 +65,7 @@ for heads, kv_heads, dim in ((4, 4, 64), (9, 3, 64), (8, 2, 24)):
 # The model's packed prefill with the kernel (and the fused rotary + cache write) against the same prefill
 # with the reference and against the padded prefill, fresh and over cached prefixes: hidden states and the
 # whole cache to 1e-5 in float32.
-from asyncrl_sglang.builtin.model import EngineModel, KVCache, ModelConfig
+from asyncrl_sglang.builtin.model import EngineModel, KVCache, ModelConfig, PackedShape
 
 for kv_heads in (1, 3):
     config = ModelConfig.from_dict(
@@ -95,6 +101,22 @@ for kv_heads in (1, 3):
             torch.testing.assert_close(
                 cache.kv[:, :, slot, :, :used], want_cache.kv[:, :, slot, :, :used], atol=1e-5, rtol=1e-5
             )
+
+    # Padded as a CUDA graph runs it (`PackedPrefill.padded`: tokens of no sequence, a sequence of no tokens,
+    # work items that do nothing): its first rows equal the unpadded prefill's, and so does the cache but
+    # for the last position of slot 0, where the padding tokens write.
+    model.fused_kernels = model.extend_kernel = True
+    caches = [KVCache(config, 4, 160, model.device, torch.float32) for _ in range(2)]
+    caches[0].kv.normal_(generator=generator)
+    caches[1].kv.copy_(caches[0].kv)
+    want = model.prefill_packed(second, caches[0], [2, 0, 3], starts=[5, 2, 70])
+    batch = model.pack_prefill(second, caches[1], [2, 0, 3], [5, 2, 70])
+    shape = PackedShape(batch.total + 29, 4, batch.columns[-1].numel() + 5)
+    got = model.forward_packed(shape.columns(batch.padded(shape, 160)), caches[1], None)
+    torch.testing.assert_close(got[: batch.total], want, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(caches[1].kv[:, :, 0, :, 159], caches[0].kv[:, :, 0, :, 159])
+    caches[1].kv[:, :, 0, :, 159] = caches[0].kv[:, :, 0, :, 159]
+    torch.testing.assert_close(caches[1].kv, caches[0].kv, atol=1e-5, rtol=1e-5)
 print("ok")
 """
 
@@ -275,7 +297,9 @@ def test_the_kernel_and_the_packed_prefill_on_cuda(dtype: torch.dtype) -> None:
         torch.tensor(slots, device=device),
         torch.tensor(prefixes, device=device),
         offsets,
-        max(lengths),
+        *extend_attention.work_items(torch.tensor(lengths), extend_attention.tokens_per_program(9, 3)).to(
+            device
+        ),
     )
     want = extend_attention.torch_extend_attention(
         q.float(), keys.float(), values.float(), slots, prefixes, lengths
@@ -296,3 +320,21 @@ def test_the_kernel_and_the_packed_prefill_on_cuda(dtype: torch.dtype) -> None:
     packed = model.prefill_packed(sequences, caches[1], [5, 0, 4, 1, 3, 2], starts)
     rows = torch.cat([padded[row, : len(s)] for row, s in enumerate(sequences)])
     torch.testing.assert_close(packed, rows, atol=1e-4, rtol=1e-4)
+
+
+def test_a_padded_prefill_that_does_not_fit_its_shape_is_refused() -> None:
+    """A CUDA graph's shape too small for a batch (tokens, sequences or kernel programs) is an error naming
+    both, and so is the padded forward on a path that needs the batch's host side (the torch path)."""
+    config = _config("llama", 4, 2)
+    model = EngineModel.random(config, "cpu", torch.float32, seed=2)
+    cache = KVCache(config, 4, 64, model.device, torch.float32)
+    batch = model.pack_prefill([[1, 2, 3], [4, 5]], cache, [0, 1])
+    for shape in (PackedShape(4, 2, 8), PackedShape(8, 1, 8)):
+        with pytest.raises(ValueError, match=r"a packed prefill of 5 tokens does not fit PackedShape"):
+            batch.padded(shape, cache.capacity)
+    with pytest.raises(ValueError, match="programs do not fit a grid of 1"):
+        extend_attention.work_items(torch.tensor([3, 2]), 2, size=1)
+    shape = PackedShape(8, 2, 0)
+    columns = shape.columns(batch.padded(shape, cache.capacity))
+    with pytest.raises(ValueError, match="without its host side needs the extend and fused kernels"):
+        model.forward_packed(columns, cache, None)

@@ -315,9 +315,9 @@ def test_the_kernels_in_bfloat16_are_within_bfloat16_ulps_of_torch_on_cuda() -> 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_engine_with_the_fused_kernels_and_cuda_graphs_matches_torch_on_cuda() -> None:
     """Compiled on the GPU, through the engine's prefills (with prefix-cache hits: the prompts share a prefix)
-    and captured decode graphs (the batch shrinks through several buckets, with padding rows): greedy float32
-    tokens equal and logprobs within 1e-4 of the same engine with torch's elementwise ops. The model reports
-    the fused path on by default and off when asked."""
+    in captured prefill graphs and captured decode graphs (the batch shrinks through several buckets, with
+    padding rows): greedy float32 tokens equal and logprobs within 1e-4 of the same engine with torch's
+    elementwise ops. The model reports the fused path on by default and off when asked."""
     shared = [(5 * j) % 290 + 3 for j in range(40)]
     prompts = [shared + [(11 * i + 7 * j) % 290 + 3 for j in range(5 + 29 * i)] for i in range(7)]
     results: list[list[Request]] = []
@@ -329,6 +329,8 @@ def test_the_engine_with_the_fused_kernels_and_cuda_graphs_matches_torch_on_cuda
         try:
             results.append(generate_together(engine, prompts[:1], 8))  # fills the prefix cache
             results.append(generate_together(engine, prompts, [60 - 3 * i for i in range(len(prompts))]))
+            # The fused path's prefills replay graphs; the torch path's run eagerly.
+            assert bool(engine.cuda_graph_prefill_tokens) is fused
         finally:
             engine.stop()
     for got, want in zip(results[1], results[3], strict=True):
@@ -339,10 +341,11 @@ def test_the_engine_with_the_fused_kernels_and_cuda_graphs_matches_torch_on_cuda
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_decode_graphs_draw_as_the_eager_sampler_on_cuda() -> None:
-    """The sampling captured in the decode graphs (`sample_dense`) against the same engine without graphs,
-    from the same seed, float32: every row drawn at temperature 1 (one graph's draws), every row drawn at
-    mixed temperatures (copied to the graph when they change), and a batch the graphs leave to the eager
-    sampler (a greedy row beside drawn ones, top-k): the same tokens, logprobs within 1e-4."""
+    """The sampling captured in the decode graphs (`sample_dense`), and the prefill graphs, against the same
+    engine without graphs, from the same seed, float32: every row drawn at temperature 1 (one graph's draws),
+    every row drawn at mixed temperatures (copied to the graph when they change), and a batch the graphs
+    leave to the eager sampler (a greedy row beside drawn ones, top-k): the same tokens, logprobs within
+    1e-4."""
     prompts = [[(13 * i + 3 * j) % 290 + 3 for j in range(9 + 17 * i)] for i in range(6)]
     batches = [
         [SamplingOptions(max_new_tokens=40 - 4 * i, temperature=1.0, ignore_eos=True) for i in range(6)],
@@ -361,6 +364,7 @@ def test_the_decode_graphs_draw_as_the_eager_sampler_on_cuda() -> None:
             results.append([generate_together(engine, prompts, options=batch) for batch in batches])
             if graphs:
                 assert engine.cuda_graph_batch_sizes == [1, 2, 4, 8]
+                assert engine.cuda_graph_prefill_tokens, "the prefills replayed graphs"
         finally:
             engine.stop()
     for got_batch, want_batch in zip(*results, strict=True):

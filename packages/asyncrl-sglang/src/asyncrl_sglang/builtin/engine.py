@@ -62,8 +62,8 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
-from asyncrl_sglang.builtin import DEFAULT_CHUNKED_PREFILL_SIZE
-from asyncrl_sglang.builtin.model import EngineModel, KVCache
+from asyncrl_sglang.builtin import DEFAULT_CHUNKED_PREFILL_SIZE, extend_attention
+from asyncrl_sglang.builtin.model import EngineModel, KVCache, PackedPrefill, PackedShape
 from asyncrl_sglang.builtin.prefix_cache import PrefixCache
 from asyncrl_sglang.builtin.sampling import (
     DeviceSample,
@@ -288,7 +288,8 @@ class Engine:
             else None
         )
         """KV of finished requests by token prefix (None: every prefill starts from scratch)."""
-        self._graphs = _DecodeGraphs(self) if use_cuda_graphs and model.device.type == "cuda" else None
+        self._graphs = _CudaGraphs(self) if use_cuda_graphs and model.device.type == "cuda" else None
+        self._prefill_replay = None if self._graphs is None else self._graphs.prefill
         self._commands: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any], bool]] = deque()
         self._wake = threading.Condition()
         self._stopping = False
@@ -358,8 +359,13 @@ class Engine:
         return [] if self._graphs is None else self._graphs.batch_sizes
 
     @property
+    def cuda_graph_prefill_tokens(self) -> list[int]:
+        """The token counts whose prefill graphs are captured (`PREFILL_GRAPH_TOKENS`, at their first use)."""
+        return [] if self._graphs is None else sorted(self._graphs.prefills)
+
+    @property
     def cuda_graph_bytes(self) -> int:
-        """Device memory the captured decode graphs took when they were captured."""
+        """Device memory the captured CUDA graphs (decode and prefill) took when they were captured."""
         return 0 if self._graphs is None else self._graphs.memory_bytes
 
     def is_idle(self) -> bool:
@@ -909,7 +915,9 @@ class Engine:
         self.counters.prefill_tokens_total += computed
         self.counters.cache_hit_rate = cached / (cached + computed)
         suffixes = [s[start:] for s, start in zip(sequences, starts, strict=True)]
-        hidden = self.model.prefill_packed(suffixes, cache, slots, starts)  # [total new tokens, hidden]
+        hidden = self.model.prefill_packed(
+            suffixes, cache, slots, starts, self._prefill_replay
+        )  # [new tokens, hidden]
         ends = list(itertools.accumulate(len(s) for s in suffixes))
         last_rows = torch.tensor([end - 1 for end in ends]).to(hidden.device, non_blocking=True)
         last_hidden = hidden[last_rows]
@@ -965,7 +973,9 @@ class Engine:
         # At least its last token is left for the last chunk, which samples from it.
         end = min(start + size, len(sequence) - 1)
         if end > start:
-            hidden = self.model.prefill_packed([sequence[start:end]], cache, [slot], [start])
+            hidden = self.model.prefill_packed(
+                [sequence[start:end]], cache, [slot], [start], self._prefill_replay
+            )
             self.counters.prefill_tokens_total += end - start
             if not request.was_running and request.return_logprob and request.logprob_start_len >= 0:
                 self._input_logprobs(request, hidden, start, end)
@@ -1181,9 +1191,8 @@ class Engine:
         pending = text.endswith("\ufffd") and len(ids) - read < STOP_TEXT_MAX_PENDING_TOKENS
         window = request.stop_tail + (text.rstrip("\ufffd") if pending else text)[known:]
         if not pending:
-            longest = max(map(len, request.options.stop))
             request.stop_prefix_offset, request.stop_read_offset = read, len(ids)
-            request.stop_tail = window[max(0, len(window) - longest + 1) :]
+            request.stop_tail = window[max(0, len(window) - request.options.longest_stop + 1) :]
         best: str | None = None
         best_index = len(window)
         for stop in request.options.stop:
@@ -1264,13 +1273,13 @@ class _LaunchedStep:
 
 @dataclass(slots=True, eq=False)
 class _DecodeGraph:
-    """One captured decode step and its static tensors: inputs (ids, positions, lengths; temperatures and
+    """One captured decode step and its static tensors: inputs (ids, positions and lengths; temperatures and
     uniforms for a graph that draws) and outputs (the hidden states, and the draws of `sample_dense`)."""
 
     graph: torch.cuda.CUDAGraph
     ids: Tensor
-    positions: Tensor
-    lengths: Tensor
+    inputs: Tensor
+    """[2, B]: the positions, then the lengths attended (one copy from the host)."""
     temperatures: Tensor | None
     uniforms: Tensor | None
     hidden: Tensor
@@ -1279,33 +1288,62 @@ class _DecodeGraph:
     """What `temperatures` holds (its first rows), as last copied from the host."""
 
 
-class _DecodeGraphs:
-    """CUDA graphs of the decode step, two per batch-size bucket (one that takes the argmax, one that draws),
-    over the whole KV capacity, each with its sampling (`sample_dense`).
+PREFILL_GRAPH_TOKENS = (128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+"""The token counts the prefill graphs are captured for (a packed prefill replays the smallest that holds it:
+at most half again its tokens; a longer one runs eagerly). The largest is the default chunked-prefill size."""
 
-    Each graph reads its inputs from static tensors and writes the hidden states and the draws to static
-    outputs; rows beyond the live batch decode into free slots (harmless: a slot's KV is rewritten by its next
-    prefill) and draw what no one reads. A step whose sampling `sample_dense` cannot do (`SamplingPlan.dense`
-    None) replays the argmax graph and samples its hidden states eagerly. The weights are read in place, so a
-    weight update needs no recapture unless they move.
+
+@dataclass(slots=True, eq=False)
+class _PrefillGraph:
+    """One captured packed prefill (`EngineModel.forward_packed`) of a fixed `PackedShape`: its static input
+    columns (one tensor, laid out as `PackedPrefill.padded` writes it) and its hidden states."""
+
+    graph: torch.cuda.CUDAGraph
+    shape: PackedShape
+    inputs: Tensor
+    hidden: Tensor
+
+
+class _CudaGraphs:
+    """CUDA graphs of the decode step and of the packed prefill, over the whole KV capacity.
+
+    Decode: two graphs per batch-size bucket (one that takes the argmax, one that draws), each with its
+    sampling (`sample_dense`). Each reads its inputs from static tensors and writes the hidden states and the
+    draws to static outputs; rows beyond the live batch decode into free slots (harmless: a slot's KV is
+    rewritten by its next prefill) and draw what no one reads. A step whose sampling `sample_dense` cannot do
+    (`SamplingPlan.dense` None) replays the argmax graph and samples its hidden states eagerly.
+
+    Prefill: one graph per token bucket (`PREFILL_GRAPH_TOKENS`), captured at its first use, for as many
+    sequences as run at once; a prefill costs one copy to the device and one launch whatever its length and
+    number of sequences (eagerly it is a dozen launches per layer), at the price of computing its padding.
+
+    The two kinds keep separate memory pools: a graph's intermediates may overlap the outputs of a graph
+    captured after it in the same pool, which is harmless within a kind (a graph's outputs are consumed,
+    their operators enqueued, before the next graph of its kind replays) but not across: a decode step's
+    sampled ids stay in use across the prefills launched beside it (they feed the next step). The weights are
+    read in place, so a weight update needs no recapture unless they move.
     """
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.graphs: dict[tuple[int, bool], _DecodeGraph] = {}
-        """Keyed by (batch-size bucket, whether it draws)."""
-        self.pool: Any = None
+        """Decode graphs, keyed by (batch-size bucket, whether it draws)."""
+        self.prefills: dict[int, _PrefillGraph] = {}
+        """Prefill graphs, keyed by their bucket's token count."""
+        self.pools: dict[str, Any] = {}
+        """The memory pool of each kind ("decode", "prefill")."""
         self.memory_bytes = 0
-        """Device memory allocated while the graphs were captured (their pool and static tensors)."""
+        """Device memory allocated while the graphs were captured (their pools and static tensors)."""
 
     @property
     def batch_sizes(self) -> list[int]:
         return sorted({size for size, _ in self.graphs})
 
     def clear(self) -> None:
-        # The pool goes with its graphs: capturing into a pool whose graphs are gone is an allocator error.
+        # The pools go with their graphs: capturing into a pool whose graphs are gone is an allocator error.
         self.graphs.clear()
-        self.pool = None
+        self.prefills.clear()
+        self.pools.clear()
         self.memory_bytes = 0
 
     def weights_changed(self) -> None:
@@ -1319,7 +1357,7 @@ class _DecodeGraphs:
         return min(size, self.engine.max_running_requests)
 
     def capture_all(self, cache: KVCache) -> None:
-        """Capture the graphs of every batch-size bucket over `cache` (those not captured yet)."""
+        """Capture the decode graphs of every batch-size bucket over `cache` (those not captured yet)."""
         limit = self.engine.max_running_requests
         for size in sorted({self.bucket(batch) for batch in range(1, limit + 1)}):
             for draws in (False, True):
@@ -1345,8 +1383,7 @@ class _DecodeGraphs:
             dtype=torch.long,
         )
         entry.ids[:batch].copy_(input_ids, non_blocking=True)
-        entry.positions.copy_(inputs[0], non_blocking=True)
-        entry.lengths.copy_(inputs[1], non_blocking=True)
+        entry.inputs.copy_(inputs, non_blocking=True)
         if entry.uniforms is not None:
             assert entry.temperatures is not None
             if entry.uploaded_temperatures != plan.temperatures:
@@ -1363,22 +1400,37 @@ class _DecodeGraphs:
         sample = entry.sample
         return hidden, DeviceSample(sample.tokens[:batch], sample.packed[:batch], sample.top_num)
 
+    def prefill(self, batch: PackedPrefill, cache: KVCache) -> Tensor | None:
+        """Replay the prefill graph of the smallest bucket that holds `batch` (`PrefillReplay`): its hidden
+        states [N, hidden], or None where no graph applies (too many tokens, or the model runs without the
+        extend or fused kernels)."""
+        model = self.engine.model
+        tokens = next((size for size in PREFILL_GRAPH_TOKENS if size >= batch.total), None)
+        if tokens is None or not (model.extend_kernel and model.fused_kernels):
+            return None
+        entry = self.prefills.get(tokens)
+        if entry is None:
+            entry = self.prefills[tokens] = self._capture_prefill(tokens, cache)
+        # One copy that does not wait for the device (the decode step in flight).
+        entry.inputs.copy_(batch.padded(entry.shape, cache.capacity), non_blocking=True)
+        entry.graph.replay()
+        return entry.hidden[: batch.total]
+
     def _ensure(self, size: int, draws: bool, cache: KVCache) -> _DecodeGraph:
         entry = self.graphs.get((size, draws))
         if entry is None:
-            before = torch.cuda.memory_allocated(self.engine.model.device)
-            entry = self.graphs[size, draws] = self._capture(size, draws, cache)
-            self.memory_bytes += torch.cuda.memory_allocated(self.engine.model.device) - before
+            entry = self.graphs[size, draws] = self._capture_decode(size, draws, cache)
         return entry
 
-    def _capture(self, size: int, draws: bool, cache: KVCache) -> _DecodeGraph:
+    def _capture_decode(self, size: int, draws: bool, cache: KVCache) -> _DecodeGraph:
         model = self.engine.model
         device = model.device
         # Warm-up and capture run on the live cache: write only at the last position, which the capacity rule
         # (capacity >= longest request + 1) keeps free of live KV.
         static_ids = torch.zeros(size, dtype=torch.long, device=device)
-        static_positions = torch.full((size,), cache.capacity - 1, dtype=torch.long, device=device)
-        static_lengths = torch.ones(size, dtype=torch.long, device=device)
+        inputs = torch.ones((2, size), dtype=torch.long, device=device)
+        static_positions, static_lengths = inputs[0], inputs[1]
+        static_positions.fill_(cache.capacity - 1)
         temperatures = torch.ones(size, dtype=torch.float32, device=device) if draws else None
         uniforms = torch.full((size,), 0.5, dtype=torch.float32, device=device) if draws else None
 
@@ -1386,6 +1438,34 @@ class _DecodeGraphs:
             hidden = model.decode(static_ids, static_positions, cache, cache.capacity, static_lengths)
             return hidden, sample_dense(model.logits(hidden), temperatures, uniforms)
 
+        graph, (hidden, sample) = self._capture("decode", cache, step)
+        return _DecodeGraph(graph, static_ids, inputs, temperatures, uniforms, hidden, sample, [1.0] * size)
+
+    def _capture_prefill(self, tokens: int, cache: KVCache) -> _PrefillGraph:
+        model = self.engine.model
+        c = model.config
+        sequences = min(tokens, self.engine.max_running_requests)
+        per_program = extend_attention.tokens_per_program(c.num_heads, c.num_kv_heads)
+        shape = PackedShape(
+            tokens, sequences, extend_attention.max_work_items(tokens, sequences, per_program)
+        )
+        # Warm-up and capture run on the live cache with padding only, which writes only at the last
+        # position of slot 0 (free of live KV by the capacity rule).
+        empty = PackedPrefill(
+            tuple(torch.zeros(n, dtype=torch.long) for n in (0, 0, 0, 0, 0, 1, 0, 0)), [], [], [], 0
+        )
+        inputs = empty.padded(shape, cache.capacity).to(model.device)
+        columns = shape.columns(inputs)
+        graph, hidden = self._capture("prefill", cache, lambda: model.forward_packed(columns, cache, None))
+        return _PrefillGraph(graph, shape, inputs, hidden)
+
+    def _capture(self, kind: str, cache: KVCache, step: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+        """Capture `step` (after two warm-up runs on a side stream) into the pool of `kind`: the graph and the
+        outputs of the captured run (its static outputs). `step` runs over `cache`."""
+        model = self.engine.model
+        device = model.device
+        model.ensure_rope(cache.capacity)
+        before = torch.cuda.memory_allocated(device)
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
@@ -1393,17 +1473,8 @@ class _DecodeGraphs:
                 step()
         torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            hidden, sample = step()
-        self.pool = graph.pool()
-        return _DecodeGraph(
-            graph,
-            static_ids,
-            static_positions,
-            static_lengths,
-            temperatures,
-            uniforms,
-            hidden,
-            sample,
-            [1.0] * size,
-        )
+        with torch.cuda.graph(graph, pool=self.pools.get(kind)):
+            outputs = step()
+        self.pools[kind] = graph.pool()
+        self.memory_bytes += torch.cuda.memory_allocated(device) - before
+        return graph, outputs

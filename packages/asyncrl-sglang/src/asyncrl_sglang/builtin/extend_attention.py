@@ -13,12 +13,14 @@ Layout: queries packed `[N, q_heads, head_dim]`, sequence b's tokens at rows
 `cu_seqlens[b]..cu_seqlens[b+1]-1` (no padding); keys and values `[slots, kv_heads, capacity, head_dim]`;
 sequence b lives in slot `slots[b]` with `prefix_lengths[b]` positions already there, and its token i sits at
 position `prefix_lengths[b] + i`, whose own K/V the caller has already written. Query i attends to positions
-`0..prefix_lengths[b] + i`. Each program takes one (sequence, block of query tokens, KV head): the `group`
+`0..prefix_lengths[b] + i`. Each program takes one (sequence, block of query tokens, KV head), read from a
+work list built on the host (`work_items`): the `group`
 query heads sharing that KV head and the block's tokens as the rows of one tile (`ROWS` rows), the keys in
 blocks of `BLOCK_N`, online softmax in float32 (the dots take float32 operands, also from a bfloat16 cache:
 the attention reads more than it computes, and Triton's interpreter, which the CPU tests run, multiplies
 bfloat16 wrongly), the output written packed like q. Every length is read from a tensor on the GPU; the launch
-depends on the batch size and `max_seqlen` only (as flash-attn's varlen interface takes it).
+depends on the length of the work list only, which a CUDA graph of a padded batch fixes (its extra programs
+do nothing).
 
 Why a kernel of our own: no maintained varlen kernel over a slot (or paged) KV cache installs both on the CPU
 machines (CI) and on the GPU machine (flash-attn and FlashInfer need a build for the exact torch and CUDA
@@ -81,6 +83,41 @@ def torch_extend_attention(
     return out
 
 
+def tokens_per_program(num_heads: int, kv_heads: int) -> int:
+    """Query tokens one program of the kernel takes: the tile's `ROWS` rows hold that many tokens' `group`
+    query heads."""
+    return ROWS // (num_heads // kv_heads)
+
+
+NO_WORK = 1 << 30
+"""The first token of a padding program (`work_items(..., size=...)`): past every sequence, so it does
+nothing."""
+
+
+def work_items(lengths: Tensor, per_program: int, size: int | None = None) -> Tensor:
+    """The kernel's programs for sequences of `lengths` ([B] int64, on the host): [2, I] int64, per program
+    the sequence it takes and its first query token (`per_program` tokens each, `tokens_per_program`).
+    `size`: padded to that many programs with ones that do nothing (a CUDA graph's fixed grid; at least
+    `max_work_items(...)`)."""
+    blocks = (lengths + per_program - 1) // per_program
+    count = int(blocks.sum())
+    sequence = torch.repeat_interleave(torch.arange(lengths.shape[0]), blocks)
+    starts = torch.cumsum(blocks, 0) - blocks
+    first = (torch.arange(count) - starts[sequence]) * per_program
+    work = torch.stack([sequence, first])
+    if size is not None:
+        if size < count:
+            raise ValueError(f"{count} programs do not fit a grid of {size}")
+        padding = torch.tensor([[0], [NO_WORK]]).expand(2, size - count)
+        work = torch.cat([work, padding], dim=1)
+    return work
+
+
+def max_work_items(total_tokens: int, num_sequences: int, per_program: int) -> int:
+    """The most programs sequences of `total_tokens` in all, `num_sequences` of them, can take."""
+    return -(-total_tokens // per_program) + num_sequences
+
+
 def extend_attention(
     q: Tensor,
     keys: Tensor,
@@ -88,14 +125,16 @@ def extend_attention(
     slots: Tensor,
     prefix_lengths: Tensor,
     cu_seqlens: Tensor,
-    max_seqlen: int,
+    work_sequence: Tensor,
+    work_first: Tensor,
 ) -> Tensor:
     """`torch_extend_attention` as one kernel launch, reading K/V in place.
 
     q [N, q_heads, D] (last dim contiguous; a view of the q|k|v projection does); keys, values [slots,
     kv_heads, capacity, D] (last dim contiguous); slots, prefix_lengths [B] int; cu_seqlens [B + 1] int
-    (sequence b's queries are rows cu_seqlens[b]..cu_seqlens[b+1]-1 of q); `max_seqlen` >= every sequence's
-    length (sets the grid). Returns [N, q_heads, D] in q's dtype."""
+    (sequence b's queries are rows cu_seqlens[b]..cu_seqlens[b+1]-1 of q); `work_sequence`, `work_first` [I]
+    int64 (the rows of `work_items`, on q's device): the grid, which depends on nothing else, so a CUDA graph
+    of a padded batch replays it whatever its sequences. Returns [N, q_heads, D] in q's dtype."""
     kernel = _load()
     tokens, num_heads, head_dim = q.shape
     kv_heads = keys.shape[1]
@@ -107,11 +146,9 @@ def extend_attention(
     group = num_heads // kv_heads
     if group > ROWS:
         raise ValueError(f"{group} query heads per KV head exceed the kernel's {ROWS} rows")
-    per_block = ROWS // group  # query tokens per program
-    batch = slots.shape[0]
     out = torch.empty((tokens, num_heads, head_dim), device=q.device, dtype=q.dtype)
     dim_pad = dot_size(head_dim)
-    kernel[(batch, max(1, -(-max_seqlen // per_block)), kv_heads)](
+    kernel[(work_sequence.shape[0], kv_heads)](
         q,
         keys,
         values,
@@ -119,13 +156,15 @@ def extend_attention(
         slots,
         prefix_lengths,
         cu_seqlens,
+        work_sequence,
+        work_first,
         *q.stride()[:2],
         *keys.stride()[:3],
         *values.stride()[:3],
         *out.stride()[:2],
         1.0 / math.sqrt(head_dim),
         GROUP=group,
-        TOKENS=per_block,
+        TOKENS=ROWS // group,
         ROWS=ROWS,
         HEAD_DIM=head_dim,
         DIM_PAD=dim_pad,
@@ -150,6 +189,8 @@ def self_check(device: torch.device, dtype: torch.dtype) -> None:
     keys = torch.randn(4, 2, 128, 64, device=device, generator=generator).to(dtype)
     values = torch.randn(4, 2, 128, 64, device=device, generator=generator).to(dtype)
     cu_seqlens = torch.tensor([0, 70, 71, 101], device=device)
+    # Padded with programs that do nothing, as a CUDA graph's grid is.
+    work = work_items(torch.tensor(lengths), tokens_per_program(6, 2), size=20).to(device)
     got = extend_attention(
         q,
         keys,
@@ -157,7 +198,7 @@ def self_check(device: torch.device, dtype: torch.dtype) -> None:
         torch.tensor(slots, device=device),
         torch.tensor(prefixes, device=device),
         cu_seqlens,
-        max(lengths),
+        *work,
     )
     want = torch_extend_attention(q, keys, values, slots, prefixes, lengths)
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
@@ -197,6 +238,8 @@ def _build() -> Any:
         slots_ptr,
         prefix_ptr,
         cu_ptr,
+        work_sequence_ptr,
+        work_first_ptr,
         stride_qt,
         stride_qh,
         stride_ks,
@@ -216,9 +259,9 @@ def _build() -> Any:
         BLOCK_N: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
-        sequence = tl.program_id(0)
-        first = tl.program_id(1) * TOKENS
-        head = tl.program_id(2)
+        sequence = tl.load(work_sequence_ptr + tl.program_id(0))
+        first = tl.load(work_first_ptr + tl.program_id(0))
+        head = tl.program_id(1)
         begin = tl.load(cu_ptr + sequence)
         length = tl.load(cu_ptr + sequence + 1) - begin
         if first < length:

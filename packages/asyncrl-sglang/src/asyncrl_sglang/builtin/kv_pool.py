@@ -122,7 +122,7 @@ class KVBlockPool:
             return
         c = self.config
         length = len(ids) * self.block_size
-        gathered = self.blocks[:, :, :, self._index(ids)]
+        gathered = self.blocks.index_select(3, self._index(ids))
         cache.kv[:, :, slot, :, :length].copy_(
             gathered.view(c.num_layers, 2, c.num_kv_heads, length, c.head_dim)
         )
@@ -134,6 +134,8 @@ class KVBlockPool:
         c = self.config
         length = len(ids) * self.block_size
         source = cache.kv[:, :, slot, :, start : start + length]
-        self.blocks[:, :, :, self._index(ids)] = source.reshape(
-            c.num_layers, 2, c.num_kv_heads, len(ids), self.block_size, c.head_dim
+        self.blocks.index_copy_(
+            3,
+            self._index(ids),
+            source.reshape(c.num_layers, 2, c.num_kv_heads, len(ids), self.block_size, c.head_dim),
         )

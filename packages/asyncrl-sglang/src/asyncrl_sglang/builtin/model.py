@@ -193,21 +193,101 @@ class KVCache:
         return self.kv.numel() * self.kv.element_size()
 
 
-def _to_device_aligned(columns: Sequence[Tensor], device: torch.device) -> list[Tensor]:
-    """1-D int64 host tensors as views of one tensor on `device`, copied at once without waiting for the
-    device, each view starting on a 16-byte boundary whatever the lengths: Triton specializes a kernel on
-    its pointers' 16-byte alignment, so a view that is aligned or not by the parity of a batch's length
-    would compile a second variant of the kernel in the middle of serving."""
+def aligned_bounds(sizes: Sequence[int]) -> tuple[list[tuple[int, int]], int]:
+    """Where columns of `sizes` int64 values go in one tensor so that each starts on a 16-byte boundary
+    whatever the sizes: ([(start, stop)] per column, the total length). Triton specializes a kernel on its
+    pointers' 16-byte alignment, so a view that is aligned or not by the parity of a batch's length would
+    compile a second variant of the kernel in the middle of serving."""
     bounds: list[tuple[int, int]] = []
     end = 0
-    for column in columns:
-        bounds.append((end, end + column.numel()))
-        end += column.numel() + column.numel() % 2  # 2 int64 = 16 bytes
+    for size in sizes:
+        bounds.append((end, end + size))
+        end += size + size % 2  # 2 int64 = 16 bytes
+    return bounds, end
+
+
+def _to_device_aligned(columns: Sequence[Tensor], device: torch.device) -> list[Tensor]:
+    """1-D int64 host tensors as views of one tensor on `device` (`aligned_bounds`), copied at once without
+    waiting for the device."""
+    bounds, end = aligned_bounds([column.numel() for column in columns])
     packed = torch.zeros(end, dtype=torch.long)
     for (start, stop), column in zip(bounds, columns, strict=True):
         packed[start:stop] = column
     on_device = packed.to(device, non_blocking=True)
     return [on_device[start:stop] for start, stop in bounds]
+
+
+@dataclass(frozen=True, slots=True)
+class PackedPrefill:
+    """A packed prefill batch on the host (`EngineModel.pack_prefill`), as `forward_packed` reads it.
+
+    `columns` (int64, in this order): per token its id, position and slot ([N] each); per sequence its slot,
+    cached prefix and the offsets of its rows ([B], [B], [B + 1]); per program of the extend kernel its
+    sequence and first token ([I] each, `extend_attention.work_items`; empty without the kernel). The lists
+    are what the torch path reads."""
+
+    columns: tuple[Tensor, ...]
+    slots: list[int]
+    starts: list[int]
+    lengths: list[int]
+    end: int
+    """The furthest position written (the rope table must cover it)."""
+
+    @property
+    def total(self) -> int:
+        return self.columns[0].shape[0]
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.slots)
+
+    def padded(self, shape: PackedShape, capacity: int) -> Tensor:
+        """The columns padded to `shape` (which must fit them) as one host tensor laid out by
+        `shape.bounds`, for a cache of `capacity` positions. Padding tokens (id 0) write their K/V at the
+        cache's last position of slot 0, which the capacity rule keeps free of live KV, and no work item takes
+        them, so their rows are left as they are (rows do not mix outside attention); padding sequences have
+        no tokens; padding work items start past every sequence and do nothing."""
+        if not shape.fits(self):
+            raise ValueError(f"a packed prefill of {self.total} tokens does not fit {shape}")
+        bounds, end = shape.bounds
+        packed = torch.zeros(end, dtype=torch.long)
+        fills = (0, capacity - 1, 0, 0, 0, self.total, 0, extend_attention.NO_WORK)
+        for (start, stop), column, fill in zip(bounds, self.columns, fills, strict=True):
+            packed[start : start + column.numel()] = column
+            packed[start + column.numel() : stop] = fill
+        return packed
+
+
+@dataclass(frozen=True, slots=True)
+class PackedShape:
+    """The fixed sizes of a padded packed prefill (a CUDA graph's): tokens, sequences, extend-kernel
+    programs."""
+
+    tokens: int
+    sequences: int
+    work: int
+
+    @property
+    def bounds(self) -> tuple[list[tuple[int, int]], int]:
+        """Where each column lies in the tensor of `PackedPrefill.padded` (`aligned_bounds`)."""
+        return aligned_bounds(
+            [self.tokens] * 3 + [self.sequences] * 2 + [self.sequences + 1] + [self.work] * 2
+        )
+
+    def columns(self, packed: Tensor) -> list[Tensor]:
+        """The columns of a tensor laid out by `bounds`, as views."""
+        return [packed[start:stop] for start, stop in self.bounds[0]]
+
+    def fits(self, batch: PackedPrefill) -> bool:
+        return (
+            batch.total <= self.tokens
+            and batch.num_sequences <= self.sequences
+            and batch.columns[-1].numel() <= self.work
+        )
+
+
+PrefillReplay = Callable[[PackedPrefill, "KVCache"], Tensor | None]
+"""Runs a packed prefill another way (a CUDA graph): its hidden states, or None where it cannot."""
 
 
 class EngineModel:
@@ -288,7 +368,7 @@ class EngineModel:
         self._inv_freq = inv_freq
         self._rope_cos = torch.empty(0, device=device)
         self._rope_sin = torch.empty(0, device=device)
-        self._ensure_rope(c.max_position_embeddings)
+        self.ensure_rope(c.max_position_embeddings)
         self._attention_requested = attention_kernels
         self.decode_kernel = attention_kernels and decode_attention.available(device)
         """Whether `decode` uses the Triton kernel that reads each row's KV up to its own length (requested,
@@ -406,7 +486,10 @@ class EngineModel:
         self.__dict__.update(moved.__dict__)
 
     # ---------------------------------------------------------------------------------------------- forward
-    def _ensure_rope(self, length: int) -> None:
+    def ensure_rope(self, length: int) -> None:
+        """Make the rope tables cover positions below `length`. Growing them allocates new tables, which a
+        CUDA graph captured before does not see: graphs over a cache are captured after covering its
+        capacity."""
         if self._rope_cos.shape[0] >= length:
             return
         positions = torch.arange(length, dtype=torch.float64)
@@ -538,6 +621,7 @@ class EngineModel:
         cache: KVCache,
         slots: Sequence[int],
         starts: Sequence[int] | None = None,
+        replay: PrefillReplay | None = None,
     ) -> Tensor:
         """Prefill several sequences as one packed batch: returns hidden states [N, hidden], N the total
         token count, sequence b's at rows `sum(len(s) for s in sequences[:b])..` (no padding anywhere).
@@ -546,7 +630,26 @@ class EngineModel:
         whose KV before `starts[b]` is already in the cache (a prefix-cache hit). Each token's K/V is written
         at (its slot, its position) and its query attends causally over its slot's positions up to its own,
         read in place: the extend kernel on CUDA (`extend_kernel`), one SDPA per sequence otherwise.
+        `replay`: tried first (the engine's CUDA graphs of `forward_packed`); eager where it returns None.
         """
+        batch = self.pack_prefill(sequences, cache, slots, starts)
+        self.ensure_rope(batch.end)
+        if replay is not None:
+            hidden = replay(batch, cache)
+            if hidden is not None:
+                return hidden
+        # Moved in one copy that does not wait for the device (a blocking copy would wait for the decode
+        # step in flight beside which the engine admits).
+        return self.forward_packed(_to_device_aligned(batch.columns, self.device), cache, batch)
+
+    def pack_prefill(
+        self,
+        sequences: Sequence[Sequence[int]],
+        cache: KVCache,
+        slots: Sequence[int],
+        starts: Sequence[int] | None = None,
+    ) -> PackedPrefill:
+        """The host side of `prefill_packed`: its arguments checked against `cache`, as columns."""
         num = len(sequences)
         starts = [0] * num if starts is None else list(starts)
         lengths = [len(s) for s in sequences]
@@ -562,9 +665,6 @@ class EngineModel:
                 )
         c = self.config
         total = sum(lengths)
-        # Per token: its id, position and slot; per sequence: slot, cached prefix and the offsets of its rows.
-        # Built on the host and moved in one copy that does not wait for the device (a blocking copy would
-        # wait for the decode step in flight beside which the engine admits).
         length_t = torch.tensor(lengths)
         offsets = torch.zeros(num + 1, dtype=torch.long)
         torch.cumsum(length_t, 0, out=offsets[1:])
@@ -572,19 +672,48 @@ class EngineModel:
         owner = torch.repeat_interleave(torch.arange(num), length_t)
         positions = torch.arange(total) - offsets[owner] + start_t[owner]
         tokens = torch.tensor(list(itertools.chain.from_iterable(sequences)), dtype=torch.long)
-        input_ids, positions, token_slots, slot_index, prefix_lengths, cu_seqlens = _to_device_aligned(
-            [tokens, positions, slot_t[owner], slot_t, start_t, offsets], self.device
+        if self.extend_kernel:
+            per_program = extend_attention.tokens_per_program(c.num_heads, c.num_kv_heads)
+            work = extend_attention.work_items(length_t, per_program)
+        else:
+            work = torch.empty((2, 0), dtype=torch.long)
+        return PackedPrefill(
+            (tokens, positions, slot_t[owner], slot_t, start_t, offsets, work[0], work[1]),
+            list(slots),
+            starts,
+            lengths,
+            max(start + length for start, length in zip(starts, lengths, strict=True)),
         )
-        self._ensure_rope(max(start + length for start, length in zip(starts, lengths, strict=True)))
+
+    def forward_packed(
+        self, columns: Sequence[Tensor], cache: KVCache, batch: PackedPrefill | None
+    ) -> Tensor:
+        """The forward of a packed prefill: `columns` those of a `PackedPrefill` on the device, hidden states
+        [N, hidden] for their N tokens. `batch` (the host side) is read by the torch path only; without it
+        (a CUDA graph's static columns, padded to its bucket: tokens that no work item takes, sequences of
+        no tokens, work items past every sequence) the extend kernel and the fused kernels must be on."""
+        c = self.config
+        (
+            input_ids,
+            positions,
+            token_slots,
+            slot_index,
+            prefix_lengths,
+            cu_seqlens,
+            work_sequence,
+            work_first,
+        ) = columns
+        total = input_ids.shape[0]
         fused_path = self.fused_kernels
+        use_kernel = self.extend_kernel
+        if batch is None and not (fused_path and use_kernel):
+            raise ValueError("a packed prefill without its host side needs the extend and fused kernels")
         # [N, 1, D] each, for the torch path.
         rope = (
             None
             if fused_path
             else (self._rope_cos[positions].unsqueeze(1), self._rope_sin[positions].unsqueeze(1))
         )
-        use_kernel = self.extend_kernel
-        max_length = max(lengths)
 
         def attend(layer: int, h: Tensor) -> Tensor:
             qkv = self._project_qkv(layer, h)  # [N, width]
@@ -602,11 +731,19 @@ class EngineModel:
                 layer_values[token_slots, :, positions] = v.view(total, c.num_kv_heads, c.head_dim)
             if use_kernel:
                 attn = extend_attention.extend_attention(
-                    q, layer_keys, layer_values, slot_index, prefix_lengths, cu_seqlens, max_length
+                    q,
+                    layer_keys,
+                    layer_values,
+                    slot_index,
+                    prefix_lengths,
+                    cu_seqlens,
+                    work_sequence,
+                    work_first,
                 )
             else:
+                assert batch is not None
                 attn = extend_attention.torch_extend_attention(
-                    q, layer_keys, layer_values, slots, starts, lengths
+                    q, layer_keys, layer_values, batch.slots, batch.starts, batch.lengths
                 )
             return attn.reshape(total, -1)
 
@@ -638,7 +775,7 @@ class EngineModel:
     def _forward_batch(self, input_ids: Tensor, cache: KVCache | None, slots: list[int] | None) -> Tensor:
         """input_ids [B, T] from position 0 -> hidden states [B, T, hidden]; K/V go to `slots` of `cache`."""
         batch, length = input_ids.shape
-        self._ensure_rope(length)
+        self.ensure_rope(length)
         cos, sin = self._rope_cos[:length], self._rope_sin[:length]
         slot_index = None if slots is None else torch.tensor(slots, device=self.device)
         positions = torch.arange(length, device=self.device) if self.fused_kernels else None
@@ -673,7 +810,7 @@ class EngineModel:
         # Padding writes its K/V at the last cache position, which the capacity rule keeps free.
         write_positions = torch.where(valid, positions, cache.capacity - 1)
         attend_length = max(start + n for start, n in zip(starts, lengths, strict=True))
-        self._ensure_rope(attend_length)
+        self.ensure_rope(attend_length)
         fused_path = self.fused_kernels
         # [B, 1, T, D] each, for the torch path.
         rope = (

@@ -10,7 +10,7 @@ logits by the same temperature.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -62,19 +62,24 @@ class SamplingOptions:
     no_stop_trim: bool = False
     stream_interval: int = 1
     sampling_seed: int | None = None
+    # Derived once (read for every row of every step):
+    greedy: bool = field(init=False, repr=False, compare=False)
+    """Whether the request takes the argmax (temperature ~ 0, or top-k 1)."""
+    logprob_temperature: float = field(init=False, repr=False, compare=False)
+    """The temperature of the distribution logprobs are reported under (1 for temperature ~ 0)."""
+    needs_truncation: bool = field(init=False, repr=False, compare=False)
+    longest_stop: int = field(init=False, repr=False, compare=False)
+    """The length of the longest stop string (0: none)."""
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
-
-    @property
-    def logprob_temperature(self) -> float:
-        """The temperature of the distribution logprobs are reported under (1 for temperature ~ 0)."""
-        return 1.0 if self.temperature < GREEDY_TEMPERATURE else self.temperature
-
-    @property
-    def needs_truncation(self) -> bool:
-        return self.top_k > 1 or self.top_p < 1.0 or self.min_p > 0.0
+    def __post_init__(self) -> None:
+        derived = {
+            "greedy": self.temperature < GREEDY_TEMPERATURE or self.top_k == 1,
+            "logprob_temperature": 1.0 if self.temperature < GREEDY_TEMPERATURE else self.temperature,
+            "needs_truncation": self.top_k > 1 or self.top_p < 1.0 or self.min_p > 0.0,
+            "longest_stop": max(map(len, self.stop), default=0),
+        }
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
 
     @classmethod
     def from_wire(cls, params: SamplingParamsBody | None, vocab_size: int) -> SamplingOptions:
