@@ -360,9 +360,7 @@ class Engine:
 
     @property
     def cuda_graph_prefill_tokens(self) -> list[int]:
-        """The token counts whose prefill graphs are captured so far (`PREFILL_GRAPH_TOKENS`), as
-        `cuda_graph_batch_sizes` for decode: up to the chunked-prefill size at once when the KV cache takes
-        the whole context, else each on first use."""
+        """The token counts whose prefill graphs are captured (`PREFILL_GRAPH_TOKENS`, at their first use)."""
         return [] if self._graphs is None else sorted(self._graphs.prefills)
 
     @property
@@ -877,8 +875,8 @@ class Engine:
         if self._graphs is not None:
             self._graphs.clear()
             if self.kv_whole_context:
-                # This cache never grows, so its graphs stay valid: capture every bucket now, as SGLang does
-                # at start, rather than one at each new size in the middle of the generation.
+                # This cache never grows, so its graphs stay valid: capture every batch size now, as SGLang
+                # does at start, rather than one at each new size in the middle of the generation.
                 self._graphs.capture_all(grown)
         return grown
 
@@ -1315,9 +1313,9 @@ class _CudaGraphs:
     rewritten by its next prefill) and draw what no one reads. A step whose sampling `sample_dense` cannot do
     (`SamplingPlan.dense` None) replays the argmax graph and samples its hidden states eagerly.
 
-    Prefill: one graph per token bucket (`PREFILL_GRAPH_TOKENS`), for as many sequences as run at once; a
-    prefill costs one copy to the device and one launch whatever its length and number of sequences
-    (eagerly it is a dozen launches per layer), at the price of computing its padding.
+    Prefill: one graph per token bucket (`PREFILL_GRAPH_TOKENS`), captured at its first use, for as many
+    sequences as run at once; a prefill costs one copy to the device and one launch whatever its length and
+    number of sequences (eagerly it is a dozen launches per layer), at the price of computing its padding.
 
     The two kinds keep separate memory pools: a graph's intermediates may overlap the outputs of a graph
     captured after it in the same pool, which is harmless within a kind (a graph's outputs are consumed,
@@ -1359,18 +1357,11 @@ class _CudaGraphs:
         return min(size, self.engine.max_running_requests)
 
     def capture_all(self, cache: KVCache) -> None:
-        """Capture over `cache` the decode graphs of every batch-size bucket and the prefill graphs of every
-        token bucket up to the chunked-prefill size (those not captured yet)."""
+        """Capture the decode graphs of every batch-size bucket over `cache` (those not captured yet)."""
         limit = self.engine.max_running_requests
         for size in sorted({self.bucket(batch) for batch in range(1, limit + 1)}):
             for draws in (False, True):
                 self._ensure(size, draws, cache)
-        if self._prefills_apply():
-            largest = self.engine.chunked_prefill_size or PREFILL_GRAPH_TOKENS[-1]
-            for tokens in PREFILL_GRAPH_TOKENS:
-                self._ensure_prefill(tokens, cache)
-                if tokens >= largest:
-                    break
 
     def decode(
         self, input_ids: Tensor, positions: list[int], cache: KVCache, plan: SamplingPlan
@@ -1413,10 +1404,13 @@ class _CudaGraphs:
         """Replay the prefill graph of the smallest bucket that holds `batch` (`PrefillReplay`): its hidden
         states [N, hidden], or None where no graph applies (too many tokens, or the model runs without the
         extend or fused kernels)."""
+        model = self.engine.model
         tokens = next((size for size in PREFILL_GRAPH_TOKENS if size >= batch.total), None)
-        if tokens is None or not self._prefills_apply():
+        if tokens is None or not (model.extend_kernel and model.fused_kernels):
             return None
-        entry = self._ensure_prefill(tokens, cache)
+        entry = self.prefills.get(tokens)
+        if entry is None:
+            entry = self.prefills[tokens] = self._capture_prefill(tokens, cache)
         # One copy that does not wait for the device (the decode step in flight).
         entry.inputs.copy_(batch.padded(entry.shape, cache.capacity), non_blocking=True)
         entry.graph.replay()
@@ -1426,17 +1420,6 @@ class _CudaGraphs:
         entry = self.graphs.get((size, draws))
         if entry is None:
             entry = self.graphs[size, draws] = self._capture_decode(size, draws, cache)
-        return entry
-
-    def _prefills_apply(self) -> bool:
-        """Whether the model's packed prefill can run from static columns alone (`forward_packed`)."""
-        model = self.engine.model
-        return model.extend_kernel and model.fused_kernels
-
-    def _ensure_prefill(self, tokens: int, cache: KVCache) -> _PrefillGraph:
-        entry = self.prefills.get(tokens)
-        if entry is None:
-            entry = self.prefills[tokens] = self._capture_prefill(tokens, cache)
         return entry
 
     def _capture_decode(self, size: int, draws: bool, cache: KVCache) -> _DecodeGraph:
