@@ -1404,9 +1404,8 @@ class _CudaGraphs:
         """Replay the prefill graph of the smallest bucket that holds `batch` (`PrefillReplay`): its hidden
         states [N, hidden], or None where no graph applies (too many tokens, or the model runs without the
         extend or fused kernels)."""
-        model = self.engine.model
         tokens = next((size for size in PREFILL_GRAPH_TOKENS if size >= batch.total), None)
-        if tokens is None or not (model.extend_kernel and model.fused_kernels):
+        if tokens is None or not self.engine.model.packed_from_columns:
             return None
         entry = self.prefills.get(tokens)
         if entry is None:

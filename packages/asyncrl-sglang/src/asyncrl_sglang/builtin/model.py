@@ -206,17 +206,6 @@ def aligned_bounds(sizes: Sequence[int]) -> tuple[list[tuple[int, int]], int]:
     return bounds, end
 
 
-def _to_device_aligned(columns: Sequence[Tensor], device: torch.device) -> list[Tensor]:
-    """1-D int64 host tensors as views of one tensor on `device` (`aligned_bounds`), copied at once without
-    waiting for the device."""
-    bounds, end = aligned_bounds([column.numel() for column in columns])
-    packed = torch.zeros(end, dtype=torch.long)
-    for (start, stop), column in zip(bounds, columns, strict=True):
-        packed[start:stop] = column
-    on_device = packed.to(device, non_blocking=True)
-    return [on_device[start:stop] for start, stop in bounds]
-
-
 @dataclass(frozen=True, slots=True)
 class PackedPrefill:
     """A packed prefill batch on the host (`EngineModel.pack_prefill`), as `forward_packed` reads it.
@@ -240,6 +229,11 @@ class PackedPrefill:
     @property
     def num_sequences(self) -> int:
         return len(self.slots)
+
+    @property
+    def shape(self) -> PackedShape:
+        """Its own sizes, unpadded."""
+        return PackedShape(self.total, self.num_sequences, self.columns[-1].numel())
 
     def padded(self, shape: PackedShape, capacity: int) -> Tensor:
         """The columns padded to `shape` (which must fit them) as one host tensor laid out by
@@ -640,7 +634,9 @@ class EngineModel:
                 return hidden
         # Moved in one copy that does not wait for the device (a blocking copy would wait for the decode
         # step in flight beside which the engine admits).
-        return self.forward_packed(_to_device_aligned(batch.columns, self.device), cache, batch)
+        shape = batch.shape
+        packed = batch.padded(shape, cache.capacity).to(self.device, non_blocking=True)
+        return self.forward_packed(shape.columns(packed), cache, batch)
 
     def pack_prefill(
         self,
@@ -685,6 +681,12 @@ class EngineModel:
             max(start + length for start, length in zip(starts, lengths, strict=True)),
         )
 
+    @property
+    def packed_from_columns(self) -> bool:
+        """Whether `forward_packed` runs from its device columns alone, as a CUDA graph replays it: the
+        extend kernel and the fused kernels are on (the torch path reads the batch's host lists)."""
+        return self.extend_kernel and self.fused_kernels
+
     def forward_packed(
         self, columns: Sequence[Tensor], cache: KVCache, batch: PackedPrefill | None
     ) -> Tensor:
@@ -706,7 +708,7 @@ class EngineModel:
         total = input_ids.shape[0]
         fused_path = self.fused_kernels
         use_kernel = self.extend_kernel
-        if batch is None and not (fused_path and use_kernel):
+        if batch is None and not self.packed_from_columns:
             raise ValueError("a packed prefill without its host side needs the extend and fused kernels")
         # [N, 1, D] each, for the torch path.
         rope = (
