@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from asyncrl_sglang.builtin.__main__ import _text_decoder  # pyright: ignore[reportPrivateUsage]
 from asyncrl_sglang.builtin.engine import INTERNAL_ERROR, Engine, Request
 from asyncrl_sglang.builtin.model import EngineModel
 from asyncrl_sglang.builtin.sampling import SamplingOptions
@@ -254,3 +255,19 @@ def test_incremental_stop_strings_stop_where_the_full_decode_does(
         assert matched == _first_stop_by_full_decode(decode, ids, stops), (ids, stops)
         checked += 1
     assert checked > 200
+
+
+def test_the_servers_text_decoder_reads_as_the_tokenizer(tokenizer: Any) -> None:
+    """The stop-string matcher's decoder in the server (`_text_decoder`: the Rust backend of a fast tokenizer
+    that cleans up no spaces) gives `tokenizer.decode`'s text: random ids (special tokens and byte tokens
+    that split characters included) and natural text in several scripts."""
+    decode = _text_decoder(tokenizer)
+    assert decode.__name__ == "decode_backend"  # SmolLM2's tokenizer takes the fast path
+    rng = random.Random(1)
+    vocab = len(tokenizer)
+    for trial in range(300):
+        if trial % 3 == 0:
+            ids = tokenizer.encode(NATURAL[trial % len(NATURAL)])[: rng.randint(1, 40)]
+        else:
+            ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 6))]
+        assert decode(ids) == tokenizer.decode(ids, skip_special_tokens=True), ids

@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -251,10 +252,6 @@ async def _serve(args: argparse.Namespace, model_path: Path, command: str) -> No
     if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
         eos_ids.append(int(tokenizer.eos_token_id))
 
-    def decode_text(ids: list[int]) -> str:
-        assert tokenizer is not None
-        return tokenizer.decode(ids, skip_special_tokens=True)
-
     engine = Engine(
         model,
         max_running_requests=args.max_running_requests,
@@ -262,7 +259,7 @@ async def _serve(args: argparse.Namespace, model_path: Path, command: str) -> No
         weight_version=args.weight_version,
         seed=args.random_seed,
         eos_token_ids=eos_ids,
-        decode_text=decode_text if tokenizer is not None else None,
+        decode_text=None if tokenizer is None else _text_decoder(tokenizer),
         use_cuda_graphs=not args.disable_cuda_graph,
         prefix_cache=not args.disable_radix_cache,
         overlap_schedule=not args.disable_overlap_schedule,
@@ -343,6 +340,25 @@ def _warmup(engine: object) -> None:
     engine.call(lambda: engine.add_request(probe), timeout_s=60.0)
     if not done.wait(600.0):
         raise RuntimeError("warm-up generation did not finish within 600 s")
+
+
+def _text_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
+    """Token ids -> text as `tokenizer.decode(ids, skip_special_tokens=True)` gives it, for the stop-string
+    matcher (a call per token of every request with stop strings). A fast tokenizer that cleans up no spaces
+    decodes through its Rust backend directly: the same text, without the Python layers around it (about a
+    third of the cost)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+
+        def decode_backend(ids: list[int]) -> str:
+            return backend.decode(ids, skip_special_tokens=True)
+
+        return decode_backend
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    return decode
 
 
 def _load_tokenizer(path: str) -> Any:

@@ -1125,11 +1125,12 @@ class Engine:
         self._record(requests, sampled)
 
     def _record(self, requests: list[Request], sampled: list[SampledToken]) -> int:
-        """Append each unfinished request's token, finish who is done, tell the clients; returns how many
-        tokens were appended. A request finished since its token was drawn gets nothing (a step in flight
-        decoded it once more, or a callback of an earlier row of this step aborted it): that token is
-        dropped."""
-        counters = self.counters
+        """Append each unfinished request's token and finish who is done, then publish once and tell the
+        clients, in row order; returns how many tokens were appended. A request finished since its token was
+        drawn (a step in flight decoded it once more) gets nothing: that token is dropped. A callback that
+        finishes another request of the step (an abort) finishes it with the tokens it has: it is told of
+        its finish, not of its token."""
+        told: list[tuple[Request, bool]] = []
         recorded = 0
         for request, (token, logprob, top) in zip(requests, sampled, strict=True):
             if request.finish_reason is not None:
@@ -1140,12 +1141,20 @@ class Engine:
                 request.output_logprobs.append(logprob)
                 if request.top_logprobs_num > 0:
                     request.output_top_logprobs.append(top)
-            counters.generation_tokens_total += 1
             reason = self._finish_reason(request, token)
             if reason is not None:
-                self._finish(request, reason)
+                self._end(request, reason)
+                told.append((request, True))
             elif request.stream:
-                self._notify(request, False)
+                told.append((request, False))
+        self.counters.generation_tokens_total += recorded
+        if told:
+            # Published before any client hears: one told that its request finished never reads a snapshot
+            # where it runs.
+            self._publish()
+            for request, finished in told:
+                if finished or request.finish_reason is None:
+                    self._notify(request, finished)
         return recorded
 
     def _ends_by_length(self, request: Request, num_output: int) -> bool:
@@ -1177,31 +1186,36 @@ class Engine:
         so a step costs the same at any output length (`decode_text` must be a pure function: the length of
         one token's text is decoded once per id). Text that ends in an incomplete character is matched
         without it and read again at the next token (for at most `STOP_TEXT_MAX_PENDING_TOKENS`)."""
-        assert self.decode_text is not None
+        decode = self.decode_text
+        assert decode is not None
         ids = request.output_ids
         prefix, read = request.stop_prefix_offset, request.stop_read_offset
-        text = self.decode_text(ids[prefix:])
+        text = decode(ids[prefix:])
         if read - prefix == 1:  # the usual case: the matched text is the previous token's
             known = self._token_text_lengths.get(ids[prefix])
             if known is None:
-                known = self._token_text_lengths[ids[prefix]] = len(self.decode_text(ids[prefix:read]))
+                known = self._token_text_lengths[ids[prefix]] = len(decode(ids[prefix:read]))
         else:
-            known = len(self.decode_text(ids[prefix:read])) if read > prefix else 0
-        # An incomplete character at the end: match the text before it, and decide it at a later token.
-        pending = text.endswith("\ufffd") and len(ids) - read < STOP_TEXT_MAX_PENDING_TOKENS
-        window = request.stop_tail + (text.rstrip("\ufffd") if pending else text)[known:]
-        if not pending:
+            known = len(decode(ids[prefix:read])) if read > prefix else 0
+        if text[-1:] == "\ufffd" and len(ids) - read < STOP_TEXT_MAX_PENDING_TOKENS:
+            # An incomplete character at the end: match the text before it, and decide it at a later token.
+            window = request.stop_tail + text.rstrip("\ufffd")[known:]
+        else:
+            window = request.stop_tail + text[known:]
             request.stop_prefix_offset, request.stop_read_offset = read, len(ids)
             request.stop_tail = window[max(0, len(window) - request.options.longest_stop + 1) :]
-        best: str | None = None
-        best_index = len(window)
-        for stop in request.options.stop:
-            index = window.find(stop, 0, best_index + len(stop))
-            if 0 <= index < best_index:
-                best, best_index = stop, index
-        return best
+        found = request.options.stop_pattern.search(window)
+        return None if found is None else found.group()
 
     def _finish(self, request: Request, reason: dict[str, Any]) -> None:
+        """End `request` (`_end`), publish, then tell its client."""
+        self._end(request, reason)
+        self._publish()  # a client told that its request finished never reads a snapshot where it runs
+        self._notify(request, True)
+
+    def _end(self, request: Request, reason: dict[str, Any]) -> None:
+        """Set `request`'s finish reason and take it out of the batch or the queue (its prefix cached); its
+        client is not told yet."""
         request.finish_reason = reason
         if self._by_rid.get(request.rid) is request:
             del self._by_rid[request.rid]
@@ -1215,8 +1229,6 @@ class Engine:
             self._drop_chunked(store=request.kv_weights_epoch == self.weights_epoch)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self._publish()  # a client told that its request finished never reads a snapshot where it runs
-        self._notify(request, True)
 
     def _abort(self, request: Request, message: str, status_code: int | None = None) -> None:
         """Finish `request` as aborted: status None for a user's abort (answered with its partial output),

@@ -9,6 +9,7 @@ logits by the same temperature.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -42,6 +43,10 @@ _UNSUPPORTED_UNLESS_DEFAULT: dict[str, object] = {
 }
 
 
+NEVER_MATCHES = r"(?!)"
+"""A regular expression that matches no text (the stop pattern of options without stop strings)."""
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingOptions:
     """Validated sampling parameters of one request."""
@@ -70,6 +75,9 @@ class SamplingOptions:
     needs_truncation: bool = field(init=False, repr=False, compare=False)
     longest_stop: int = field(init=False, repr=False, compare=False)
     """The length of the longest stop string (0: none)."""
+    stop_pattern: re.Pattern[str] = field(init=False, repr=False, compare=False)
+    """Finds the earliest stop string in a text (the first listed of those starting there): one search of
+    the stop-string matcher's window per token, whatever the number of stop strings."""
 
     def __post_init__(self) -> None:
         derived = {
@@ -77,6 +85,7 @@ class SamplingOptions:
             "logprob_temperature": 1.0 if self.temperature < GREEDY_TEMPERATURE else self.temperature,
             "needs_truncation": self.top_k > 1 or self.top_p < 1.0 or self.min_p > 0.0,
             "longest_stop": max(map(len, self.stop), default=0),
+            "stop_pattern": re.compile("|".join(map(re.escape, self.stop)) if self.stop else NEVER_MATCHES),
         }
         for name, value in derived.items():
             object.__setattr__(self, name, value)
