@@ -15,9 +15,12 @@ to exactly `--new-tokens` tokens, for each batch size B:
       turn's prompt is the previous turn's prompt, its output and an observation of 80-120 random tokens; each
       turn samples at temperature 1 with logprobs and stop strings, up to a max_new_tokens drawn from 48-256.
       The next turn is submitted the moment the previous one finishes (no tool latency: the engine's own
-      speed). It prints generated tokens/s and its ratio to the fixed-shape row of the largest batch size
-      (the same engine settings, measured in the same run), the prefill and prefix-cache token counts, and
-      the share of the engine's time spent in prefill.
+      speed). The whole workload runs once as a warm-up under other draws, then `--agentic-runs` times
+      (default 3), measured and summed: the steady state of a long run, whose one-time costs (CUDA graph
+      captures, the first allocation of the KV cache and of the prefix cache's pool) the warm-up pays. It
+      prints generated tokens/s and its ratio to the fixed-shape row of the largest batch size (the same
+      engine settings, measured in the same run), the prefill and prefix-cache token counts, and the share
+      of the engine's time spent in prefill.
 
 Tokens per second count generated tokens over the wall time from submission to the last token (prefill
 included) for (a)-(d), and decode tokens over decode time for (e). Nothing is downloaded: the model is
@@ -152,6 +155,12 @@ def parse_args() -> argparse.Namespace:
         "--agentic", type=int, default=0, metavar="N", help="(f) with N concurrent trajectories (0: skip)"
     )
     parser.add_argument("--turns", type=int, default=3, help="turns per agentic trajectory")
+    parser.add_argument(
+        "--agentic-runs",
+        type=int,
+        default=3,
+        help="measured runs of (f), after its warm-up run; their sum is reported",
+    )
     parser.add_argument(
         "--no-prefix-cache", action="store_true", help="the engine runs without its prefix cache"
     )
@@ -782,9 +791,10 @@ def main() -> int:
         print("engine / generate       " + "  ".join(f"{r['engine_over_hf_generate']:10.2f}" for r in rows))
     if agentic is not None:
         print(
-            f"\nagentic: {args.agentic} trajectories x {args.turns} turns: "
-            f"{agentic['tokens_per_s']:.1f} tokens/s "
-            f"({agentic['generated_tokens']} tokens in {agentic['elapsed_s']:.1f} s) = "
+            f"\nagentic: {args.agentic} trajectories x {args.turns} turns, {agentic['runs']} runs after a "
+            f"warm-up run: {agentic['tokens_per_s']:.1f} tokens/s "
+            f"({agentic['generated_tokens']} tokens in {agentic['elapsed_s']:.1f} s; by run "
+            f"{', '.join(f'{v:.0f}' for v in agentic['run_tokens_per_s'])}) = "
             f"{agentic['over_fixed']:.2f} x the fixed-shape B={agentic['fixed_batch']} row; prefill "
             f"{agentic['prefill_tokens']} tokens, {agentic['cached_tokens']} from the prefix cache, prefill "
             f"{100 * agentic['prefill_busy_share']:.0f}% of the time"
@@ -801,10 +811,10 @@ def main() -> int:
             print(
                 f"agentic decode steps: {agentic['decode_steps']}, mean batch "
                 f"{agentic['decode_rows'] / agentic['decode_steps']:.0f} rows (of {args.agentic}), "
-                f"{agentic['generated_tokens'] / agentic['decode_steps']:.0f} tokens per step; the longest "
-                f"trajectory has {agentic['longest_trajectory_tokens']} tokens, so no schedule takes fewer "
-                f"steps and at equal cost per step agentic / fixed is at most "
-                f"{agentic['generated_tokens'] / (agentic['longest_trajectory_tokens'] * args.agentic):.2f}"
+                f"{agentic['generated_tokens'] / agentic['decode_steps']:.0f} tokens per step; a run's "
+                "longest trajectory takes as many decode steps as it has tokens (at most "
+                f"{agentic['longest_trajectory_tokens']}), so at equal cost per step agentic / fixed is at "
+                f"most {agentic['step_bound']:.2f}"
             )
         print(
             f"agentic KV cache growths: {agentic['cache_grows']}, CUDA graphs captured: "
@@ -1029,8 +1039,11 @@ def bench_agentic(
     device: torch.device,
     around: tuple[Callable[[Any], Any], Callable[[Any], Any]] | None = None,
 ) -> dict[str, Any]:
-    """(f): a warm-up run of a few trajectories, then the measured one, on a fresh engine. `around`: two
-    functions of the engine run on its scheduler thread just before and just after the measured run."""
+    """(f) on a fresh engine: a warm-up run of the whole workload under other draws, then `--agentic-runs`
+    measured runs, summed (`combine_agentic`). The warm-up leaves the engine as a long run keeps it: every
+    CUDA graph the workload replays captured, the KV cache and the prefix cache's pool allocated, the prefix
+    cache full (its random prefixes never match the measured runs'). `around`: two functions of the engine run
+    on its scheduler thread just before and just after the measured runs."""
     from asyncrl_sglang.builtin.engine import Engine
 
     vocab = engine_model.config.vocab_size
@@ -1052,20 +1065,51 @@ def bench_agentic(
         **engine_options(args),
     )
     engine.start()
+    runs: list[AgenticResult] = []
     try:
-        run_agentic(
-            engine, min(8, args.agentic), 2, args.prompt_len, vocab, seed=args.seed + 1, new_tokens=(4, 8)
-        )
+        run_agentic(engine, args.agentic, args.turns, args.prompt_len, vocab, seed=args.seed + WARM_UP_SEED)
         if around is not None:
             engine.call(lambda: around[0](engine))
-        result = run_agentic(engine, args.agentic, args.turns, args.prompt_len, vocab, seed=args.seed)
+        for run in range(args.agentic_runs):
+            runs.append(
+                run_agentic(engine, args.agentic, args.turns, args.prompt_len, vocab, seed=args.seed + run)
+            )
         if around is not None:
             engine.call(lambda: around[1](engine))
     finally:
         engine.stop()
-    summary = {k: v for k, v in vars(result).items() if k != "turns"}
+    summary = combine_agentic(runs, args.agentic)
     print(_format_row({"batch": f"agentic {args.agentic}", **summary}), flush=True)
     return summary
+
+
+WARM_UP_SEED = 1000
+"""Added to `--seed` for the agentic warm-up run's draws (measured run r draws with `--seed` + r)."""
+
+
+def combine_agentic(runs: list[AgenticResult], trajectories: int) -> dict[str, Any]:
+    """Measured agentic runs as one: counts and seconds summed, rates and shares over the totals, each run's
+    tokens/s in `run_tokens_per_s`, and `step_bound`: what the longest trajectories allow agentic / fixed at
+    an equal cost per step (see (f) in the module's docstring)."""
+    tokens = sum(r.generated_tokens for r in runs)
+    elapsed = sum(r.elapsed_s for r in runs)
+    summed = (
+        "generated_tokens", "elapsed_s", "prefill_tokens", "cached_tokens", "decode_steps", "decode_rows",
+        "graph_captures", "graph_capture_s", "cache_grows", "prefill_calls", "prefill_cpu_s",
+    )  # fmt: skip
+    return {
+        **{name: sum(getattr(r, name) for r in runs) for name in summed},
+        "runs": len(runs),
+        "tokens_per_s": tokens / elapsed,
+        "run_tokens_per_s": [r.tokens_per_s for r in runs],
+        "prefill_busy_share": sum(r.prefill_busy_share * r.elapsed_s for r in runs) / elapsed,
+        "cpu_us_per_token": sum(r.cpu_us_per_token * r.generated_tokens for r in runs) / tokens,
+        "device_work_cpu_us_per_token": (
+            sum(r.device_work_cpu_us_per_token * r.generated_tokens for r in runs) / tokens
+        ),
+        "longest_trajectory_tokens": max(r.longest_trajectory_tokens for r in runs),
+        "step_bound": tokens / sum(r.longest_trajectory_tokens * trajectories for r in runs),
+    }
 
 
 PROFILE_WINDOW_S = 3.0

@@ -10,6 +10,7 @@ of the norm's sum, the library behind rsqrt and exp), so they and the whole mode
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 import pytest
 import torch
@@ -371,3 +372,42 @@ def test_the_decode_graphs_draw_as_the_eager_sampler_on_cuda() -> None:
         for got, want in zip(got_batch, want_batch, strict=True):
             assert got.output_ids == want.output_ids
             assert got.output_logprobs == pytest.approx(want.output_logprobs, abs=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_prefill_graph_that_fails_to_capture_leaves_its_bucket_eager_on_cuda() -> None:
+    """Every prefill capture fails (the model synchronises the device while the stream captures, which CUDA
+    forbids): the prefills run eagerly and nothing else changes, the same tokens and logprobs (within 1e-4)
+    as the engine without graphs from the same seed, no request aborted, the decode graphs in use."""
+    prompts = [[(13 * i + 3 * j) % 290 + 3 for j in range(9 + 17 * i)] for i in range(6)]
+    options = [SamplingOptions(max_new_tokens=30 - 3 * i, temperature=1.0, ignore_eos=True) for i in range(6)]
+    model = EngineModel.random(_config(), "cuda", torch.float32, seed=5)
+    forward_packed = model.forward_packed
+    failed: list[int] = []
+
+    def uncapturable(*args: Any, **kwargs: Any) -> Any:
+        if torch.cuda.is_current_stream_capturing():
+            failed.append(1)
+            torch.cuda.synchronize()  # raises: not permitted while the stream captures
+        return forward_packed(*args, **kwargs)
+
+    results: list[list[Request]] = []
+    for graphs in (True, False):
+        engine = Engine(model, max_running_requests=8, use_cuda_graphs=graphs, context_length=512, seed=11)
+        model.forward_packed = uncapturable if graphs else forward_packed  # pyright: ignore[reportAttributeAccessIssue]
+        engine.start()
+        try:
+            results.append(generate_together(engine, prompts, options=options))
+            if graphs:
+                assert failed, "a prefill graph's capture was attempted"
+                assert engine.cuda_graph_prefill_tokens == []
+                assert engine.cuda_graph_batch_sizes == [1, 2, 4, 8]
+            assert engine.counters.num_aborted_requests_total == 0
+        finally:
+            engine.stop()
+    for got, want in zip(*results, strict=True):
+        assert got.finish_reason is not None
+        assert got.finish_reason["type"] == "length"
+        assert got.output_ids == want.output_ids
+        assert got.output_logprobs == pytest.approx(want.output_logprobs, abs=1e-4)

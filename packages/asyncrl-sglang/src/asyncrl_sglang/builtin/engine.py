@@ -361,7 +361,9 @@ class Engine:
     @property
     def cuda_graph_prefill_tokens(self) -> list[int]:
         """The token counts whose prefill graphs are captured (`PREFILL_GRAPH_TOKENS`, at their first use)."""
-        return [] if self._graphs is None else sorted(self._graphs.prefills)
+        if self._graphs is None:
+            return []
+        return sorted(tokens for tokens, graph in self._graphs.prefills.items() if graph is not None)
 
     @property
     def cuda_graph_bytes(self) -> int:
@@ -1325,7 +1327,8 @@ class _CudaGraphs:
     rewritten by its next prefill) and draw what no one reads. A step whose sampling `sample_dense` cannot do
     (`SamplingPlan.dense` None) replays the argmax graph and samples its hidden states eagerly.
 
-    Prefill: one graph per token bucket (`PREFILL_GRAPH_TOKENS`), captured at its first use, for as many
+    Prefill: one graph per token bucket (`PREFILL_GRAPH_TOKENS`), captured at its first use (a bucket whose
+    capture fails runs eagerly, see `_try_capture_prefill`), for as many
     sequences as run at once; a prefill costs one copy to the device and one launch whatever its length and
     number of sequences (eagerly it is a dozen launches per layer), at the price of computing its padding.
 
@@ -1340,8 +1343,8 @@ class _CudaGraphs:
         self.engine = engine
         self.graphs: dict[tuple[int, bool], _DecodeGraph] = {}
         """Decode graphs, keyed by (batch-size bucket, whether it draws)."""
-        self.prefills: dict[int, _PrefillGraph] = {}
-        """Prefill graphs, keyed by their bucket's token count."""
+        self.prefills: dict[int, _PrefillGraph | None] = {}
+        """Prefill graphs, keyed by their bucket's token count (None: its capture failed, it runs eagerly)."""
         self.pools: dict[str, Any] = {}
         """The memory pool of each kind ("decode", "prefill")."""
         self.memory_bytes = 0
@@ -1419,9 +1422,11 @@ class _CudaGraphs:
         tokens = next((size for size in PREFILL_GRAPH_TOKENS if size >= batch.total), None)
         if tokens is None or not self.engine.model.packed_from_columns:
             return None
-        entry = self.prefills.get(tokens)
+        if tokens not in self.prefills:
+            self.prefills[tokens] = self._try_capture_prefill(tokens, cache)
+        entry = self.prefills[tokens]
         if entry is None:
-            entry = self.prefills[tokens] = self._capture_prefill(tokens, cache)
+            return None  # its capture failed: this bucket runs eagerly
         # One copy that does not wait for the device (the decode step in flight).
         entry.inputs.copy_(batch.padded(entry.shape, cache.capacity), non_blocking=True)
         entry.graph.replay()
@@ -1451,6 +1456,21 @@ class _CudaGraphs:
 
         graph, (hidden, sample) = self._capture("decode", cache, step)
         return _DecodeGraph(graph, static_ids, inputs, temperatures, uniforms, hidden, sample, [1.0] * size)
+
+    def _try_capture_prefill(self, tokens: int, cache: KVCache) -> _PrefillGraph | None:
+        """`_capture_prefill`, or None where the capture fails (logged; the bucket then runs eagerly for the
+        graphs' lifetime). A capture in the middle of a generation must not fail its step: a library call
+        that cannot be captured (a first use that allocates, say) costs that bucket its graph, no more."""
+        device = self.engine.model.device
+        stream = torch.cuda.current_stream(device)
+        try:
+            return self._capture_prefill(tokens, cache)
+        except RuntimeError:
+            # A capture that failed inside `torch.cuda.graph` can leave its side stream current.
+            torch.cuda.set_stream(stream)
+            torch.cuda.synchronize(device)
+            logger.exception("capturing the prefill graph of %d tokens failed: it runs eagerly", tokens)
+            return None
 
     def _capture_prefill(self, tokens: int, cache: KVCache) -> _PrefillGraph:
         model = self.engine.model
