@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from asyncrl_sglang.builtin.kv_pool import BlockAllocator
 from asyncrl_sglang.builtin.model import KVCache, ModelConfig
-from asyncrl_sglang.builtin.prefix_cache import PrefixCache
+from asyncrl_sglang.builtin.prefix_cache import EVICTION_RESERVE, PrefixCache
 from asyncrl_sglang.builtin.radix_tree import RadixTree
 
 
@@ -183,3 +183,30 @@ def test_prefix_cache_loads_exactly_what_was_stored(max_tokens: int, sequences: 
         assert prefix_cache.tree.num_blocks == prefix_cache.pool.allocator.num_allocated
     prefix_cache.clear()
     assert prefix_cache.pool.allocator.num_allocated == 0
+
+
+def test_a_full_prefix_cache_evicts_a_reserve_at_once() -> None:
+    """An eviction frees 1/EVICTION_RESERVE of the pool at least, the least recently used entries first: the
+    stores that follow find free blocks without evicting (each eviction walks the whole tree)."""
+    config = _tiny_config()
+    reserve = 4
+    max_blocks = reserve * EVICTION_RESERVE
+    prefix_cache = PrefixCache(
+        config, torch.device("cpu"), torch.float32, block_size=2, max_tokens=2 * max_blocks
+    )
+    cache = KVCache(config, 1, 4, torch.device("cpu"), torch.float32)
+    sequences = [[index // 7, index % 7, 0] for index in range(max_blocks + reserve + 1)]  # one block each
+    for tokens in sequences[:max_blocks]:
+        prefix_cache.store(tokens, cache, 0)
+    assert prefix_cache.pool.allocator.num_free == 0
+    assert prefix_cache.evicted_blocks_total == 0
+    prefix_cache.store(sequences[max_blocks], cache, 0)
+    assert prefix_cache.evicted_blocks_total == reserve
+    for tokens in sequences[max_blocks + 1 : max_blocks + reserve]:
+        prefix_cache.store(tokens, cache, 0)
+    assert prefix_cache.evicted_blocks_total == reserve, "the reserve took the next stores"
+    prefix_cache.store(sequences[max_blocks + reserve], cache, 0)
+    assert prefix_cache.evicted_blocks_total == 2 * reserve
+    assert [prefix_cache.cached_length(tokens, 2) for tokens in sequences[: 2 * reserve + 1]] == [0] * (
+        2 * reserve
+    ) + [2]
