@@ -19,7 +19,6 @@ from asyncrl_sglang.builtin.kv_pool import KVBlockPool
 from asyncrl_sglang.builtin.model import KVCache, ModelConfig
 from asyncrl_sglang.builtin.radix_tree import RadixTree
 
-
 EVICTION_RESERVE = 32
 """An eviction frees at least 1/EVICTION_RESERVE of the pool's most blocks (the least recently used): each
 walks the whole tree (`RadixTree.evict` heaps every evictable leaf), so a full cache under steady turnover
