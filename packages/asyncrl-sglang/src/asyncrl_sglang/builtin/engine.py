@@ -1127,11 +1127,11 @@ class Engine:
         self._record(requests, sampled)
 
     def _record(self, requests: list[Request], sampled: list[SampledToken]) -> int:
-        """Append each unfinished request's token and finish who is done, then publish once and tell the
-        clients, in row order; returns how many tokens were appended. A request finished since its token was
-        drawn (a step in flight decoded it once more) gets nothing: that token is dropped. A callback that
-        finishes another request of the step (an abort) finishes it with the tokens it has: it is told of
-        its finish, not of its token."""
+        """Append each unfinished request's token and finish who is done, then publish once (if any
+        finished) and tell the clients, in row order; returns how many tokens were appended. A request
+        finished since its token was drawn (a step in flight decoded it once more) gets nothing: that token is
+        dropped. A callback that finishes another request of the step (an abort) finishes it with the tokens
+        it has: it is told of its finish, not of its token."""
         told: list[tuple[Request, bool]] = []
         recorded = 0
         for request, (token, logprob, top) in zip(requests, sampled, strict=True):
@@ -1151,9 +1151,10 @@ class Engine:
                 told.append((request, False))
         self.counters.generation_tokens_total += recorded
         if told:
-            # Published before any client hears: one told that its request finished never reads a snapshot
-            # where it runs.
-            self._publish()
+            if any(finished for _, finished in told):
+                # Before any client hears: one told that its request finished never reads a snapshot where
+                # it runs.
+                self._publish()
             for request, finished in told:
                 if finished or request.finish_reason is None:
                     self._notify(request, finished)
