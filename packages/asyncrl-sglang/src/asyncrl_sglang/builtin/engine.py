@@ -1467,7 +1467,9 @@ class _CudaGraphs:
         try:
             return self._capture_prefill(tokens, cache)
         except RuntimeError:
-            # A capture that failed inside `torch.cuda.graph` can leave its side stream current.
+            # Older torch releases (the package takes torch >= 2.4) leave the graph's side stream current
+            # when `capture_end` raises; 2.11 restores it. Restored either way, and the device drained of
+            # the failed capture's warm-up before the eager prefill runs.
             torch.cuda.set_stream(stream)
             torch.cuda.synchronize(device)
             logger.exception("capturing the prefill graph of %d tokens failed: it runs eagerly", tokens)

@@ -20,7 +20,7 @@ from asyncrl_sglang.builtin.model import KVCache, ModelConfig
 from asyncrl_sglang.builtin.radix_tree import RadixTree
 
 EVICTION_RESERVE = 32
-"""An eviction frees at least 1/EVICTION_RESERVE of the pool's most blocks (the least recently used): each
+"""An eviction frees at least 1/EVICTION_RESERVE of the pool's `max_blocks` (least recently used first): each
 walks the whole tree (`RadixTree.evict` heaps every evictable leaf), so a full cache under steady turnover
 walks once per that share of the pool instead of at every store (about 1 ms a store at 20k blocks)."""
 
