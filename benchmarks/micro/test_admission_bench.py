@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
 from admission import IMPLEMENTATIONS, MAX_BUFFERED, MAX_INFLIGHT, make_buffer, run_rounds
 
 NUM_ROUNDS = 10

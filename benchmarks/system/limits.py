@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import runs
-
 from asyncrl_core import metrics
 from asyncrl_core.config import load_config
 from asyncrl_core.runner import run

@@ -37,7 +37,6 @@ from typing import Any
 
 import gpu_busy
 import runs
-
 from asyncrl_core import metrics
 from asyncrl_core.config import AsyncRLConfig, load_config
 from asyncrl_core.runner import run

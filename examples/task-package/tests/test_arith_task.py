@@ -7,10 +7,10 @@ import importlib.metadata
 from fractions import Fraction
 
 import pytest
-from asyncrl_task_arith import ArithTask, Calculator, evaluate
 
 from asyncrl_core.protocols import Task
 from asyncrl_core.types import FinalAnswer, InvalidTurn, ToolCall, ToolResult
+from asyncrl_task_arith import ArithTask, Calculator, evaluate
 
 
 def test_calculator_evaluates_arithmetic_only() -> None:
