@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(2)
     started = time.perf_counter()
     task = make_task(task_name, dict(config.agentloop.task_args))
-    model = warm_start(config, task, work_dir / "warm_start")
+    model = warm_start(config, task)
     warm_start_s = time.perf_counter() - started
     print(f"warm start: {warm_start_s:.1f} s -> {model}", flush=True)
 

@@ -37,8 +37,8 @@ def config_and_overrides(arguments: list[str]) -> tuple[str | None, list[str]]:
 
 def common_overrides(config_path: str | None, overrides: list[str], runs_dir: Path) -> list[str]:
     """`overrides` for runs compared with each other: no progress bar, evaluation or final checkpoint, and
-    one warm start (when the configuration has one) that every run then starts from, made once in
-    `runs_dir/warm_start` and reused by later invocations with the same model, task and settings."""
+    one warm start (when the configuration has one) that every run then starts from, made once into the
+    user cache and reused by later invocations with the same inputs (`asyncrl_core.actor.warm_start`)."""
     overrides = [
         *overrides,
         "logging.progress_bar=false",
@@ -49,7 +49,7 @@ def common_overrides(config_path: str | None, overrides: list[str], runs_dir: Pa
     if config.warm_start.num_steps == 0:
         return overrides
     print(f"warm start: {config.warm_start.num_steps} steps, shared by every run", flush=True)
-    folder = warm_start(config, build_task(config, {}), runs_dir / "warm_start")
+    folder = warm_start(config, build_task(config, {}))
     return [
         *overrides,
         f"actor.model_path={folder}",

@@ -3,16 +3,19 @@ an episode, written as a model folder that the actor and the built-in engine loa
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import logging
 from pathlib import Path
 
 import pytest
 
 from asyncrl_agents.tasks.searchr1 import SearchR1MiniTask, SearchR1Task
-from asyncrl_core import models, prompts
+from asyncrl_core import cache, models, prompts
 from asyncrl_core.actor.warm_start import WARM_START_FILE, sft_example, warm_start
 from asyncrl_core.config import AsyncRLConfig, load_config
 from asyncrl_core.errors import AsyncRLError
+from asyncrl_core.tasks import load_task
 from asyncrl_core.types import ChatMessage, Demonstration
 
 
@@ -58,14 +61,25 @@ def test_only_the_model_text_carries_loss(tiny_llama_path: Path) -> None:
     assert "<information>" not in tokenizer.decode(trained)
 
 
-def test_warm_start_lowers_the_loss_and_the_folder_serves(tiny_llama_path: Path, tmp_path: Path) -> None:
-    from asyncrl_sglang.builtin.testing import serve_builtin
+@pytest.fixture
+def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty user cache for the test (the tiny Llama of the session lives elsewhere)."""
+    monkeypatch.setenv("ASYNCRL_CACHE", str(tmp_path / "cache"))
+    cache.set_rebuild(False)
+    return tmp_path / "cache"
+
+
+def test_warm_start_lowers_the_loss_and_the_folder_serves(
+    tiny_llama_path: Path, own_cache: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from engine_process import serve_builtin
 
     settings = ("warm_start.num_steps=4", "warm_start.batch_size=2", "warm_start.lr=0.003")
     config = _config(tiny_llama_path, *settings, "warm_start.max_len=320")
-    out = tmp_path / "warm"
-    folder = warm_start(config, SearchR1MiniTask(), out)
-    assert folder == out
+    with caplog.at_level(logging.INFO, logger="asyncrl_core.actor.warm_start"):
+        folder = warm_start(config, SearchR1MiniTask())
+    assert folder.is_relative_to(own_cache.resolve() / "warm-start")
+    assert "warm start: built " in caplog.text
     record = json.loads((folder / WARM_START_FILE).read_text())
     losses = record["losses"]
     assert len(losses) == 4
@@ -73,15 +87,14 @@ def test_warm_start_lowers_the_loss_and_the_folder_serves(tiny_llama_path: Path,
     assert (folder / "tokenizer.json").is_file()
     assert list(folder.glob("*.safetensors"))
 
-    # The same settings again: the folder is reused, not rewritten.
+    # The same inputs again (another run folder, another process): the folder is reused, not rewritten.
     weights = next(folder.glob("*.safetensors"))
     written = weights.stat().st_mtime_ns
-    assert warm_start(config, SearchR1MiniTask(), out) == out
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="asyncrl_core.actor.warm_start"):
+        assert warm_start(config, SearchR1MiniTask()) == folder
+    assert f"warm start: reused {folder.name}" in caplog.text
     assert weights.stat().st_mtime_ns == written
-    # Another seed is another warm start.
-    reseeded = _config(tiny_llama_path, *settings, "warm_start.max_len=320", "runner.seed=7")
-    assert warm_start(reseeded, SearchR1MiniTask(), out) == out
-    assert json.loads((folder / WARM_START_FILE).read_text())["identity"]["seed"] == 7
 
     import urllib.request
 
@@ -97,20 +110,75 @@ def test_warm_start_lowers_the_loss_and_the_folder_serves(tiny_llama_path: Path,
     assert len(answer["output_ids"]) == 4
 
 
-def test_warm_start_off_returns_the_configured_model(tiny_llama_path: Path, tmp_path: Path) -> None:
+def test_a_cached_warm_start_serves_only_its_own_inputs(
+    tiny_llama_path: Path, own_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each input changed in turn is another warm start, built anew; the original is still reused."""
+    settings = ("warm_start.num_steps=1", "warm_start.batch_size=2", "warm_start.max_len=160")
+
+    def built(model: Path, *overrides: str) -> tuple[Path, bool]:
+        config = _config(model, *settings, *overrides)
+        task = load_task(config.agentloop.task_name or "", dict(config.agentloop.task_args))
+        before = set((own_cache / "warm-start").glob("*")) if (own_cache / "warm-start").exists() else set()
+        folder = warm_start(config, task)
+        return folder, folder not in before
+
+    original, fresh = built(tiny_llama_path)
+    assert fresh
+    other_model = models.tiny_llama(tmp_path / "other-llama", seed=1)  # same shape, other weights
+    changed = {
+        "task arguments": built(tiny_llama_path, "agentloop.task_args.max_hops=2"),
+        "task": built(tiny_llama_path, "agentloop.task_name=arith", "~agentloop.task_args"),
+        "model": built(other_model),
+        "steps": built(tiny_llama_path, "warm_start.num_steps=2"),
+        "settings": built(tiny_llama_path, "warm_start.lr=0.002"),
+        "seed": built(tiny_llama_path, "runner.seed=7"),
+    }
+    real_version = importlib.metadata.version
+    with monkeypatch.context() as upgraded:
+        upgraded.setattr(
+            importlib.metadata,
+            "version",
+            lambda name: "99.0" if name == "transformers" else real_version(name),
+        )
+        changed["library version"] = built(tiny_llama_path)
+    folders = {name: folder for name, (folder, _) in changed.items()}
+    assert [name for name, (_, fresh) in changed.items() if not fresh] == []
+    assert len({original, *folders.values()}) == len(changed) + 1
+    assert built(tiny_llama_path) == (original, False)
+
+
+def test_a_damaged_warm_start_is_named_and_built_again(
+    tiny_llama_path: Path, own_cache: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = _config(tiny_llama_path, "warm_start.num_steps=1", "warm_start.batch_size=2")
+    folder = warm_start(config, SearchR1MiniTask())
+    weights = next(folder.glob("*.safetensors"))
+    intact = weights.read_bytes()
+    damaged = bytearray(intact)
+    damaged[len(damaged) // 2] ^= 0xFF
+    weights.write_bytes(bytes(damaged))
+    cache._verified.clear()  # as a later run's process finds it  # pyright: ignore[reportPrivateUsage]
+    with caplog.at_level(logging.INFO):
+        assert warm_start(config, SearchR1MiniTask()) == folder
+    assert f"{weights.name} has another BLAKE3 digest" in caplog.text
+    assert "warm start: built " in caplog.text
+    assert weights.read_bytes() == intact  # deterministic: the same warm start again
+
+
+def test_warm_start_off_returns_the_configured_model(tiny_llama_path: Path) -> None:
     config = _config(tiny_llama_path, "~warm_start")  # the section's defaults: no warm start
     assert config.warm_start.num_steps == 0
-    assert warm_start(config, SearchR1MiniTask(), tmp_path / "warm") == tiny_llama_path
-    assert not (tmp_path / "warm").exists()
+    assert warm_start(config, SearchR1MiniTask()) == tiny_llama_path
 
 
-def test_warm_start_needs_demonstrations(tiny_llama_path: Path, tmp_path: Path) -> None:
+def test_warm_start_needs_demonstrations(tiny_llama_path: Path) -> None:
     config = _config(tiny_llama_path, "warm_start.num_steps=2")
     with pytest.raises(AsyncRLError, match=r"no demonstrations; set warm_start.num_steps: 0"):
-        warm_start(config, SearchR1Task(), tmp_path / "warm")
+        warm_start(config, SearchR1Task())
     too_short = _config(tiny_llama_path, "warm_start.num_steps=2", "warm_start.max_len=8")
     with pytest.raises(AsyncRLError, match=r"warm_start.max_len \(8\)"):
-        warm_start(too_short, SearchR1MiniTask(), tmp_path / "warm")
+        warm_start(too_short, SearchR1MiniTask())
 
 
 def test_tiny_llama_presets_are_named_models() -> None:
@@ -129,7 +197,9 @@ def test_a_tiny_llama_takes_the_tokenizer_without_converting_smollm2(
     monkeypatch.setenv("ASYNCRL_CACHE", str(tmp_path / "cache"))
     folder = models.tiny_llama_preset("test")
     assert folder.is_relative_to(tmp_path / "cache")
-    assert not (tmp_path / "cache" / "models" / models.SMOLLM2_DIR_NAME).exists()
+    assert [entry.name for entry in (tmp_path / "cache" / "models").iterdir() if entry.is_dir()] == [
+        folder.name
+    ]
     for name in ("tokenizer.json", "chat_template.jinja"):
         assert (folder / name).read_bytes() == (smollm2_path / name).read_bytes(), name
 

@@ -39,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
         prog=_PROGRAM,
         usage=(
             f"{_PROGRAM} [CONFIG] [key=value ...] [~key ...] [--dry-run] [--list-tasks] [--schema] "
-            "[--audit RUN_DIR]"
+            "[--rebuild-cache] [--audit RUN_DIR]"
         ),
         description=(
             "Train a language-model agent with asynchronous reinforcement learning.\n\n"
@@ -87,6 +87,14 @@ def _parser() -> argparse.ArgumentParser:
             "once, dropped with a reason, or still held by the run; exit status 1 if not"
         ),
     )
+    parser.add_argument(
+        "--rebuild-cache",
+        action="store_true",
+        help=(
+            "build the run's start-up artefacts again (the warm start, converted models, the task's "
+            "generated data) even where the cache holds them for the same inputs; the new ones replace them"
+        ),
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     return parser
 
@@ -116,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_OK
     config_path, overrides = _split_arguments(args.arguments)
     try:
-        return _run(config_path, overrides, dry_run=args.dry_run)
+        return _run(config_path, overrides, dry_run=args.dry_run, rebuild_cache=args.rebuild_cache)
     except KeyboardInterrupt:
         print(f"{_PROGRAM}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -191,7 +199,7 @@ def _report_invalid(problems: Sequence[ConfigProblem]) -> int:
     return EXIT_INVALID
 
 
-def _run(config_path: str | None, overrides: list[str], *, dry_run: bool) -> int:
+def _run(config_path: str | None, overrides: list[str], *, dry_run: bool, rebuild_cache: bool) -> int:
     from asyncrl_core import plugins
     from asyncrl_core.config import load_config, render_yaml
     from asyncrl_core.config.task_args import arguments_model, validate_task_args
@@ -241,6 +249,10 @@ def _run(config_path: str | None, overrides: list[str], *, dry_run: bool) -> int
     problems = config.cluster.launch_problems(config)
     if problems:
         return _report_invalid(problems)
+    if rebuild_cache:
+        from asyncrl_core import cache
+
+        cache.set_rebuild(True)
     return _launch(config)
 
 

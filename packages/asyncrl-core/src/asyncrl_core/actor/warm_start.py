@@ -11,11 +11,13 @@ the model's turns and the observations each on its own, as the loop appends the 
 encoded observation. The loss is the cross-entropy of the model's own text only: the prompt and the
 observations (`Demonstration.observation_spans`) carry none, as in the RL loss mask.
 
-`warm_start(config, task, out_dir)` writes a HuggingFace model folder (safetensors, config, tokenizer and
+`warm_start(config, task)` returns a HuggingFace model folder (safetensors, config, tokenizer and
 `warm_start.json` with the settings and the loss of every step) that the actor and the engines load as
-their model. It is deterministic for a given `runner.seed` and configuration, and a folder already written
-with the same settings is reused, so a retried or resumed run repeats no work. torch and transformers are
-imported when a fine-tuning runs.
+their model. The fine-tuning is a pure function of its inputs (`warm_start_inputs`: the task and its
+arguments, the base model by content, the demonstrations, the settings, the seed, the device type and the
+libraries that compute it), so its result is kept in the user cache (`asyncrl_core.cache`, kind
+`warm-start`) under a key of those inputs and reused by every later run, resumed or new, that has the same
+ones. torch and transformers are imported when a fine-tuning runs.
 """
 
 from __future__ import annotations
@@ -25,15 +27,13 @@ import json
 import logging
 import math
 import random
-import shutil
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from asyncrl_core import models, prompts
+from asyncrl_core import cache, models, prompts
 from asyncrl_core.errors import AsyncRLError
 from asyncrl_core.types import Demonstration
 
@@ -72,15 +72,14 @@ def sft_example(tokenizer: PreTrainedTokenizerBase, demonstration: Demonstration
     return SftExample(input_ids, loss_mask)
 
 
-def warm_start(config: AsyncRLConfig, task: Task, out_dir: Path) -> Path:
+def warm_start(config: AsyncRLConfig, task: Task) -> Path:
     """The model folder the run starts from: `actor.model_path` fine-tuned on `task`'s demonstrations
-    (`warm_start` section), written to `out_dir`; or the resolved `actor.model_path` itself when
-    `warm_start.num_steps` is 0.
+    (`warm_start` section), from the cache when it holds one of the same inputs; or the resolved
+    `actor.model_path` itself when `warm_start.num_steps` is 0.
 
-    Call it once, before engines and actor start, and give both the returned folder as their model. When
-    `out_dir` already holds a warm start of the same base model, demonstrations, settings and seed, it is
-    returned as it is. Raises `AsyncRLError` when the task has no demonstrations or none fits
-    `warm_start.max_len` with a token left to learn.
+    Call it once, before engines and actor start, and give both the returned folder as their model. Says in
+    one line whether it reused or built the warm start, and its key. Raises `AsyncRLError` when the task has
+    no demonstrations or none fits `warm_start.max_len` with a token left to learn.
     """
     settings = config.warm_start
     base = models.resolve_model_path(config.actor.model_path, key="actor.model_path")
@@ -92,12 +91,21 @@ def warm_start(config: AsyncRLConfig, task: Task, out_dir: Path) -> Path:
             f"warm_start.num_steps is {settings.num_steps} but task {config.agentloop.task_name!r} has no "
             "demonstrations; set warm_start.num_steps: 0"
         )
-    identity = _identity(base, demonstrations, settings, config.runner.seed)
-    if _reusable(out_dir, identity):
-        logger.info("warm start: reusing %s", out_dir)
-        return out_dir
-    fine_tune(base, demonstrations, out_dir, settings, seed=config.runner.seed, identity=identity)
-    return out_dir
+    started = time.perf_counter()
+    inputs = warm_start_inputs(config, base, demonstrations)
+    entry = cache.cached(
+        "warm-start",
+        inputs,
+        lambda folder: fine_tune(
+            base, demonstrations, folder, settings, seed=config.runner.seed, identity=inputs
+        ),
+    )
+    seconds = time.perf_counter() - started
+    if entry.reused:
+        logger.info("warm start: reused %s (%.1f s)", entry.key, seconds)
+    else:
+        logger.info("warm start: built %s in %.1f s (%s)", entry.key, seconds, entry.path)
+    return entry.path
 
 
 def fine_tune(
@@ -110,7 +118,7 @@ def fine_tune(
     identity: dict[str, Any] | None = None,
 ) -> list[float]:
     """Fine-tune the model folder `base` on `demonstrations` for `settings.num_steps` steps and write the
-    result to `out_dir` (replaced atomically: a half-written folder is never left there).
+    result into the folder `out_dir` (created when missing).
 
     Each step draws `settings.batch_size` demonstrations, going through them in an order shuffled anew
     every epoch by `seed`. The loss is the mean cross-entropy over the target tokens of the batch. AdamW,
@@ -164,7 +172,7 @@ def fine_tune(
 
     record = {
         "format": _FORMAT,
-        "identity": identity or _identity(base, demonstrations, settings, seed),
+        "identity": identity,
         "num_examples": len(examples),
         "time_s": time.perf_counter() - started,
         "losses": losses,
@@ -219,46 +227,43 @@ def _batch_loss(
     return torch.nn.functional.cross_entropy(logits.float(), input_ids[:, 1:][predicting])
 
 
-def _identity(
-    base: Path, demonstrations: Sequence[Demonstration], settings: WarmStartConfig, seed: int
+def warm_start_inputs(
+    config: AsyncRLConfig, base: Path, demonstrations: Sequence[Demonstration]
 ) -> dict[str, Any]:
-    """What determines a warm start's result (base weights are named by folder and file sizes)."""
+    """Everything a warm start's result depends on, the key of its cache entry: the task and its
+    arguments, the base model by content (a named model by its own cache entry), the demonstrations, the
+    settings, the seed, the device type it trains on, and the versions of the libraries that compute it."""
+    from asyncrl_core.actor.torch_actor import default_device
+
     digest = hashlib.sha256()
     for demonstration in demonstrations:
         digest.update(repr(demonstration).encode())
-    weights = sorted((p.name, p.stat().st_size) for p in base.glob("*.safetensors"))
     return {
-        "base": str(base.resolve()),
-        "base_weights": [list(entry) for entry in weights],
+        "format": _FORMAT,
+        "task": config.agentloop.task_name,
+        "task_args": dict(config.agentloop.task_args),
+        "base": _model_identity(base),
         "demonstrations": digest.hexdigest(),
-        "settings": settings.model_dump(mode="json"),
-        "seed": seed,
+        "settings": config.warm_start.model_dump(mode="json"),
+        "seed": config.runner.seed,
+        "device_type": default_device().type,
+        "libraries": cache.library_versions("asyncrl-core", "torch", "transformers", "safetensors"),
     }
 
 
-def _reusable(out_dir: Path, identity: dict[str, Any]) -> bool:
-    try:
-        record = json.loads((out_dir / WARM_START_FILE).read_text())
-    except (OSError, ValueError):
-        return False
-    return (
-        isinstance(record, dict)
-        and record.get("format") == _FORMAT  # pyright: ignore[reportUnknownMemberType]
-        and record.get("identity") == identity  # pyright: ignore[reportUnknownMemberType]
-    )
+def _model_identity(folder: Path) -> dict[str, str]:
+    """A model folder by what it holds: the key of the cache entry it is (verified when it was resolved),
+    or the digest of its files."""
+    entry = cache.entry_key(folder)
+    if entry is not None:
+        return {"cache_entry": entry}
+    return {"files": cache.folder_digest(folder)}
 
 
 def _write_folder(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: Path, record: dict[str, Any]
 ) -> None:
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
-    try:
-        model.save_pretrained(str(staging), safe_serialization=True)
-        tokenizer.save_pretrained(str(staging))
-        (staging / WARM_START_FILE).write_text(json.dumps(record, indent=2) + "\n")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        staging.rename(out_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    tokenizer.save_pretrained(str(out_dir))
+    (out_dir / WARM_START_FILE).write_text(json.dumps(record, indent=2) + "\n")

@@ -31,9 +31,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-import blake3
-
 from asyncrl_core.buffer import BufferSnapshot
+from asyncrl_core.cache import file_digest
 from asyncrl_core.runner.atomic import TEMPORARY_SUFFIX, atomic_write_bytes, fsync_dir
 from asyncrl_core.runner.dataloader import LoaderState
 from asyncrl_core.runner.workers import BufferState, RunnerError
@@ -74,8 +73,7 @@ def _digest(path: Path, algorithm: str = HASH) -> str:
     if algorithm == LEGACY_HASH:
         with open(path, "rb") as file:
             return hashlib.file_digest(file, LEGACY_HASH).hexdigest()
-    # Memory-mapped and split across the cores; the GIL is released while it hashes.
-    return blake3.blake3(max_threads=blake3.blake3.AUTO).update_mmap(path).hexdigest()
+    return file_digest(path)
 
 
 HASH_THREADS = min(8, os.cpu_count() or 1)

@@ -86,7 +86,7 @@ def _run(config: AsyncRLConfig, run_dir: Path, stopper: RunStopper, *, owns_ray:
         stopper.phase = "start-up"
         task = build_task(config, {})
         with task.serve() as task_services:
-            actor_path, rollout_path = _model_paths(config, task, run_dir)
+            actor_path, rollout_path = _model_paths(config, task)
             logger.info("starting the engines, the actor and the agent loops (model %s)", rollout_path)
             workers_started = time.perf_counter()
             workers = WorkerGroups(
@@ -145,14 +145,13 @@ def _log_to_stderr(level: str) -> None:
     root.setLevel(level)
 
 
-def _model_paths(config: AsyncRLConfig, task: Task, run_dir: Path) -> tuple[str, str]:
+def _model_paths(config: AsyncRLConfig, task: Task) -> tuple[str, str]:
     """The model folders of actor and engines: the warm-started model both begin from (`warm_start`), or
     the configured ones (aliases resolved)."""
     from asyncrl_core.actor.warm_start import warm_start
 
     if config.warm_start.num_steps > 0:
-        logger.info("warm start: %d steps on the task's demonstrations", config.warm_start.num_steps)
-        folder = str(warm_start(config, task, run_dir / "warm_start"))
+        folder = str(warm_start(config, task))
         return folder, folder
     actor = models.resolve_model_path(config.actor.model_path, key="actor.model_path")
     rollout_key = config.rollout.model_path or config.actor.model_path
