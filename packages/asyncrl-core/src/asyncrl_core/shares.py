@@ -13,6 +13,11 @@ have similar lengths (little padding in a micro-batch). The mini-batch's totals 
 trained token) travel with every share: they fix each token's share of the mini-batch loss, so the ranks'
 losses add up to the mini-batch loss whatever the cut.
 
+A rank then cuts each of its mini-batches into micro-batches, by row count or by token budget
+(`cut_by_tokens`: as few micro-batches of at most so many tokens as first-fit decreasing finds); widths and
+packed lengths are rounded up to `LENGTH_MULTIPLE` tokens (`bucket_length`). Round-robin dealing of the
+length-sorted rows keeps the ranks' token counts within one row of each other.
+
 NumPy only, no torch: the buffer worker imports this module.
 """
 
@@ -80,6 +85,45 @@ def num_micro_batches(num_rows: int, num_ranks: int, micro_batch_size: int) -> i
     """Micro-batches every rank runs for a mini-batch of `num_rows` rows: the same on every rank (a rank
     with fewer rows runs empty ones), so the ranks' collectives match."""
     return math.ceil(math.ceil(num_rows / num_ranks) / micro_batch_size)
+
+
+LENGTH_MULTIPLE = 64
+"""Widths of padded micro-batches and lengths of packed rows are rounded up to a multiple of this many
+tokens, so a run meets a few shapes again and again instead of a new one per micro-batch (kernels that plan
+per shape then plan once per bucket)."""
+
+
+def bucket_length(num_tokens: int) -> int:
+    """`num_tokens` rounded up to a multiple of `LENGTH_MULTIPLE` (at least one multiple)."""
+    return max(1, math.ceil(num_tokens / LENGTH_MULTIPLE)) * LENGTH_MULTIPLE
+
+
+def cut_by_tokens(lengths: Sequence[int], max_tokens: int, *, padded: bool) -> list[list[int]]:
+    """A rank's rows (`lengths`, in training order) grouped into as few micro-batches of at most
+    `max_tokens` tokens as first-fit decreasing finds; each micro-batch's rows in training order.
+
+    A micro-batch costs the sum of its rows' lengths when packed, and its rows times the bucketed width of
+    its longest row when `padded`. A row that alone costs more than `max_tokens` gets a micro-batch of its
+    own: a row is never split. Deterministic: the same lengths give the same cut on every rank.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+    order = sorted(range(len(lengths)), key=lambda row: -lengths[row])
+    bins: list[list[int]] = []
+    costs: list[tuple[int, int]] = []  # per micro-batch: (tokens or width, rows)
+    for row in order:
+        length = lengths[row]
+        for index, (size, count) in enumerate(costs):
+            # Rows come longest first, so a padded micro-batch's width is its first row's.
+            cost = (count + 1) * size if padded else size + length
+            if cost <= max_tokens:
+                bins[index].append(row)
+                costs[index] = (size, count + 1) if padded else (cost, count + 1)
+                break
+        else:
+            bins.append([row])
+            costs.append((bucket_length(length) if padded else length, 1))
+    return [sorted(rows) for rows in bins]
 
 
 def token_arrays(group: Group) -> list[TokenArrays]:

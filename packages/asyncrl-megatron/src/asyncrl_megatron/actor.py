@@ -4,7 +4,9 @@ A step (`train_step`) makes `ppo_epochs` passes over the step's groups cut into 
 `ppo_mini_batch_size` groups, one optimizer update per mini-batch and pass (by default one update per step),
 with the objective every actor shares (`asyncrl_core.algorithms`): each mini-batch is packed with
 group-relative advantages, its rows are sorted by length and dealt to the data-parallel ranks, and each rank
-runs its rows in micro-batches, accumulating gradients in Megatron's gradient buffers
+runs its rows in micro-batches (`micro_batch_size` rows, or as many as fit in `max_tokens_per_micro_batch`
+tokens), right-padded to a width rounded up to a multiple of 64 tokens, accumulating gradients in
+Megatron's gradient buffers
 (`DistributedDataParallel`), which average them over the data-parallel group once per update.
 Tensor-parallel ranks of one data-parallel rank see the same rows. The loss weights are fixed for the whole
 mini-batch, so any split of the rows gives the mini-batch gradient.
@@ -50,6 +52,7 @@ from asyncrl_core.actor.updates import UpdateLoop
 from asyncrl_core.algorithms import (
     LossSettings,
     PackedBatch,
+    RankPlan,
     policy_loss,
     rank_plan,
     token_entropy,
@@ -100,7 +103,10 @@ class MegatronActorSettings:
     """Parameter dtype; bfloat16 parameters get float32 master weights in the optimizer (Megatron's on a GPU,
     `torch.optim` over master copies on a CPU)."""
     micro_batch_size: int = 1
-    """Rows per forward/backward pass."""
+    """Rows per forward/backward pass (when `max_tokens_per_micro_batch` is None)."""
+    max_tokens_per_micro_batch: int | None = None
+    """Tokens per forward/backward pass, padding included: as many rows as fit, padded to a bucketed width
+    (`asyncrl_core.algorithms.micro_batches`); None: `micro_batch_size` rows."""
     optimizer: Literal["adamw", "sgd"] = "adamw"
     lr: float = 1e-6
     weight_decay: float = 0.0
@@ -143,6 +149,7 @@ class MegatronActorSettings:
             ppo_epochs=actor.ppo_epochs,
             dtype=actor.dtype,
             micro_batch_size=actor.micro_batch_size,
+            max_tokens_per_micro_batch=actor.max_tokens_per_micro_batch,
             optimizer=actor.optimizer,
             lr=actor.lr,
             weight_decay=actor.weight_decay,
@@ -292,16 +299,7 @@ class MegatronActor(UpdateLoop):
             return self._train_step(batch)
 
     def _train_step(self, batch: Sequence[Group] | BatchShare) -> dict[str, float]:
-        plan = rank_plan(
-            batch,
-            self.dp_rank,
-            self.dp_size,
-            self.pad_id,
-            mini_batch_size=self.settings.ppo_mini_batch_size,
-            micro_batch_size=self.settings.micro_batch_size,
-            normalize_std=self.loss_settings.normalize_advantage_std,
-            aggregation=self.loss_settings.loss_aggregation,
-        )
+        plan = self.plan(batch)
         # Every micro-batch is copied to the device before the first forward pass, so no host work or
         # host-to-device copy waits between the micro-batches' kernels.
         on_device = [[part.to(self.device) for part in parts] for parts in plan.micro_batches]
@@ -615,6 +613,8 @@ class MegatronActor(UpdateLoop):
     def _logits(self, model: torch.nn.Module, part: PackedBatch) -> torch.Tensor:
         """Vocab-parallel logits `[n, t, V / TP]` divided by the temperature, padding rows at `-inf`."""
         # Right padding needs no attention mask: causal attention never lets a real token see a later pad.
+        if part.packed:
+            raise MegatronActorError("the Megatron actor trains on padded rows, not packed ones")
         logits: torch.Tensor = model(part.input_ids, part.position_ids, None)
         if self.temperature != 1.0:
             logits = logits / self.temperature
@@ -641,6 +641,22 @@ class MegatronActor(UpdateLoop):
         if self.tp_size == 1:
             return token_entropy(logits)
         return _vocab_parallel_entropy(logits, self.tp_group)
+
+    def plan(self, batch: Sequence[Group] | BatchShare) -> RankPlan:
+        """This data-parallel rank's micro-batches of a step (`train_step`'s `batch`), on the CPU."""
+        return rank_plan(
+            batch,
+            self.dp_rank,
+            self.dp_size,
+            self.pad_id,
+            mini_batch_size=self.settings.ppo_mini_batch_size,
+            micro_batch_size=self.settings.micro_batch_size,
+            normalize_std=self.loss_settings.normalize_advantage_std,
+            aggregation=self.loss_settings.loss_aggregation,
+            max_tokens=self.settings.max_tokens_per_micro_batch,
+            # The local layer spec's attention refuses packed sequences (see the package README).
+            packed=False,
+        )
 
     def _proximal_logprobs(self, part: PackedBatch) -> torch.Tensor:
         return self._logprobs(self._logits(self.module, part), part.target_ids)

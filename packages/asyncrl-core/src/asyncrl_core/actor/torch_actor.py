@@ -4,9 +4,12 @@ A step (`train_step`) makes `actor.ppo_epochs` passes over the step's groups cut
 `actor.ppo_mini_batch_size` groups, one optimiser update per mini-batch and pass, and bumps the weight
 version once; by default, one update per step. Within an update, the mini-batch's rows are sorted by length
 and dealt to the data-parallel ranks (`asyncrl_core.shares`: the runner hands each rank its share), and each
-rank runs its rows in micro-batches of `actor.micro_batch_size`, accumulating gradients. The per-token loss
-weights are fixed for the whole mini-batch, so the accumulated gradient equals the mini-batch gradient
-whatever the split. DDP averages gradients over the ranks, so each rank scales its loss by the world size.
+rank runs its rows in micro-batches, accumulating gradients: with `actor.max_tokens_per_micro_batch`, as
+many trajectories as fit in that many tokens, packed into one row (`asyncrl_core.algorithms.batch`'s packed
+layout, attention kept within each trajectory by `asyncrl_core.actor.attention`); otherwise
+`actor.micro_batch_size` trajectories, right-padded. The per-token loss weights are fixed for the whole
+mini-batch, so the accumulated gradient equals the mini-batch gradient whatever the split and the layout.
+DDP averages gradients over the ranks, so each rank scales its loss by the world size.
 
 Precision. Parameters and optimiser state are float32 (the master weights). `actor.dtype: bfloat16` runs the
 forward and backward passes under bfloat16 autocast where the device supports it (CUDA with bf16, a CPU
@@ -37,6 +40,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from asyncrl_core import models
+from asyncrl_core.actor.attention import (
+    PACKED_ATTENTION,
+    log_attention_backend,
+    packed_attention_arguments,
+    register_packed_attention,
+)
 from asyncrl_core.actor.distributed import (
     all_reduce_sum,
     barrier,
@@ -60,6 +69,7 @@ from asyncrl_core.actor.updates import UpdateLoop
 from asyncrl_core.algorithms import (
     LossSettings,
     PackedBatch,
+    RankPlan,
     policy_loss,
     rank_plan,
     token_entropy,
@@ -97,8 +107,11 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def load_causal_lm(path: Path, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
-    """The causal LM of the folder `path` on `device`, dropout off and no KV cache (a model to train)."""
+def load_causal_lm(
+    path: Path, device: torch.device, dtype: torch.dtype, *, attention: str | None = None
+) -> PreTrainedModel:
+    """The causal LM of the folder `path` on `device`, dropout off and no KV cache (a model to train), with
+    transformers' attention implementation `attention` (its default when None)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -107,7 +120,8 @@ def load_causal_lm(path: Path, device: torch.device, dtype: torch.dtype) -> PreT
         if "dropout" in key and isinstance(value, float):
             setattr(config, key, 0.0)
     config.use_cache = False
-    model = AutoModelForCausalLM.from_pretrained(str(path), config=config, dtype=dtype)
+    chosen: dict[str, Any] = {} if attention is None else {"attn_implementation": attention}
+    model = AutoModelForCausalLM.from_pretrained(str(path), config=config, dtype=dtype, **chosen)
     return model.to(device)  # pyright: ignore[reportArgumentType] (transformers annotates `to` oddly)
 
 
@@ -170,7 +184,11 @@ class TorchActor(UpdateLoop):
             else:
                 logger.warning("%s has no native bfloat16: the torch actor computes in float32", self.device)
 
-        self.module = load_causal_lm(self.model_path, self.device, torch.float32)
+        # Packed rows need attention that stays within each trajectory; padded ones take the same function.
+        register_packed_attention()
+        self.attention_backend = log_attention_backend(self.device, self.compute_dtype)
+        """The kernel that packed rows' attention runs (`asyncrl_core.actor.attention`)."""
+        self.module = load_causal_lm(self.model_path, self.device, torch.float32, attention=PACKED_ATTENTION)
         if actor.gradient_checkpointing:
             # transformers 5 renamed the method; the old name remains as a deprecated alias.
             enable = getattr(self.module, "activation_checkpointing_enable", None)
@@ -201,7 +219,9 @@ class TorchActor(UpdateLoop):
             # The same computation as the policy's forward pass, so that the KL is 0 until the policy moves:
             # float32 weights under the same autocast (bfloat16 weights would round the residual stream and
             # the norms differently), the same mode (train, dropout off), the same logits module.
-            reference = load_causal_lm(self.model_path, self.device, torch.float32)
+            reference = load_causal_lm(
+                self.model_path, self.device, torch.float32, attention=PACKED_ATTENTION
+            )
             reference.train(self.module.training)
             reference.requires_grad_(False)
             self._reference_logits = LossPositionLogits(reference)
@@ -272,7 +292,17 @@ class TorchActor(UpdateLoop):
         gradient: in the first update, the weights, the optimiser and the version are unchanged; in a later
         one, the updates before it are kept and the version goes up by one, as the error says.
         """
-        plan = rank_plan(
+        return self._run_updates(
+            self.plan(batch),
+            num_epochs=self.config.ppo_epochs,
+            needs_proximal=self.settings.needs_proximal,
+            lr=float(self.optimizer.param_groups[0]["lr"]),
+        )
+
+    def plan(self, batch: Sequence[Group] | BatchShare) -> RankPlan:
+        """This rank's micro-batches of a step (`train_step`'s `batch`): packed rows of at most
+        `actor.max_tokens_per_micro_batch` tokens, or padded ones of `actor.micro_batch_size` rows."""
+        return rank_plan(
             batch,
             self.rank,
             self.world_size,
@@ -281,12 +311,8 @@ class TorchActor(UpdateLoop):
             micro_batch_size=self.config.micro_batch_size,
             normalize_std=self.settings.normalize_advantage_std,
             aggregation=self.settings.loss_aggregation,
-        )
-        return self._run_updates(
-            plan,
-            num_epochs=self.config.ppo_epochs,
-            needs_proximal=self.settings.needs_proximal,
-            lr=float(self.optimizer.param_groups[0]["lr"]),
+            max_tokens=self.config.max_tokens_per_micro_batch,
+            packed=True,
         )
 
     def export_weights(
@@ -452,8 +478,13 @@ class TorchActor(UpdateLoop):
         """Logprobs of the targets and entropies `[n, width - first]` at the trained positions (zero
         elsewhere), from logits of those positions only; the entropy has a gradient with `entropy_grad`."""
         mask = part.loss_mask[:, first:].bool()
+        packed = (
+            {}
+            if part.sequence_offsets is None
+            else packed_attention_arguments(part.sequence_offsets, part.max_sequence_len)
+        )
         with self._autocast():
-            logits = model(part.input_ids, part.position_ids, mask, first)
+            logits = model(part.input_ids, part.position_ids, mask, first, **packed)
         targets = part.target_ids[:, first:][mask]
         logprobs = token_logprobs(logits, targets, self.temperature)
         if entropy_grad:
@@ -519,8 +550,9 @@ _PLAIN_OUTPUT_LAYER = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 class LossPositionLogits(torch.nn.Module):
     """A causal LM whose output layer runs only where a loss is taken.
 
-    `forward(input_ids, position_ids, mask, first)` returns the logits `[K, V]` of the `K` positions that
-    `mask` (`[n, width - first]`, boolean) selects among the columns from `first` on, in row-major order. In
+    `forward(input_ids, position_ids, mask, first, **attention)` returns the logits `[K, V]` of the `K`
+    positions that `mask` (`[n, width - first]`, boolean) selects among the columns from `first` on, in
+    row-major order; `attention` (`packed_attention_arguments` of a packed row) reaches the attention. In
     agentic trajectories most positions after the first answer token are tool output, which is not trained,
     and for a small model with a large vocabulary the output layer is most of the compute (a 7.1M-parameter
     Llama with a 49k vocabulary trained on one batch in 0.75 s instead of 1.86 s). Families outside
@@ -528,7 +560,8 @@ class LossPositionLogits(torch.nn.Module):
     it) and select afterwards. A module, so that DDP wraps it and sees every parameter used in its forward
     pass.
 
-    Right padding needs no attention mask: causal attention never lets a real token see a later pad.
+    Right padding needs no attention mask: causal attention never lets a real token see a later pad; a
+    packed row's trajectories are kept apart by its sequence offsets.
     """
 
     def __init__(self, causal_lm: PreTrainedModel) -> None:
@@ -538,20 +571,23 @@ class LossPositionLogits(torch.nn.Module):
         self.accepts_logits_to_keep = "logits_to_keep" in inspect.signature(causal_lm.forward).parameters
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, first: int
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        mask: torch.Tensor,
+        first: int,
+        **attention: torch.Tensor | int,
     ) -> torch.Tensor:
         output_layer = self.causal_lm.get_output_embeddings() if self.plain else None
         if output_layer is not None:
             decoder = self.causal_lm.get_decoder()
-            output = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+            output = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, **attention)
             return output_layer(output.last_hidden_state[:, first:][mask])
         num_last = input_ids.shape[1] - first
-        if self.accepts_logits_to_keep:
-            logits = self.causal_lm(
-                input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=num_last
-            ).logits
-        else:
-            logits = self.causal_lm(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+        keep = {"logits_to_keep": num_last} if self.accepts_logits_to_keep else {}
+        logits = self.causal_lm(
+            input_ids=input_ids, position_ids=position_ids, use_cache=False, **keep, **attention
+        ).logits
         return logits[:, -num_last:][mask]
 
 

@@ -5,10 +5,12 @@ Importing this package imports torch; only actor workers do. The API, in the ord
 
     settings = LossSettings.from_config(config.algorithm)
     plan = rank_plan(share_or_groups, rank, num_ranks, pad_id, mini_batch_size=..., micro_batch_size=...,
-                     normalize_std=settings.normalize_advantage_std, aggregation=settings.loss_aggregation)
+                     normalize_std=settings.normalize_advantage_std, aggregation=settings.loss_aggregation,
+                     max_tokens=..., packed=...)  # micro-batches by token budget, packed rows or padded
     for parts in plan.micro_batches:                # one optimiser update per mini-batch
       for part in parts:                            # this rank's micro-batches (a `PackedBatch` each)
-        logits = model(part.input_ids, ...)         # [n, t, V]
+        logits = model(part.input_ids, ...)         # [n, t, V]; a packed part: attention within
+                                                    # the sequences of `part.sequence_offsets`
         logprobs = token_logprobs(logits, part.target_ids, temperature)  # the engines'
         loss, metrics = policy_loss(logprobs, part.rollout_logprobs, part.advantages,
                                     part.loss_weights, settings, proximal_logprobs=..., ref_logprobs=...)

@@ -1,20 +1,34 @@
-"""Groups of trajectories packed into padded tensors, ready for a causal LM forward pass.
+"""A rank's rows of a mini-batch laid out as tensors for a causal LM forward pass: padded or packed.
 
-Layout. Row `n` holds one trajectory, right-padded to the longest row. Every per-token tensor is `[N, T]` and
-aligned with the *logits*: position `t` concerns the prediction of `input_ids[n, t + 1]` from the logits at
-`t`, so `target_ids[n, t] == input_ids[n, t + 1]`. The response token `j` of a trajectory with prompt length
-`P` sits at `input_ids[n, P + j]` and is therefore described at position `P - 1 + j` of `loss_mask`,
-`rollout_logprobs` and `advantages`. The last position of every row, and every padding position, has a
-zero mask.
+Two layouts, one alignment. Every per-token tensor is `[N, T]` and aligned with the *logits*: position `t`
+concerns the prediction of `input_ids[n, t + 1]` from the logits at `t`, so `target_ids[n, t] ==
+input_ids[n, t + 1]` within a trajectory. The response token `j` of a trajectory with prompt length `P` that
+starts at column `s` sits at `input_ids[n, s + P + j]` and is described at column `s + P - 1 + j` of
+`loss_mask`, `rollout_logprobs` and `advantages`. The last position of every trajectory, and every padding
+position, has a zero mask.
 
-Loss weights. `loss_weights[n, t]` is the share of the *whole batch's* loss that token `(n, t)` carries:
-the loss is `sum(loss_weights * per_token_loss)`. Because the normalisation is fixed once for the full batch,
-any split of the rows (micro-batches, data-parallel ranks) gives losses and gradients that simply add up to
-the full-batch ones, for both aggregations:
+- **Padded**: row `n` holds one trajectory, right-padded (`sequence_offsets` is None). Attention is causal
+  within each row; right padding needs no mask, since a real token never sees a later pad.
+- **Packed**: one row holds the micro-batch's trajectories one after the other, then padding up to a
+  multiple of `asyncrl_core.shares.LENGTH_MULTIPLE` tokens; `position_ids` restart at 0 with each
+  trajectory, and `sequence_offsets` (`[S + 1]`, int32) says where each attention sequence starts
+  (a trajectory, or the padding at the end), so attention never crosses from one trajectory to another.
+  Nothing is computed for padding beyond its own short tail.
 
-- `token_mean`: `loss_mask / (number of trained tokens in the batch)`;
+Loss weights. `loss_weights[n, t]` is the share of the *whole mini-batch's* loss that token `(n, t)`
+carries: the loss is `sum(loss_weights * per_token_loss)`. Because the normalisation is fixed once for the
+mini-batch, any split of the rows (micro-batches of either layout, data-parallel ranks) gives losses and
+gradients that simply add up to the mini-batch's, for both aggregations:
+
+- `token_mean`: `loss_mask / (number of trained tokens in the mini-batch)`;
 - `sequence_mean`: `loss_mask / (trained tokens of the row) / (number of rows with a trained token)`.
   A trajectory without a single model token contributes nothing and is not counted.
+
+Micro-batches (`micro_batches`, `rank_plan`): `micro_batch_size` rows each, padded (the same number on every
+rank); or, with `max_tokens`, as many rows as fit in that many tokens (`asyncrl_core.shares.cut_by_tokens`),
+packed or padded as the actor's attention needs. Padded widths are rounded up to a multiple of
+`LENGTH_MULTIPLE` too, so that a run meets a few shapes again and again rather than a new one per
+micro-batch.
 """
 
 from __future__ import annotations
@@ -28,12 +42,14 @@ import torch
 
 from asyncrl_core.shares import (
     BatchError,
+    bucket_length,
+    cut_by_tokens,
     deal_rows,
     num_micro_batches,
     split_batch,
     whole_batch,
 )
-from asyncrl_core.types import BatchShare, Group, MiniBatchShare
+from asyncrl_core.types import NO_VERSION, BatchShare, Group, MiniBatchShare
 
 LossAggregation = Literal["token_mean", "sequence_mean"]
 
@@ -50,19 +66,33 @@ __all__ = [
     "rank_plan",
 ]
 
+_ROW_FIELDS = (
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "target_ids",
+    "loss_mask",
+    "loss_weights",
+    "rollout_logprobs",
+    "advantages",
+    "versions",
+)
+"""The `[N, T]` fields of a `PackedBatch`."""
+
 
 @dataclass(frozen=True, slots=True)
 class PackedBatch:
-    """`N` trajectories as `[N, T]` tensors (see the module docstring for the alignment)."""
+    """Trajectories as `[N, T]` tensors, padded or packed (see the module docstring for both layouts)."""
 
     input_ids: torch.Tensor
-    """`[N, T]` int64: prompt + response tokens, right-padded with the pad id."""
+    """`[N, T]` int64: prompt + response tokens, padding at the end of a row holding the pad id."""
     attention_mask: torch.Tensor
     """`[N, T]` int64: 1 on real tokens, 0 on padding."""
     position_ids: torch.Tensor
-    """`[N, T]` int64: `0, 1, 2, ...` along each row (padding included, where it is never attended to)."""
+    """`[N, T]` int64: `0, 1, 2, ...` along each trajectory (padding included, where it is never attended
+    to by a real token)."""
     target_ids: torch.Tensor
-    """`[N, T]` int64: `input_ids` shifted left by one; the pad id in the last column."""
+    """`[N, T]` int64: each trajectory's `input_ids` shifted left by one; the pad id at its last token."""
     loss_mask: torch.Tensor
     """`[N, T]` float32: 1 where the target is a token the model sampled, 0 for prompt, tool, observation
     and padding tokens."""
@@ -76,7 +106,14 @@ class PackedBatch:
     versions: torch.Tensor
     """`[N, T]` int64: the weight version that sampled each target; `NO_VERSION` (-1) where the mask is 0."""
     lengths: torch.Tensor
-    """`[N]` int64: real tokens per row (prompt + response)."""
+    """`[N]` int64: real tokens per row (prompt + response, of every trajectory in a packed row)."""
+    sequence_offsets: torch.Tensor | None = None
+    """Packed layout only (`N == 1`): `[S + 1]` int32 offsets into the row where each of its `S` attention
+    sequences starts (each trajectory, then the padding at the end if any), and the row's width last.
+    None: the padded layout, one trajectory per row."""
+    max_sequence_len: int = 0
+    """Packed layout only: the longest of its attention sequences, in tokens (what variable-length
+    attention kernels take beside the offsets)."""
 
     @property
     def num_rows(self) -> int:
@@ -92,23 +129,26 @@ class PackedBatch:
         """Tokens the loss is taken over."""
         return int(self.loss_mask.sum().item())
 
+    @property
+    def packed(self) -> bool:
+        """Whether this is the packed layout (several trajectories in one row)."""
+        return self.sequence_offsets is not None
+
     def select(self, rows: Sequence[int] | torch.Tensor) -> PackedBatch:
-        """The given rows, in that order, with the columns trimmed to the longest of them.
+        """The given rows of a padded batch, in that order, with the columns trimmed to the longest of them.
 
         Loss weights are kept as they are, so the rows' losses stay shares of the original batch's loss.
         """
+        if self.packed:
+            raise BatchError("rows of a packed batch cannot be selected: pack the share's rows instead")
         index = torch.as_tensor(rows, dtype=torch.int64)
         width = max(int(self.lengths[index].max().item()), 1) if index.numel() else 1
-        values = {
-            spec.name: getattr(self, spec.name)[index]
-            if spec.name == "lengths"
-            else getattr(self, spec.name)[index, :width]
-            for spec in fields(self)
-        }
-        return PackedBatch(**values)
+        values = {name: getattr(self, name)[index, :width] for name in _ROW_FIELDS}
+        return _from_fields(values, self.lengths[index])
 
     def rank_micro_batches(self, rank: int, world_size: int, micro_batch_size: int) -> list[PackedBatch]:
-        """Rank `rank`'s rows of the batch, in micro-batches of at most `micro_batch_size` rows.
+        """Rank `rank`'s rows of a padded batch, in micro-batches of at most `micro_batch_size` rows, as
+        `micro_batches` cuts a rank's share of it.
 
         Rows are dealt as `asyncrl_core.shares.deal_rows` deals them (sorted by length, round-robin), so ranks
         get similar token counts and a micro-batch holds rows of similar length (little padding). Every rank
@@ -116,20 +156,28 @@ class PackedBatch:
         zero-weight row, so the ranks' collectives still match.
         """
         mine = deal_rows(self.lengths.tolist(), world_size)[rank]
-        return _cut_micro_batches(
-            self, mine, num_micro_batches(self.num_rows, world_size, micro_batch_size), micro_batch_size
-        )
+        count = num_micro_batches(self.num_rows, world_size, micro_batch_size)
+        parts = [mine[index * micro_batch_size : (index + 1) * micro_batch_size] for index in range(count)]
+        return [
+            _widened(self.select(rows))
+            if rows
+            else _zero_weight(_widened(self.select([mine[0] if mine else 0])))
+            for rows in parts
+        ]
 
     def to(self, device: torch.device | str) -> PackedBatch:
         """The same batch on `device` (the tensors are copied without blocking where possible)."""
-        return replace(
-            self,
-            **{spec.name: getattr(self, spec.name).to(device, non_blocking=True) for spec in fields(self)},
-        )
+        moved = {
+            spec.name: value.to(device, non_blocking=True)
+            for spec in fields(self)
+            if isinstance(value := getattr(self, spec.name), torch.Tensor)
+        }
+        return replace(self, **moved)
 
 
 def loss_weights(loss_mask: torch.Tensor, aggregation: LossAggregation) -> torch.Tensor:
-    """Per-token shares of the batch loss for a `[N, T]` mask (see the module docstring); float32."""
+    """Per-token shares of the batch loss for a `[N, T]` mask of one trajectory per row (see the module
+    docstring); float32."""
     mask = loss_mask.to(torch.float32)
     if aggregation == "token_mean":
         return mask / mask.sum().clamp(min=1.0)
@@ -143,7 +191,7 @@ def loss_weights(loss_mask: torch.Tensor, aggregation: LossAggregation) -> torch
 def pack_groups(
     groups: Sequence[Group], pad_id: int, *, normalize_std: bool, aggregation: LossAggregation
 ) -> PackedBatch:
-    """Pack every trajectory of `groups` into one `PackedBatch`, with group-relative advantages.
+    """Pack every trajectory of `groups` into one padded `PackedBatch`, with group-relative advantages.
 
     Rows follow the groups' order, then the trajectories' order. Raises `BatchError`, naming the group and
     trajectory, for a trajectory whose per-token lists do not match its response length, an empty prompt,
@@ -153,91 +201,215 @@ def pack_groups(
 
 
 def pack_rows(rows: MiniBatchShare, pad_id: int, aggregation: LossAggregation) -> PackedBatch:
-    """The rows of a share as a `PackedBatch`, in the share's order; the loss weights are shares of the
-    whole mini-batch's loss (from the share's mini-batch totals), so the ranks' losses add up to it."""
-    lengths_np = np.diff(rows.row_offsets)
-    num_rows = len(lengths_np)
-    if num_rows == 0:
+    """The rows of a share as a padded `PackedBatch` as wide as its longest row, in the share's order; the
+    loss weights are shares of the whole mini-batch's loss (from the share's mini-batch totals), so the
+    ranks' losses add up to it."""
+    if rows.num_share_rows == 0:
         raise BatchError("cannot pack a share without rows")
-    width = max(int(lengths_np.max()), 1)
-    lengths = torch.from_numpy(lengths_np.astype(np.int64))
-    real = torch.arange(width, dtype=torch.int64).expand(num_rows, width) < lengths[:, None]
+    flat = _TokenRows.of(rows, pad_id, aggregation)
+    return flat.padded(list(range(rows.num_share_rows)), max(flat.longest, 1))
 
-    def spread(values: np.ndarray, fill: float, dtype: torch.dtype) -> torch.Tensor:
-        # `real` is row-major, as the share's per-token arrays are; `astype` copies the (read-only,
-        # shared) array the object store handed over into memory torch may own.
-        out = torch.full((num_rows, width), fill, dtype=dtype)
-        out[real] = torch.from_numpy(values.astype(_NUMPY_OF[dtype]))
-        return out
 
-    def shifted(values: torch.Tensor, fill: float) -> torch.Tensor:
-        # Token-aligned to logits-aligned: position `t` describes the target `input_ids[:, t + 1]`.
-        out = torch.full_like(values, fill)
-        out[:, :-1] = values[:, 1:]
-        return out
+@dataclass(frozen=True, slots=True)
+class _TokenRows:
+    """A share's rows as flat, logits-aligned per-token tensors (`[L]`, the rows one after the other): the
+    one place where targets are shifted and loss weights fixed; both layouts are cut from it."""
 
-    input_ids = spread(rows.token_ids, pad_id, torch.int64)
-    loss_mask = shifted(spread(rows.loss_mask, 0, torch.float32), 0)
-    target_ids = shifted(input_ids, pad_id)
-    advantages = torch.from_numpy(rows.advantages.astype(np.float32))
+    values: dict[str, torch.Tensor]
+    """The `_ROW_FIELDS` as `[L]` tensors."""
+    offsets: list[int]
+    """`[R + 1]`: where each row starts, then `L`."""
+    pad_id: int
+
+    @property
+    def longest(self) -> int:
+        return max(end - start for start, end in zip(self.offsets, self.offsets[1:], strict=False))
+
+    def length(self, row: int) -> int:
+        return self.offsets[row + 1] - self.offsets[row]
+
+    @classmethod
+    def of(cls, rows: MiniBatchShare, pad_id: int, aggregation: LossAggregation) -> _TokenRows:
+        offsets = rows.row_offsets.astype(np.int64)
+        lengths = np.diff(offsets)
+        total = int(offsets[-1])
+        last = offsets[1:] - 1  # each row's last token: it predicts nothing
+
+        def shifted(values: np.ndarray, dtype: type[np.generic], fill: float) -> torch.Tensor:
+            # Token-aligned to logits-aligned: position `t` describes the target at `t + 1` of its row.
+            # `astype` copies the (read-only, shared) array the object store handed over.
+            source = values.astype(dtype)
+            out = np.empty_like(source)
+            out[:-1] = source[1:]
+            out[last] = fill
+            return torch.from_numpy(out)
+
+        row_of_token = torch.from_numpy(np.repeat(np.arange(len(lengths)), lengths))
+        starts = torch.from_numpy(np.repeat(offsets[:-1], lengths))
+        loss_mask = shifted(rows.loss_mask, np.float32, 0)
+        advantages = torch.from_numpy(rows.advantages.astype(np.float32))[row_of_token] * loss_mask
+        values = {
+            "input_ids": torch.from_numpy(rows.token_ids.astype(np.int64)),
+            "attention_mask": torch.ones(total, dtype=torch.int64),
+            "position_ids": torch.arange(total, dtype=torch.int64) - starts,
+            "target_ids": shifted(rows.token_ids, np.int64, pad_id),
+            "loss_mask": loss_mask,
+            "loss_weights": _share_weights(loss_mask, row_of_token, len(lengths), rows, aggregation),
+            "rollout_logprobs": shifted(rows.rollout_logprobs, np.float32, 0.0),
+            "advantages": advantages,
+            "versions": shifted(rows.versions, np.int64, NO_VERSION),
+        }
+        return cls(values, offsets.tolist(), pad_id)
+
+    def padded(self, rows: Sequence[int], width: int) -> PackedBatch:
+        """`rows`, one per row of `[len(rows), width]` tensors, right-padded."""
+        out = {name: _filled((len(rows), width), name, self.pad_id) for name in _ROW_FIELDS}
+        out["position_ids"] = torch.arange(width, dtype=torch.int64).expand(len(rows), width).contiguous()
+        for index, row in enumerate(rows):
+            start, end = self.offsets[row], self.offsets[row + 1]
+            for name in _ROW_FIELDS:
+                out[name][index, : end - start] = self.values[name][start:end]
+        lengths = torch.tensor([self.length(row) for row in rows], dtype=torch.int64)
+        return _from_fields(out, lengths)
+
+    def packed(self, rows: Sequence[int]) -> PackedBatch:
+        """`rows` one after the other in one row, padded to a multiple of `LENGTH_MULTIPLE` tokens."""
+        index = torch.cat([torch.arange(self.offsets[row], self.offsets[row + 1]) for row in rows])
+        real = int(index.numel())
+        width = bucket_length(real)
+        out = {name: _filled((1, width), name, self.pad_id) for name in _ROW_FIELDS}
+        out["position_ids"][0, real:] = torch.arange(width - real)
+        for name in _ROW_FIELDS:
+            out[name][0, :real] = self.values[name][index]
+        sizes = [self.length(row) for row in rows] + ([width - real] if width > real else [])
+        offsets = torch.zeros(len(sizes) + 1, dtype=torch.int32)
+        offsets[1:] = torch.tensor(sizes, dtype=torch.int32).cumsum(0)
+        return _from_fields(out, torch.tensor([real], dtype=torch.int64), offsets, max(sizes))
+
+
+_FILL: dict[str, tuple[float, torch.dtype]] = {
+    "input_ids": (0, torch.int64),  # the pad id, set by `_filled`
+    "attention_mask": (0, torch.int64),
+    "position_ids": (0, torch.int64),
+    "target_ids": (0, torch.int64),  # the pad id
+    "loss_mask": (0.0, torch.float32),
+    "loss_weights": (0.0, torch.float32),
+    "rollout_logprobs": (0.0, torch.float32),
+    "advantages": (0.0, torch.float32),
+    "versions": (NO_VERSION, torch.int64),
+}
+"""What padding holds in each `[N, T]` field, and the field's dtype."""
+
+
+def _from_fields(
+    values: dict[str, torch.Tensor],
+    lengths: torch.Tensor,
+    sequence_offsets: torch.Tensor | None = None,
+    max_sequence_len: int = 0,
+) -> PackedBatch:
     return PackedBatch(
-        input_ids=input_ids,
-        attention_mask=real.to(torch.int64),
-        position_ids=torch.arange(width, dtype=torch.int64).expand(num_rows, width).contiguous(),
-        target_ids=target_ids,
-        loss_mask=loss_mask,
-        loss_weights=_share_weights(loss_mask, rows, aggregation),
-        rollout_logprobs=shifted(spread(rows.rollout_logprobs, 0.0, torch.float32), 0.0),
-        advantages=advantages[:, None] * loss_mask,
-        versions=shifted(spread(rows.versions, -1, torch.int64), -1),
+        input_ids=values["input_ids"],
+        attention_mask=values["attention_mask"],
+        position_ids=values["position_ids"],
+        target_ids=values["target_ids"],
+        loss_mask=values["loss_mask"],
+        loss_weights=values["loss_weights"],
+        rollout_logprobs=values["rollout_logprobs"],
+        advantages=values["advantages"],
+        versions=values["versions"],
         lengths=lengths,
+        sequence_offsets=sequence_offsets,
+        max_sequence_len=max_sequence_len,
     )
 
 
-_NUMPY_OF: dict[torch.dtype, type[np.generic]] = {torch.int64: np.int64, torch.float32: np.float32}
+def _filled(shape: tuple[int, int], name: str, pad_id: int) -> torch.Tensor:
+    fill, dtype = _FILL[name]
+    return torch.full(shape, pad_id if name in ("input_ids", "target_ids") else fill, dtype=dtype)
 
 
 def _share_weights(
-    loss_mask: torch.Tensor, rows: MiniBatchShare, aggregation: LossAggregation
+    loss_mask: torch.Tensor,
+    row_of_token: torch.Tensor,
+    num_rows: int,
+    rows: MiniBatchShare,
+    aggregation: LossAggregation,
 ) -> torch.Tensor:
-    """`loss_weights` of a share's rows, normalised by the whole mini-batch's counts (0-dim float32 tensors,
-    as `loss_weights` divides by, so both give the same float32 values)."""
+    """`loss_weights` of a share's flat tokens (`[L]`), normalised by the whole mini-batch's counts (0-dim
+    float32 tensors, as `loss_weights` divides by, so both give the same float32 values)."""
     if aggregation == "token_mean":
         return loss_mask / torch.tensor(float(max(rows.num_loss_tokens, 1)), dtype=torch.float32)
     if aggregation == "sequence_mean":
-        per_row = loss_mask.sum(dim=1, keepdim=True)
-        num_rows = torch.tensor(float(max(rows.num_trained_rows, 1)), dtype=torch.float32)
-        return loss_mask / per_row.clamp(min=1.0) / num_rows
+        per_row = torch.zeros(num_rows, dtype=torch.float32).index_add_(0, row_of_token, loss_mask)
+        trained_rows = torch.tensor(float(max(rows.num_trained_rows, 1)), dtype=torch.float32)
+        return loss_mask / per_row[row_of_token].clamp(min=1.0) / trained_rows
     raise ValueError(f"loss_aggregation must be `token_mean` or `sequence_mean`, got {aggregation!r}")
 
 
 def micro_batches(
-    rows: MiniBatchShare, num_ranks: int, pad_id: int, aggregation: LossAggregation, micro_batch_size: int
+    rows: MiniBatchShare,
+    num_ranks: int,
+    pad_id: int,
+    aggregation: LossAggregation,
+    micro_batch_size: int,
+    *,
+    max_tokens: int | None = None,
+    packed: bool = False,
 ) -> list[PackedBatch]:
-    """A rank's share of one mini-batch in micro-batches of at most `micro_batch_size` rows, in order; as
-    many as every rank runs (`num_micro_batches`), the missing ones made of one zero-weight row."""
-    count = num_micro_batches(rows.num_rows, num_ranks, micro_batch_size)
+    """A rank's share of one mini-batch in micro-batches, in the share's order (longest rows first).
+
+    Without `max_tokens`: padded micro-batches of at most `micro_batch_size` rows, as many as every rank
+    runs (`num_micro_batches`), the missing ones made of one zero-weight row. With `max_tokens`: micro-batches
+    of at most that many tokens (`asyncrl_core.shares.cut_by_tokens`; a longer row alone), each packed
+    into one row when `packed`, else padded (the padded width times the rows within the budget); a rank
+    without rows runs one zero-weight micro-batch. Padded widths are rounded up to `LENGTH_MULTIPLE`.
+    """
     if rows.num_share_rows == 0:
-        return [_padding_row(pad_id)] * count
-    packed = pack_rows(rows, pad_id, aggregation)
-    return _cut_micro_batches(packed, list(range(packed.num_rows)), count, micro_batch_size)
+        count = 1 if max_tokens is not None else num_micro_batches(rows.num_rows, num_ranks, micro_batch_size)
+        return [_padding_row(pad_id, packed=packed and max_tokens is not None)] * count
+    flat = _TokenRows.of(rows, pad_id, aggregation)
+    lengths = [flat.length(row) for row in range(rows.num_share_rows)]
+    if max_tokens is None:
+        count = num_micro_batches(rows.num_rows, num_ranks, micro_batch_size)
+        cuts = [list(range(rows.num_share_rows))[i * micro_batch_size : (i + 1) * micro_batch_size]
+                for i in range(count)]  # fmt: skip
+        return [
+            flat.padded(cut, bucket_length(max(lengths[row] for row in cut)))
+            if cut
+            else _zero_weight(flat.padded([0], bucket_length(lengths[0])))
+            for cut in cuts
+        ]
+    cuts = cut_by_tokens(lengths, max_tokens, padded=not packed)
+    if packed:
+        return [flat.packed(cut) for cut in cuts]
+    return [flat.padded(cut, bucket_length(max(lengths[row] for row in cut))) for cut in cuts]
 
 
-def _cut_micro_batches(batch: PackedBatch, mine: list[int], count: int, size: int) -> list[PackedBatch]:
-    parts: list[PackedBatch] = []
-    for index in range(count):
-        rows = mine[index * size : (index + 1) * size]
-        if rows:
-            parts.append(batch.select(rows))
-        else:
-            empty = batch.select([mine[0] if mine else 0])
-            parts.append(replace(empty, loss_weights=torch.zeros_like(empty.loss_weights)))
-    return parts
+def _widened(batch: PackedBatch) -> PackedBatch:
+    """A padded batch right-padded to `bucket_length` of its width."""
+    width = int(batch.input_ids.shape[1])
+    wide = bucket_length(width)
+    if wide == width:
+        return batch
+    # A trajectory's last target is the pad id (it predicts nothing).
+    pad_id = int(batch.target_ids[0, int(batch.lengths[0]) - 1].item())
+    values: dict[str, torch.Tensor] = {}
+    for name in _ROW_FIELDS:
+        old = getattr(batch, name)
+        new = _filled((old.shape[0], wide), name, pad_id)
+        new[:, :width] = old
+        values[name] = new
+    values["position_ids"] = torch.arange(wide, dtype=torch.int64).expand(batch.num_rows, wide).contiguous()
+    return _from_fields(values, batch.lengths)
 
 
-def _padding_row(pad_id: int) -> PackedBatch:
+def _zero_weight(batch: PackedBatch) -> PackedBatch:
+    return replace(batch, loss_weights=torch.zeros_like(batch.loss_weights))
+
+
+def _padding_row(pad_id: int, *, packed: bool) -> PackedBatch:
     """One row of one padding token that carries no loss (a rank without rows in a mini-batch still runs
-    its micro-batches, so the ranks' collectives match)."""
+    a micro-batch, so the ranks' collectives match)."""
     zeros_int = torch.zeros((1, 1), dtype=torch.int64)
     zeros = torch.zeros((1, 1), dtype=torch.float32)
     return PackedBatch(
@@ -249,8 +421,10 @@ def _padding_row(pad_id: int) -> PackedBatch:
         loss_weights=zeros,
         rollout_logprobs=zeros,
         advantages=zeros,
-        versions=torch.full((1, 1), -1, dtype=torch.int64),
+        versions=torch.full((1, 1), NO_VERSION, dtype=torch.int64),
         lengths=torch.ones(1, dtype=torch.int64),
+        sequence_offsets=torch.tensor([0, 1], dtype=torch.int32) if packed else None,
+        max_sequence_len=1 if packed else 0,
     )
 
 
@@ -276,11 +450,14 @@ def rank_plan(
     micro_batch_size: int,
     normalize_std: bool,
     aggregation: LossAggregation,
+    max_tokens: int | None = None,
+    packed: bool = False,
 ) -> RankPlan:
     """Data-parallel rank `rank`'s part of a step: from its `BatchShare` (what the runner hands each rank),
     or from the step's groups, which every rank is then given and cuts the same way
-    (`asyncrl_core.shares.split_batch`). A share cut for another rank, or for another number of ranks,
-    raises `BatchError`: a rank never trains on rows that are not its own."""
+    (`asyncrl_core.shares.split_batch`). Each mini-batch is cut by `micro_batches` (`micro_batch_size`
+    rows, or `max_tokens` tokens, packed or not). A share cut for another rank, or for another number of
+    ranks, raises `BatchError`: a rank never trains on rows that are not its own."""
     if isinstance(batch, BatchShare):
         share = batch
     else:
@@ -294,7 +471,9 @@ def rank_plan(
         raise BatchError("the share holds no mini-batch")
     return RankPlan(
         micro_batches=[
-            micro_batches(rows, num_ranks, pad_id, aggregation, micro_batch_size)
+            micro_batches(
+                rows, num_ranks, pad_id, aggregation, micro_batch_size, max_tokens=max_tokens, packed=packed
+            )
             for rows in share.mini_batches
         ],
         num_rows=sum(rows.num_rows for rows in share.mini_batches),

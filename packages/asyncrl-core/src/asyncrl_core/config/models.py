@@ -661,8 +661,16 @@ class ActorCommon(Section):
     native bfloat16), the Megatron actor keeps bfloat16 parameters with float32 master weights in its
     optimiser (Megatron's optimiser on a GPU, `torch.optim` on a CPU). `float32`: everything in float32."""
     micro_batch_size: PositiveInt = 1
-    """Trajectories per forward/backward pass on one data-parallel rank; gradients accumulate over the
-    micro batches of a step."""
+    """Trajectories per forward/backward pass on one data-parallel rank, each right-padded to the longest
+    (rounded up to a multiple of 64 tokens); gradients accumulate over the micro batches of a step. Not
+    read when `max_tokens_per_micro_batch` is set."""
+    max_tokens_per_micro_batch: PositiveInt | None = None
+    """Tokens per forward/backward pass on one data-parallel rank (verl's `ppo_max_token_len_per_gpu`):
+    a rank's trajectories are grouped into as few micro batches of at most this many tokens as fit, each
+    packed into one row by the torch actor (attention never crosses trajectories; no padding but the
+    row's last few tokens) and padded to a bucketed width by the Megatron actor (which then counts the
+    padding). The gradient is the one of any other cut. Must hold the longest trajectory,
+    `rollout.context_length`. Unset: micro batches of `micro_batch_size` trajectories."""
     optimizer: Literal["adamw", "sgd"] = "adamw"
     """Optimiser."""
     lr: Annotated[Float, Field(gt=0.0)] = 1e-6
@@ -727,6 +735,13 @@ class ActorCommon(Section):
                 "the actor's logprobs and the rollout logprobs would describe different distributions and "
                 "every importance ratio would be off; remove the key (it is derived)",
             )
+        longest = root.rollout.context_length or root.data.max_prompt_len + root.data.max_response_len
+        if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < longest:
+            found.error(
+                "actor.max_tokens_per_micro_batch",
+                f"{self.max_tokens_per_micro_batch} tokens cannot hold a trajectory of "
+                f"rollout.context_length {longest} tokens; write at least {longest}",
+            )
         batch, group_size = root.data.rollout_batch_size, root.algorithm.group_size
         mini_batch = batch if self.ppo_mini_batch_size is None else self.ppo_mini_batch_size
         if batch % mini_batch:
@@ -765,7 +780,7 @@ class ActorCommon(Section):
                 f"{described} do not split evenly over the actor's {data_parallel} data-parallel ranks; "
                 f"make {key.split('.')[1]} x group_size a multiple of {data_parallel}",
             )
-        elif per_rank % self.micro_batch_size:
+        elif self.max_tokens_per_micro_batch is None and per_rank % self.micro_batch_size:
             found.error(
                 "actor.micro_batch_size",
                 f"{described} give {per_rank} per data-parallel rank ({data_parallel} ranks), which micro "
