@@ -193,7 +193,7 @@ def bare_megatron_step(
 def engine_round_trip(actor: Any, model_dir: Path) -> float | None:
     """Load the actor's exported weights into the built-in engine and compare logits on a few tokens."""
     try:
-        from asyncrl_sglang.builtin.model import EngineModel
+        from asyncrl_engine.model import EngineModel
     except ImportError:
         print("built-in engine not importable: round trip skipped")
         return None

@@ -21,6 +21,7 @@ import os
 import platform
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -94,8 +95,8 @@ async def run_groups(loop: MultiTurnAgentLoop, num_groups: int) -> tuple[list[Gr
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from asyncrl_core.models import smollm2_135m
-    from asyncrl_sglang.builtin.testing import serve_builtin
     from asyncrl_sglang.client import SGLangClient
+    from asyncrl_sglang.launcher import builtin_command, free_port, start_engines
 
     model = smollm2_135m()
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.7)
@@ -109,10 +110,18 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "num_demonstrations": args.demonstrations,
     }
     results: dict[str, Any] = {}
-    with SearchR1MiniTask().serve() as task_args:
-        with serve_builtin(model, context_length=2048, num_threads=args.threads) as server:
+    engine = builtin_command(
+        model_path=str(model),
+        host="127.0.0.1",
+        port=free_port(),
+        max_running_requests=32,
+        context_length=2048,
+        extra_args={"num_threads": args.threads},
+    )
+    with SearchR1MiniTask().serve() as task_args, tempfile.TemporaryDirectory() as log_dir:
+        with start_engines([engine], log_dir=Path(log_dir)) as launched:
             task = SearchR1MiniTask(**task_args)
-            async with SGLangClient(server.url) as client:
+            async with SGLangClient(launched.urls[0]) as client:
                 loop = MultiTurnAgentLoop(task, client, model, **settings)  # type: ignore[arg-type]
                 # Warm up the engine, the tokenizer and the HTTP connections with one short request.
                 await client.generate([1, 2, 3], SamplingParams(max_new_tokens=2))

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 
 from asyncrl_core.models import smollm2_135m
-from asyncrl_sglang.builtin.engine import Engine, Request
-from asyncrl_sglang.builtin.model import EngineModel
-from asyncrl_sglang.builtin.sampling import SamplingOptions
+from asyncrl_engine.engine import Engine, Request
+from asyncrl_engine.model import EngineModel
+from asyncrl_engine.sampling import SamplingOptions
 
 WAIT_S = 600.0
 

@@ -252,7 +252,7 @@ def build_models(args: argparse.Namespace, device: torch.device, dtype: torch.dt
     """(transformers model, engine model) with identical weights, and a description."""
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-    from asyncrl_sglang.builtin.model import EngineModel, ModelConfig
+    from asyncrl_engine.model import EngineModel, ModelConfig
 
     if args.random_weights:
         torch.manual_seed(args.seed)
@@ -381,7 +381,7 @@ def time_device_work(model: Any) -> None:
     time less it is the engine's host work per step (scheduling, bookkeeping, stop strings, clients), which
     a GPU cannot hide; on CUDA it is the host side of the launches. Also counts the decode steps launched
     and their rows. (Whatever an older engine lacks is skipped.)"""
-    import asyncrl_sglang.builtin.engine as engine_module
+    import asyncrl_engine.engine as engine_module
 
     for name in ("decode", "prefill_batch", "prefill_packed", "logits"):
         if hasattr(model, name):
@@ -436,8 +436,8 @@ def bench_engine(
 ) -> float:
     """Tokens/s of B requests submitted at once; `cpu_us_per_token["engine"]` gets the scheduler thread's CPU
     microseconds per generated token."""
-    from asyncrl_sglang.builtin.engine import Request
-    from asyncrl_sglang.builtin.sampling import SamplingOptions
+    from asyncrl_engine.engine import Request
+    from asyncrl_engine.sampling import SamplingOptions
 
     options = SamplingOptions(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     remaining = [prompts.shape[0]]
@@ -473,7 +473,7 @@ def bench_http(engine: Any, prompts: torch.Tensor, new_tokens: int) -> float:
     import aiohttp
     from aiohttp import web
 
-    from asyncrl_sglang.builtin.server import BuiltinServer, ServerArgs
+    from asyncrl_engine.server import BuiltinServer, ServerArgs
 
     async def run() -> float:
         args = ServerArgs(model_path="bench", served_model_name="bench", tokenizer_path=None, port=0)
@@ -507,7 +507,7 @@ def bench_http(engine: Any, prompts: torch.Tensor, new_tokens: int) -> float:
 
 def bench_bound(model: Any, batch: int, prompt_len: int, new_tokens: int) -> float:
     """Bare decode forward (no sampling) with a static KV cache, one CUDA graph replay per step."""
-    from asyncrl_sglang.builtin.model import KVCache
+    from asyncrl_engine.model import KVCache
 
     device = model.device
     capacity = prompt_len + new_tokens + 1
@@ -608,8 +608,8 @@ def run_agentic(
     timeout_s: float = 3600.0,
 ) -> AgenticResult:
     """Run the agentic workload on a started `Engine` and wait for every trajectory's last turn."""
-    from asyncrl_sglang.builtin.engine import Request
-    from asyncrl_sglang.builtin.sampling import SamplingOptions
+    from asyncrl_engine.engine import Request
+    from asyncrl_engine.sampling import SamplingOptions
 
     rng = random.Random(seed)
     draws = [
@@ -860,7 +860,7 @@ OVERLAP = "overlap_schedule"
 def compare_extend_attention(args: argparse.Namespace, model: Any, device: torch.device) -> dict[str, Any]:
     """Milliseconds per prefill of agentic turns, right-padded against packed, alternating `--rounds` times
     (a drift of the machine falls on both); prints each round and padded / packed of the rounds' medians."""
-    from asyncrl_sglang.builtin.model import KVCache
+    from asyncrl_engine.model import KVCache
 
     rng = random.Random(args.seed)
     batch, new_tokens = args.extend_batch, args.extend_new_tokens
@@ -967,7 +967,7 @@ def measure(
     hf: Any,
 ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """The fixed-shape rows, then the agentic workload and its ratio to the largest row."""
-    from asyncrl_sglang.builtin.engine import Engine
+    from asyncrl_engine.engine import Engine
 
     rows: list[dict[str, Any]] = []
     for batch in args.batch_sizes:
@@ -1044,7 +1044,7 @@ def bench_agentic(
     CUDA graph the workload replays captured, the KV cache and the prefix cache's pool allocated, the prefix
     cache full (its random prefixes never match the measured runs'). `around`: two functions of the engine run
     on its scheduler thread just before and just after the measured runs."""
-    from asyncrl_sglang.builtin.engine import Engine
+    from asyncrl_engine.engine import Engine
 
     vocab = engine_model.config.vocab_size
     if args.tokenizer_path:

@@ -103,7 +103,7 @@ def main() -> int:
 
     from asyncrl_core.models import tiny_llama
     from asyncrl_megatron.parallel import spawn
-    from asyncrl_sglang.builtin.testing import serve_builtin
+    from asyncrl_sglang.launcher import builtin_command, free_port, start_engines
 
     sizes = (1, 2)
     samples = {(tp, transport): {"sync_s": [], "wall_s": []} for tp in sizes for transport in TRANSPORTS}
@@ -117,12 +117,20 @@ def main() -> int:
             num_kv_heads=2,
             intermediate_size=3 * args.hidden,
         )
-        with serve_builtin(model_dir, max_running_requests=2) as engine:
+        command = builtin_command(
+            model_path=str(model_dir),
+            host="127.0.0.1",
+            port=free_port(),
+            max_running_requests=2,
+            extra_args={"num_threads": 1},
+        )
+        with start_engines([command], log_dir=Path(folder)) as launched:
+            engine_url = launched.urls[0]
             for round_index in range(args.rounds):
                 for tp in sizes:
                     started = time.perf_counter()
                     ranks = spawn(
-                        world, tp, (str(model_dir), engine.url, args.warmup, args.syncs), timeout_s=1800
+                        world, tp, (str(model_dir), engine_url, args.warmup, args.syncs), timeout_s=1800
                     )
                     (sender,) = [rank for rank in ranks if rank["role"] == "send"]
                     num_bytes = sender["bytes"]

@@ -25,8 +25,8 @@ from typing import Any
 
 import httpx
 import pytest
+from engine_process import serve_builtin
 
-from asyncrl_sglang.builtin.testing import serve_builtin
 from asyncrl_sglang.client import SGLangClient
 from asyncrl_sglang.wire import GenerateResponse, ModelInfo, UpdateResult
 
@@ -79,7 +79,7 @@ SERVER_ARGS = {
     "disable_overlap_schedule", "skip_server_warmup", "log_level", "tp_size", "dp_size", "pp_size",
     "enable_dp_attention", "attention_backend",
 }  # fmt: skip
-# Flags of `python -m asyncrl_sglang.builtin` that are no ServerArgs field: `/server_info` leaves them out
+# Flags of `python -m asyncrl_engine` that are no ServerArgs field: `/server_info` leaves them out
 # (`launch_command` shows them). `--random-weights` is reported as SGLang names it, `load_format: dummy`;
 # `--api-key` is a field the engine never echoes. `--start-paused` is the launcher's for a restarted engine
 # (SGLang has none: the launcher refuses to start an SGLang server paused).
@@ -438,7 +438,7 @@ def test_the_server_command_refuses_what_it_cannot_load_in_one_line(
     if target.suffix == ".gguf":
         target.write_bytes(b"GGUF")
     done = subprocess.run(
-        [sys.executable, "-m", "asyncrl_sglang.builtin", "--model-path", str(target)],
+        [sys.executable, "-m", "asyncrl_engine", "--model-path", str(target)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -455,13 +455,13 @@ def test_the_server_command_takes_the_model_aliases_the_launcher_takes() -> None
     # The launcher accepts `smollm2-135m`; the server command resolves it through the same resolver, so a
     # name the launcher passes through is one the server loads.
     from asyncrl_core.models import SMOLLM2_ALIAS
-    from asyncrl_sglang.builtin.__main__ import parse_args
+    from asyncrl_engine.flags import parse_args
 
     assert parse_args(["--model-path", SMOLLM2_ALIAS]).model_path == SMOLLM2_ALIAS
 
 
 def test_the_launch_command_shown_is_the_arguments_with_the_api_key_redacted() -> None:
-    from asyncrl_sglang.builtin.__main__ import launch_command
+    from asyncrl_engine.flags import launch_command
 
     shown = launch_command(["--model-path", "m", "--api-key", "k", "--port", "1", "--api-key=k2"])
     assert shown == "--model-path m --api-key <redacted> --port 1 --api-key=<redacted>"
@@ -469,8 +469,9 @@ def test_the_launch_command_shown_is_the_arguments_with_the_api_key_redacted() -
 
 def test_server_info_reports_every_sglang_flag_the_engine_takes() -> None:
     # Every flag is given a value other than its default; each one SGLang has must come back under its name.
-    from asyncrl_sglang.builtin.__main__ import launch_arguments, parse_args
-    from asyncrl_sglang.builtin.info import server_args
+    from asyncrl_engine.__main__ import launch_arguments
+    from asyncrl_engine.flags import parse_args
+    from asyncrl_engine.info import server_args
 
     argv = [
         "--model-path", "m", "--tokenizer-path", "t", "--served-model-name", "s", "--host", "::1",

@@ -285,8 +285,8 @@ def run_python(words: list[str], env: dict[str, str], monkeypatch: pytest.Monkey
     if words[1] == "-m":
         module = words[2]
         assert importlib.util.find_spec(module) is not None, f"no module {module}"
-        if module == "asyncrl_sglang.builtin":
-            from asyncrl_sglang.builtin.__main__ import parse_args
+        if module == "asyncrl_engine":
+            from asyncrl_engine.flags import parse_args
 
             parse_args(words[3:])
         return

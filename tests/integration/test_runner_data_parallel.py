@@ -75,7 +75,7 @@ async def _read_engine(url: str, shapes: dict[str, tuple[int, ...]]) -> tuple[di
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory, tiny_llama_path: Path) -> Runs:
-    from asyncrl_sglang.builtin.testing import serve_builtin
+    from engine_process import serve_builtin
 
     tmp_path = tmp_path_factory.mktemp("dp")
     found: dict[str, EnginesAfterRun] = {}

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from engine_process import serve_builtin
 from runner_testing import read_metrics, read_summary, run_config
 
 from asyncrl_core import metrics
@@ -30,7 +31,6 @@ from asyncrl_core.runner import run
 from asyncrl_core.runner.checkpoint import ACTOR_DIR, checkpoints, verify_checkpoint
 from asyncrl_core.server_process import free_port
 from asyncrl_core.types import NO_VERSION, Group, Trajectory
-from asyncrl_sglang.builtin.testing import serve_builtin
 from asyncrl_sglang.client import SGLangClient
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]

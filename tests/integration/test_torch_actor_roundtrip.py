@@ -13,7 +13,7 @@ from asyncrl_core.actor import TorchActor
 from asyncrl_core.config import AlgorithmConfig, TorchActorConfig
 from asyncrl_core.models import tiny_llama
 from asyncrl_core.types import NO_VERSION, Group, Trajectory
-from asyncrl_sglang.builtin.model import EngineModel
+from asyncrl_engine.model import EngineModel
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -74,7 +74,7 @@ async def _weight_version(url: str) -> int:
 def test_a_stopped_run_and_a_finished_run_each_leave_the_weight_group(
     tmp_path: Path, tiny_llama_path: Path
 ) -> None:
-    from asyncrl_sglang.builtin.testing import serve_builtin
+    from engine_process import serve_builtin
 
     started: list[subprocess.Popen[bytes]] = []
     with serve_builtin(tiny_llama_path, max_running_requests=8) as engine:

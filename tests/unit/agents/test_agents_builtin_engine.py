@@ -21,8 +21,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 async def test_multi_turn_group_on_the_builtin_engine(tmp_path: Path) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from engine_process import serve_builtin
+
     from asyncrl_core.models import tiny_llama
-    from asyncrl_sglang.builtin.testing import serve_builtin
     from asyncrl_sglang.client import SGLangClient
 
     model = tiny_llama(tmp_path / "tiny-llama")
@@ -74,8 +75,9 @@ async def test_every_turn_of_a_trajectory_goes_to_one_engine_of_a_pool(tmp_path:
     # Two engines behind a pool: without the trajectory's id as routing key, a later turn goes to whichever
     # engine has fewer requests outstanding and misses the prefix cache holding the turns before.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from engine_process import serve_builtin
+
     from asyncrl_core.models import tiny_llama
-    from asyncrl_sglang.builtin.testing import serve_builtin
     from asyncrl_sglang.client import SGLangClient
     from asyncrl_sglang.pool import EnginePool
 

@@ -13,7 +13,7 @@ from typing import Any
 from asyncrl_agents.loop import MultiTurnAgentLoop
 from asyncrl_agents.tasks.searchr1 import SearchR1MiniTask
 from asyncrl_core.types import Group, SamplingParams
-from asyncrl_sglang.builtin.server import BuiltinServer
+from asyncrl_engine.server import BuiltinServer
 from asyncrl_sglang.client import SGLangClient
 from asyncrl_sglang.pool import EnginePool
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from asyncrl_core.types import SamplingParams
-from asyncrl_sglang.builtin.grpc_service import SchedulerService, start_grpc_server
+from asyncrl_engine.grpc_service import SchedulerService, start_grpc_server
 from asyncrl_sglang.client import ClientTimeouts, RetryPolicy
 from asyncrl_sglang.grpc_client import GrpcSGLangClient
 from asyncrl_sglang.launcher import free_port

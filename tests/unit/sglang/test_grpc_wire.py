@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from asyncrl_core.types import SamplingParams, VersionSpan
-from asyncrl_sglang._grpc_wire import (
+from asyncrl_sglang.grpc_client import GrpcSGLangClient
+from asyncrl_sglang.grpc_wire import (
     NUM_RETRACTIONS_KEY,
     WEIGHT_VERSIONS_KEY,
     TrailerError,
@@ -15,7 +16,6 @@ from asyncrl_sglang._grpc_wire import (
     sampling_fields,
     sampling_message,
 )
-from asyncrl_sglang.grpc_client import GrpcSGLangClient
 
 
 def test_sampling_survives_the_round_trip_with_sglang_defaults_written_out() -> None:

@@ -99,7 +99,7 @@ def test_sglang_command_refuses_a_device_count_that_does_not_match_tp() -> None:
 
 def test_builtin_command_runs_on_cuda_only_when_given_a_device() -> None:
     cpu = builtin_command(model_path="m", host="127.0.0.1", port=5, max_running_requests=3)
-    assert cpu.argv[1:3] == ("-m", "asyncrl_sglang.builtin")
+    assert cpu.argv[1:3] == ("-m", "asyncrl_engine")
     assert "--random-seed" not in cpu.argv  # the engine's default
     seeded = builtin_command(model_path="m", host="127.0.0.1", port=5, max_running_requests=3, random_seed=9)
     assert flags(seeded.argv)["--random-seed"] == "9"

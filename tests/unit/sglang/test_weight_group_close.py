@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_process import serve_builtin
 
 from asyncrl_core.config import AsyncRLConfig, load_config
 from asyncrl_core.errors import EngineControlError
 from asyncrl_core.runner.workers import ActorWorker, EngineEndpoint
-from asyncrl_sglang.builtin.testing import serve_builtin
 from asyncrl_sglang.client import SGLangClient
 from asyncrl_sglang.weight_sync import DistributedTransport
 

@@ -15,7 +15,7 @@ import torch
 from asyncrl_core.errors import EngineControlError
 from asyncrl_core.models import tiny_llama
 from asyncrl_core.types import SamplingParams
-from asyncrl_sglang.builtin.model import EngineModel
+from asyncrl_engine.model import EngineModel
 from asyncrl_sglang.client import SGLangClient
 from asyncrl_sglang.pool import EnginePool
 from asyncrl_sglang.weight_sync import TensorTransport, sync_weights

@@ -6,7 +6,7 @@ and nothing is parsed from text. Pause, continue, weight updates and versions go
 before, so the pool, the weight sync and the agent loop use it unchanged.
 
 Which weights produced which tokens. The service has no weight-version field. The built-in engine sends
-each request's per-token spans in trailing metadata (`asyncrl_sglang._grpc_wire`); the client reads them
+each request's per-token spans in trailing metadata (`asyncrl_sglang.grpc_wire`); the client reads them
 and the generation is `versions_verified`. Against a server that does not send them (real SGLang), the
 client derives spans from its own record of the syncs it performed (`SyncRecord`): it asks for a streamed
 response and labels each chunk of tokens with the version its record held when the chunk arrived, or,
@@ -42,15 +42,15 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from asyncrl_core.errors import EngineUnavailableError, GenerationError
 from asyncrl_core.types import Generation, SamplingParams, VersionSpan
-from asyncrl_sglang._grpc_wire import (
+from asyncrl_sglang._schema import parse_version, tiles
+from asyncrl_sglang.client import ClientTimeouts, PauseMode, RetryPolicy, SGLangClient
+from asyncrl_sglang.grpc_wire import (
     FINISH_REASONS,
     TrailerError,
     authorization,
     decode_trailer,
     sampling_message,
 )
-from asyncrl_sglang._schema import parse_version, tiles
-from asyncrl_sglang.client import ClientTimeouts, PauseMode, RetryPolicy, SGLangClient
 from asyncrl_sglang.wire import DUPLICATE_RID
 
 

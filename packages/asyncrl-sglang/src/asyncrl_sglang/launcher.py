@@ -1,7 +1,7 @@
 """Start the rollout engines, wait until they serve, and stop every process started, whatever happens.
 
 `rollout.sglang.launch`:
-- `builtin`: `python -m asyncrl_sglang.builtin` per instance (asyncrl's torch engine), with
+- `builtin`: `python -m asyncrl_engine` per instance (asyncrl's torch engine), with
   `--grpc-port` when `rollout.sglang.transport` is `grpc` (the launch then also waits for the gRPC
   `HealthCheck`, and `clients()` generate over gRPC);
 - `sglang`: `python -m sglang.launch_server` per instance, with the flags an RL run needs (`--weight-version
@@ -28,10 +28,11 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
-import io
+import importlib.util
 import logging
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -60,6 +61,8 @@ if TYPE_CHECKING:
 ServerArgument = str | int | float | bool
 
 LOOPBACK = "127.0.0.1"
+FLAG_CHECK_TIMEOUT_S = 60.0
+"""Bound on the check of the built-in engine's flags (one Python start-up that imports no torch)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,11 +216,13 @@ def builtin_command(
     arguments["start_paused"] = start_paused
     arguments.update(extra_args or {})
     flags = _flag_arguments(arguments)
+    if python == sys.executable and importlib.util.find_spec(ENGINE_MODULE) is None:
+        raise EngineControlError(_engine_missing(python))
     if extra_args:
-        _check_builtin_flags(flags, extra_args)
+        _check_builtin_flags(python, flags, extra_args)
     env = {"CUDA_VISIBLE_DEVICES": ",".join(str(device) for device in devices)} if devices else {}
     return EngineCommand(
-        argv=(python, "-m", "asyncrl_sglang.builtin", *flags),
+        argv=(python, "-m", ENGINE_MODULE, *flags),
         host=host,
         port=port,
         env=env,
@@ -225,21 +230,44 @@ def builtin_command(
     )
 
 
-def _check_builtin_flags(flags: list[str], extra_args: Mapping[str, ServerArgument]) -> None:
-    """Parse `flags` as the built-in engine will (its parser imports no torch), so an extra argument it
-    does not take is an error naming `rollout.sglang.extra_args` before any engine starts."""
-    from asyncrl_sglang.builtin.__main__ import parse_args
+ENGINE_MODULE = "asyncrl_engine"
+"""The built-in engine's module (the distribution asyncrl-engine), run as `python -m asyncrl_engine`: the
+launcher starts it as a process and never imports it."""
 
-    refusal = io.StringIO()
+
+def _check_builtin_flags(python: str, flags: list[str], extra_args: Mapping[str, ServerArgument]) -> None:
+    """Parse `flags` as the built-in engine will, in the interpreter that will run it (its flag parser,
+    `python -m asyncrl_engine.flags`, imports no torch and starts nothing), so an extra argument it does not
+    take is an error naming `rollout.sglang.extra_args` before any engine starts."""
     try:
-        with contextlib.redirect_stderr(refusal):
-            parse_args(flags)
-    except SystemExit:
-        reason = refusal.getvalue().strip().splitlines()[-1:] or ["refused"]
+        check = subprocess.run(
+            [python, "-m", f"{ENGINE_MODULE}.flags", *flags],
+            capture_output=True,
+            text=True,
+            timeout=FLAG_CHECK_TIMEOUT_S,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as error:
         raise EngineControlError(
-            f"rollout.sglang.extra_args {dict(extra_args)}: the built-in engine does not take them "
-            f"({reason[0]}); it takes the SGLang flags listed by `python -m asyncrl_sglang.builtin --help`"
-        ) from None
+            f"the built-in engine's flags could not be checked with {python}: {error}"
+        ) from error
+    if check.returncode == 0:
+        return
+    reason = check.stderr.strip().splitlines()[-1:] or [f"exit status {check.returncode}"]
+    if f"No module named {ENGINE_MODULE}" in reason[0]:
+        raise EngineControlError(_engine_missing(python))
+    raise EngineControlError(
+        f"rollout.sglang.extra_args {dict(extra_args)}: the built-in engine does not take them "
+        f"({reason[0]}); it takes the SGLang flags listed by `python -m {ENGINE_MODULE} --help`"
+    )
+
+
+def _engine_missing(python: str) -> str:
+    return (
+        f"rollout.sglang.launch: builtin runs `{python} -m {ENGINE_MODULE}`, which is not installed there: "
+        "install the built-in engine (pip install 'asyncrl[sglang]', or asyncrl-engine), or set "
+        "rollout.sglang.launch to sglang or external"
+    )
 
 
 # -------------------------------------------------------------------------------------------------------
