@@ -2,11 +2,13 @@
 
     uv run python benchmarks/system/startup.py [CONFIG] [key=value ...] [--repeats 1] [--out FILE]
 
-Default: the embedded `searchr1-mini` with the warm start off (`warm_start.num_steps=0`). Each repeat is a
-fresh `asyncrl-run` in its own session (a run folder under a temporary directory); the stages come from the
-run's own log line `started in ...` (Ray, the task and model, the engines and actor, the agent loops, the
-buffer), the time to the first step and the stop after SIGTERM are measured here. Prints one line per repeat
-and writes them as JSON (default `benchmarks/results/startup.json`).
+Default: the embedded `searchr1-mini` (its warm start from the cache once a first run has built it). Each
+repeat is a fresh `asyncrl-run` in its own session (a run folder under a temporary directory); the stages
+come from the run's own log line `started in ...` (Ray beside the task and model, then the workers, which
+start together: when the engines, the actor, the agent loops and the buffer were each ready); the time to
+the start of training (`training_s`, the line `training: ...`), to the end of the first step
+(`first_step_s`) and the stop after SIGTERM are measured here. Prints one line per repeat and writes them as
+JSON (default `benchmarks/results/startup.json`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 STARTED = re.compile(
-    r"started in ([\d.]+) s: Ray ([\d.]+) s, task and model ([\d.]+) s, workers ([\d.]+) s \((.*)\)"
+    r"started in ([\d.]+) s: Ray ([\d.]+) s beside task and model ([\d.]+) s, workers ([\d.]+) s \((.*)\)"
 )
 STAGE = re.compile(r"([a-z ]+) ([\d.]+) s")
 LIMIT_S = 900.0
@@ -46,6 +48,8 @@ def one_run(config: list[str], run_dir: Path) -> dict[str, Any]:
                 result["workers_s"] = float(found[4])
                 for stage, seconds in STAGE.findall(found[5]):
                     result[f"{stage.strip().replace(' ', '_')}_s"] = float(seconds)
+            if "training: " in line and "training_s" not in result:
+                result["training_s"] = time.monotonic() - started
             if "step 1/" in line:
                 result["first_step_s"] = time.monotonic() - started
                 break
@@ -70,7 +74,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path(__file__).parents[1] / "results" / "startup.json")
     args = parser.parse_args()
-    config = args.config or ["warm_start.num_steps=0"]
+    config = args.config
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="asyncrl-startup-") as folder:
         for index in range(args.repeats):

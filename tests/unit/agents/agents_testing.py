@@ -24,8 +24,8 @@ from asyncrl_core.types import NO_VERSION, Generation, SamplingParams, Trajector
 @cache
 def smollm2_tokenizer() -> Any:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from asyncrl_agents.loop import load_tokenizer
     from asyncrl_core.models import smollm2_135m
+    from asyncrl_core.prompts import load_tokenizer
 
     return load_tokenizer(smollm2_135m())
 

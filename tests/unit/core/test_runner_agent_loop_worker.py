@@ -181,12 +181,13 @@ async def test_the_worker_runs_the_agent_loop_the_configuration_names(
         tmp_path, tiny_llama_path, **{"agentloop.agent_loop": "counting", "algorithm.group_size": 2}
     )
     worker = _worker(config, tiny_llama_path)
-    engines, worker.client = worker.client, AnsweringEngine(worker.loop.tokenizer)  # type: ignore[assignment]
-    worker.loop.client = worker.client
+    answering = AnsweringEngine(worker.loop.tokenizer)
+    engines, worker._client = worker.client, answering  # type: ignore[assignment]
+    worker.loop.client = answering
     buffer = BufferWorker(config, dataset_size=16)
     assert await worker.run_groups(LocalBufferPort(buffer), 2, timeout_s=60) == 2
     assert metrics.EVAL_REWARD_MEAN in await worker.evaluate("test")
-    worker.client = engines
+    worker._client = engines
     await worker.aclose()
     built = sys.modules[module].CountingLoop.built
     assert built[0] is worker.loop

@@ -78,13 +78,6 @@ OBSERVATION_TAIL_TOKENS = 16
 """Tokens kept from the end of a cut observation (its closing tag and separator)."""
 
 
-def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    """The HuggingFace tokenizer of the model folder `path` (local files only)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-
-
 @dataclass(slots=True)
 class _Episode:
     """The growing token sequence of one trajectory and its per-token lists (aligned with the response)."""
@@ -214,7 +207,9 @@ class MultiTurnAgentLoop:
             raise ValueError(f"num_demonstrations must be non-negative, got {num_demonstrations}")
         self.task = task
         self.client = client
-        self.tokenizer = tokenizer if not isinstance(tokenizer, (str, Path)) else load_tokenizer(tokenizer)
+        self.tokenizer = (
+            tokenizer if not isinstance(tokenizer, (str, Path)) else prompts.load_tokenizer(tokenizer)
+        )
         self.group_size = group_size
         self.max_prompt_len = max_prompt_len
         self.max_response_len = max_response_len

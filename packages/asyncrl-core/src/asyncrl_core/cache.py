@@ -131,6 +131,9 @@ def cached(kind: str, inputs: Mapping[str, Any], build: Callable[[Path], object]
         if not rebuild and _sound(target, kind, key, inputs, warn=True):
             _verified.add(target)
             return CacheEntry(target, key, reused=True)
+        # Staging folders of this key left by a builder that died: none is in use while we hold the lock.
+        for stale in target.parent.glob(f".{key}-*"):
+            shutil.rmtree(stale, ignore_errors=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=target.parent))
         try:
             build(staging)

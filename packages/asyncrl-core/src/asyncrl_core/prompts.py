@@ -3,7 +3,7 @@
 The agent loop generates from `prompt_ids(tokenizer, with_demonstrations(sample.messages, shots))`, and a
 warm start trains on exactly the same ids followed by a demonstration's response, so what the model learns
 before RL is what it is asked during RL. The tokenizer is any HuggingFace tokenizer with a chat template;
-nothing here imports it.
+transformers is imported only by `load_tokenizer`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,16 @@ from asyncrl_core.errors import AsyncRLError
 from asyncrl_core.types import ChatMessage, Demonstration
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from transformers import PreTrainedTokenizerBase
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """The HuggingFace tokenizer of the model folder `path` (local files only)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
 def with_demonstrations(

@@ -32,6 +32,7 @@ from asyncrl_core.types import (
 
 if TYPE_CHECKING:
     import torch
+    from transformers import PreTrainedTokenizerBase
 
     from asyncrl_core.config.models import RolloutConfig
     from asyncrl_core.server_process import ServerProcess
@@ -222,14 +223,14 @@ class AgentLoop(Protocol):
 class AgentLoopFactory(Protocol):
     """An agent loop, `agentloop.agent_loop`: a plugin of the entry-point group `asyncrl.agent_loops`
     (asyncrl-agents declares `multi-turn`), usually the loop's class. Each agent-loop worker calls it with
-    the run's task, a client over every engine, the model folder (for the tokenizer) and the run's
-    settings."""
+    the run's task, a client over every engine, the model's tokenizer (loaded, or its model folder) and
+    the run's settings."""
 
     def __call__(
         self,
         task: Task,
         client: GenerationClient,
-        tokenizer: str,
+        tokenizer: PreTrainedTokenizerBase | str,
         *,
         group_size: int,
         sampling: SamplingParams,

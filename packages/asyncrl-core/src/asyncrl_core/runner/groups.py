@@ -60,8 +60,9 @@ class RayBufferPort:
 class WorkerGroups:
     """Every Ray actor of a run: buffer, agent loops, rollout engines and actor ranks; `stop` ends them all.
 
-    Created in the order a run needs them: the rollout engines and actor first (they take the longest to
-    start, so they start together), then the agent loops (they need the engines' URLs) and the buffer.
+    They start together: the rollout engines, the actor ranks and the agent loops at once, the buffer as
+    soon as an agent loop has read the dataset's size; the agent loops connect to the engines once these
+    answer.
     """
 
     def __init__(
@@ -86,9 +87,10 @@ class WorkerGroups:
         self.actors: list[Any] = []
         self.agent_loops: list[Any] = []
         self.start_times: dict[str, float] = {}
+        """Seconds from the start of the workers until each role was ready: `engines`, `actor`,
+        `agent loops`, `buffer` (they start together)."""
         self.placement: Placement | None = None
         """The run's placement groups, once reserved; removed by `stop`."""
-        """Seconds each stage of the start took: `engines and actor`, `agent loops`, `buffer`."""
         try:
             self._start(config, actor_model_path, rollout_model_path, run_dir, task_services)
         except BaseException:
@@ -192,14 +194,36 @@ class WorkerGroups:
                     )
                 )
             )
-        # One wait for both: `ray.get` of a list raises at its first failure, so an actor that fails to
-        # start is reported at once, not after every engine has started.
-        endpoints = [rollout.endpoint.remote() for rollout in self.rollouts]
-        versions = [actor.get_version.remote() for actor in self.actors]
-        started = self.get(
-            [*endpoints, *versions], "the start of the engines and the actor", "runner.startup_timeout_s"
-        )
-        self.endpoints: list[EngineEndpoint] = started[: len(endpoints)]
+        loop_class = ray.remote(AgentLoopWorker)
+
+        def agent_loop(index: int, endpoints: list[EngineEndpoint] | None = None) -> Any:
+            # Beside an engine (each in turn), on the CPU sharing its cores.
+            slot = self.rollout_slots[index % len(self.rollout_slots)]
+            return self._keep(
+                loop_class.options(**placement.options(slot, ())).remote(
+                    config,
+                    model_path=rollout_model_path,
+                    endpoints=endpoints,
+                    task_services=task_services,
+                    worker_index=index,
+                    cores=() if gpu else slot.local_devices,
+                )
+            )
+
+        self._agent_loop = agent_loop
+        # Every role starts at once: the agent loops start without the engines (they connect once the
+        # engines answer), and the buffer as soon as the first agent loop has read the dataset's size.
+        self.agent_loops.extend(agent_loop(i) for i in range(config.agentloop.num_workers))
+        endpoint_refs = [rollout.endpoint.remote() for rollout in self.rollouts]
+        dataset_size_ref = self.agent_loops[0].dataset_size.remote()
+        starting: dict[Any, str] = {
+            **dict.fromkeys(endpoint_refs, "engines"),
+            **{actor.get_version.remote(): "actor" for actor in self.actors},
+            dataset_size_ref: "agent loops",
+            **{loop.dataset_size.remote(): "agent loops" for loop in self.agent_loops[1:]},
+        }
+        results = self._wait_for_start(starting, stage_started, dataset_size_ref, config)
+        self.endpoints: list[EngineEndpoint] = [results[ref] for ref in endpoint_refs]
         self.engine_pids: list[int | None] = self.get(
             [rollout.pid.remote() for rollout in self.rollouts], "the engines' process ids"
         )
@@ -208,43 +232,57 @@ class WorkerGroups:
         self.engine_restarts = [0] * len(self.rollouts)
         """Each engine's restarts so far, by either kind (its process, its rollout worker)."""
         self.nodes["engines"] = [endpoint.url for endpoint in self.endpoints]
-        self.start_times["engines and actor"] = time.perf_counter() - stage_started
-        stage_started = time.perf_counter()
+        self.get(
+            [loop.connect.remote(self.endpoints) for loop in self.agent_loops],
+            "connecting the agent loops to the engines",
+        )
 
-        loop_class = ray.remote(AgentLoopWorker)
+    def _wait_for_start(
+        self, starting: dict[Any, str], started: float, dataset_size_ref: Any, config: AsyncRLConfig
+    ) -> dict[Any, Any]:
+        """Wait for every start call of `starting` (a reference per worker, with its role), starting the
+        buffer once `dataset_size_ref` (the first agent loop's) has answered. Records in `start_times` when
+        each role was ready; the first failure is raised at once, naming its worker. Returns each
+        reference's result."""
+        import ray
 
-        def agent_loop(index: int) -> Any:
-            # Beside an engine (each in turn), on the CPU sharing its cores.
-            slot = self.rollout_slots[index % len(self.rollout_slots)]
-            return self._keep(
-                loop_class.options(**placement.options(slot, ())).remote(
-                    config,
-                    model_path=rollout_model_path,
-                    endpoints=self.endpoints,
-                    task_services=task_services,
-                    worker_index=index,
-                    cores=() if gpu else slot.local_devices,
+        timeout_s = timeout_of(config, "runner.startup_timeout_s")
+        deadline = time.monotonic() + timeout_s
+        waiting = dict(starting)
+        left = {role: list(waiting.values()).count(role) for role in dict.fromkeys(waiting.values())}
+        results: dict[Any, Any] = {}
+        while waiting:
+            ready, _ = ray.wait(list(waiting), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                roles = ", ".join(dict.fromkeys(waiting.values()))
+                raise timed_out(
+                    f"the start of the workers ({roles} still starting)",
+                    timeout_s,
+                    "runner.startup_timeout_s",
                 )
-            )
+            for ref in ready:
+                role = waiting.pop(ref)
+                results[ref] = self.get(ref, f"the start of the {role}")
+                left[role] -= 1
+                if left[role] == 0:
+                    self.start_times[role] = time.perf_counter() - started
+                if ref == dataset_size_ref:
+                    buffer_class = ray.remote(BufferWorker)
+                    self.buffer = self._keep(
+                        buffer_class.options(
+                            **self._placement().options(self._placement().head_slot()),
+                            max_concurrency=MAX_BUFFER_CALLS,
+                        ).remote(config, results[ref], by_reference=True)
+                    )
+                    self.buffer_port = RayBufferPort(self.buffer)
+                    waiting[self.buffer.counts.remote()] = "buffer"
+                    left["buffer"] = 1
+        return results
 
-        self._agent_loop = agent_loop
-        self.agent_loops.extend(agent_loop(i) for i in range(config.agentloop.num_workers))
-        dataset_size: int = self.get(
-            self.agent_loops[0].dataset_size.remote(),
-            "the start of the agent loops",
-            "runner.startup_timeout_s",
-        )
-        self.start_times["agent loops"] = time.perf_counter() - stage_started
-        stage_started = time.perf_counter()
-        buffer_class = ray.remote(BufferWorker)
-        self.buffer = self._keep(
-            buffer_class.options(
-                **placement.options(placement.head_slot()), max_concurrency=MAX_BUFFER_CALLS
-            ).remote(config, dataset_size, by_reference=True)
-        )
-        self.buffer_port = RayBufferPort(self.buffer)
-        self.get(self.buffer.counts.remote(), "the start of the buffer", "runner.startup_timeout_s")
-        self.start_times["buffer"] = time.perf_counter() - stage_started
+    def _placement(self) -> Placement:
+        if self.placement is None:
+            raise RunnerError("the run's placement groups were given back")
+        return self.placement
 
     def restart_agent_loop(self, index: int) -> Any:
         """A new agent-loop worker in place of worker `index` (whose process died); returns its handle once
@@ -254,7 +292,7 @@ class WorkerGroups:
         old = self.agent_loops[index]
         ray.kill(old)
         self._handles.remove(old)
-        self.agent_loops[index] = self._agent_loop(index)
+        self.agent_loops[index] = self._agent_loop(index, self.endpoints)
         self.get(
             self.agent_loops[index].dataset_size.remote(),
             f"restarting agent-loop worker {index}",

@@ -1,9 +1,9 @@
 """`run(config)`: a whole training run, from Ray's start to the last checkpoint, whatever fails midway.
 
-Order: Ray (local, or `runner.ray_address`); the task's services (a retrieval server); the optional warm
-start; the workers (engines and actor start together); the driver of `runner.async_mode`; then everything
-started is stopped, engines and Ray's own processes included, also on an error, SIGINT or SIGTERM, from
-any phase (`asyncrl_core.runner.shutdown`).
+Order: Ray (local, or `runner.ray_address`), started beside the task and its model (the optional warm
+start, usually from the cache); the task's services (a retrieval server); the workers (every role starts at
+once); the driver of `runner.async_mode`; then everything started is stopped, engines and Ray's own
+processes included, also on an error, SIGINT or SIGTERM, from any phase (`asyncrl_core.runner.shutdown`).
 """
 
 from __future__ import annotations
@@ -11,11 +11,15 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from asyncrl_core import models
+from asyncrl_core.runner.timeouts import timed_out, timeout_of
 
 if TYPE_CHECKING:
     from asyncrl_core.config import AsyncRLConfig
@@ -23,6 +27,7 @@ if TYPE_CHECKING:
     from asyncrl_core.runner.shutdown import RunStopper
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 _STDERR = logging.StreamHandler(sys.stderr)
 
 
@@ -61,79 +66,141 @@ def run(config: AsyncRLConfig) -> Path:
 
 
 def _run(config: AsyncRLConfig, run_dir: Path, stopper: RunStopper, *, owns_ray: bool) -> None:
-    import ray
-
-    from asyncrl_core.runner.async_ import run_async
     from asyncrl_core.runner.checkpoint import checkpoint_step, resolve_resume
-    from asyncrl_core.runner.context import RunContext
-    from asyncrl_core.runner.groups import WorkerGroups, start_ray
-    from asyncrl_core.runner.sync import run_sync
-    from asyncrl_core.runner.tracking import RunTracker
-    from asyncrl_core.runner.workers import build_task
 
     stopper.phase = "the check of the checkpoint to resume"
     resume = config.checkpoint.resume_from
     # Every file of the checkpoint is checked against its manifest before anything starts: a damaged one is
     # named at once (or passed over for `latest`), not after the workers' start-up.
     checkpoint = resolve_resume(run_dir, resume) if resume is not None else None
-    stopper.phase = "the start of Ray"
+    stopper.phase = "start-up"
     started = time.perf_counter()
+    # The task and its model (a warm start, from the cache or trained now) are made in a thread while this
+    # one starts Ray: neither needs the other. Ray starts here because the processes it starts die with the
+    # thread that started them (PR_SET_PDEATHSIG), and because signals reach only this thread.
+    preparing = _beside(_task_and_model, config)
     try:
-        start_ray(config)
+        ray_s = _start_ray(config)
         stopper.take_signals()  # `ray.init` installed its own SIGTERM handler, which skips every cleanup
-        ray_s = time.perf_counter() - started
-        logger.info("Ray: %s (%.1f s)", config.runner.ray_address or "a local instance", ray_s)
-        stopper.phase = "start-up"
-        task = build_task(config, {})
+        timeout_s = timeout_of(config, "runner.startup_timeout_s")
+        try:
+            task, actor_path, rollout_path, task_and_model_s = preparing.result(timeout=timeout_s)
+        except TimeoutError:
+            raise timed_out("the task and its model", timeout_s, "runner.startup_timeout_s") from None
         with task.serve() as task_services:
-            actor_path, rollout_path = _model_paths(config, task)
-            logger.info("starting the engines, the actor and the agent loops (model %s)", rollout_path)
-            workers_started = time.perf_counter()
-            workers = WorkerGroups(
+            _train(
                 config,
-                actor_model_path=actor_path,
-                rollout_model_path=rollout_path,
-                run_dir=run_dir,
+                run_dir,
+                stopper,
+                checkpoint,
+                model_paths=(actor_path, rollout_path),
                 task_services=dict(task_services),
-                stopped=stopper.stopped,
+                started=started,
+                stages={"Ray": ray_s, "task and model": task_and_model_s},
+                start_step=checkpoint_step(checkpoint) if checkpoint is not None else 0,
             )
-            logger.info(
-                "started in %.1f s: Ray %.1f s, task and model %.1f s, workers %.1f s (%s)",
-                time.perf_counter() - started,
-                ray_s,
-                workers_started - started - ray_s,
-                time.perf_counter() - workers_started,
-                ", ".join(f"{what} {seconds:.1f} s" for what, seconds in workers.start_times.items()),
-            )
-            try:
-                with RunTracker(
-                    run_dir,
-                    config.logging,
-                    num_steps=config.runner.num_steps,
-                    start_step=checkpoint_step(checkpoint) if checkpoint is not None else 0,
-                ) as tracker:
-                    context = RunContext(config, workers, tracker, run_dir)
-                    if checkpoint is not None:
-                        context.resume(checkpoint)
-                    else:
-                        context.align_external_engines()
-                    mode = "async" if config.runner.async_mode else "sync"
-                    stopper.phase = "training"
-                    logger.info("training: %d steps, %s mode", config.runner.num_steps, mode)
-                    (run_async if config.runner.async_mode else run_sync)(context)
-                    stopper.phase = "the end of the run"
-                    context.finish()
-            finally:
-                stopper.stopping = True
-                workers.stop()
     finally:
         stopper.stopping = True
-        if owns_ray and ray.is_initialized():
+        ray = sys.modules.get("ray")
+        if owns_ray and ray is not None and ray.is_initialized():
             ray.shutdown()
             # Ray's shutdown puts back, under Python's feet, the C-level SIGTERM action its failure handler
             # found at `ray.init` (the default: death without cleanup); Python's record still shows ours.
             stopper.take_signals()
             stopper.stopped.append("Ray")
+
+
+def _beside(function: Callable[[AsyncRLConfig], _T], config: AsyncRLConfig) -> Future[_T]:
+    """`function(config)` in a daemon thread: an interrupted run exits without waiting for it."""
+    future: Future[_T] = Future()
+
+    def run() -> None:
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(function(config))
+            except BaseException as error:
+                future.set_exception(error)
+
+    threading.Thread(target=run, name="task-and-model", daemon=True).start()
+    return future
+
+
+def _task_and_model(config: AsyncRLConfig) -> tuple[Task, str, str, float]:
+    """The run's task and the model folders of actor and engines, with the seconds they took."""
+    from asyncrl_core.runner.workers import build_task
+
+    started = time.perf_counter()
+    task = build_task(config, {})
+    actor_path, rollout_path = _model_paths(config, task)
+    return task, actor_path, rollout_path, time.perf_counter() - started
+
+
+def _start_ray(config: AsyncRLConfig) -> float:
+    """Start (or join) Ray as `runner` says; returns the seconds it took."""
+    from asyncrl_core.runner.groups import start_ray
+
+    started = time.perf_counter()
+    start_ray(config)
+    seconds = time.perf_counter() - started
+    logger.info("Ray: %s (%.1f s)", config.runner.ray_address or "a local instance", seconds)
+    return seconds
+
+
+def _train(
+    config: AsyncRLConfig,
+    run_dir: Path,
+    stopper: RunStopper,
+    checkpoint: Path | None,
+    *,
+    model_paths: tuple[str, str],
+    task_services: dict[str, str],
+    started: float,
+    stages: dict[str, float],
+    start_step: int,
+) -> None:
+    """Start the workers, run the driver of `runner.async_mode`, and stop the workers whatever happens."""
+    from asyncrl_core.runner.async_ import run_async
+    from asyncrl_core.runner.context import RunContext
+    from asyncrl_core.runner.groups import WorkerGroups
+    from asyncrl_core.runner.sync import run_sync
+    from asyncrl_core.runner.tracking import RunTracker
+
+    actor_path, rollout_path = model_paths
+    logger.info("starting the engines, the actor and the agent loops (model %s)", rollout_path)
+    workers_started = time.perf_counter()
+    workers = WorkerGroups(
+        config,
+        actor_model_path=actor_path,
+        rollout_model_path=rollout_path,
+        run_dir=run_dir,
+        task_services=task_services,
+        stopped=stopper.stopped,
+    )
+    logger.info(
+        "started in %.1f s: %s, workers %.1f s (%s)",
+        time.perf_counter() - started,
+        " beside ".join(f"{what} {seconds:.1f} s" for what, seconds in stages.items()),
+        time.perf_counter() - workers_started,
+        ", ".join(f"{what} {seconds:.1f} s" for what, seconds in workers.start_times.items()),
+    )
+    try:
+        with RunTracker(
+            run_dir, config.logging, num_steps=config.runner.num_steps, start_step=start_step
+        ) as tracker:
+            context = RunContext(config, workers, tracker, run_dir)
+            if checkpoint is not None:
+                context.resume(checkpoint)
+            else:
+                context.align_external_engines()
+            mode = "async" if config.runner.async_mode else "sync"
+            stopper.phase = "training"
+            logger.info("training: %d steps, %s mode", config.runner.num_steps, mode)
+            (run_async if config.runner.async_mode else run_sync)(context)
+            stopper.phase = "the end of the run"
+            context.finish()
+    finally:
+        stopper.stopping = True
+        workers.stop()
 
 
 def _log_to_stderr(level: str) -> None:

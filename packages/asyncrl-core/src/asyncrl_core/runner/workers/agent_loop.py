@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
-from asyncrl_core import metrics, plugins
+from asyncrl_core import metrics, plugins, prompts
 from asyncrl_core.errors import AsyncRLError, PluginError
 from asyncrl_core.runner.rollout_backend import rollout_backend
 from asyncrl_core.runner.workers.buffer import BufferPort
@@ -51,6 +51,10 @@ class AgentLoopWorker:
     `task_services` are the keyword arguments the task's `serve()` yielded in the driver (e.g. the
     retriever's URL); they are added to `agentloop.task_args`. On a machine without GPUs, `cores` are the
     rollout's: tokenising, parsing and tool calls then take time from the engines, never from the actor.
+
+    Its start (the task, the tokenizer and the libraries they import) needs no engine, so a run starts the
+    workers while the engines start, and `connect`s them once the engines answer; given `endpoints`, it
+    connects at once.
     """
 
     def __init__(
@@ -58,26 +62,57 @@ class AgentLoopWorker:
         config: AsyncRLConfig,
         *,
         model_path: str,
-        endpoints: Sequence[EngineEndpoint],
         task_services: Mapping[str, str],
+        endpoints: Sequence[EngineEndpoint] | None = None,
         worker_index: int = 0,
         cores: Sequence[int] = (),
     ) -> None:
-        pin_to_cores(cores)
         self.config = config
         self.worker_index = worker_index
         self._tool_health: list[ToolHealth] = []
         self._tool_health_told = asyncio.Event()
         self._closed = False
         self.task = build_task(config, task_services)
-        self.client = _connect_engines(config, endpoints)
         self.model_path = model_path
-        self.loop = self._make_loop(group_size=config.algorithm.group_size)
+        self.tokenizer = prompts.load_tokenizer(model_path)
+        self._client: EngineClient | None = None
+        self._loop: AgentLoop | None = None
+        self._endpoints: list[EngineEndpoint] | None = None
         self._stop = asyncio.Event()
         self._eval_loop: AgentLoop | None = None
         self.num_running = 0
         self.num_groups = 0
         self.num_failed = 0
+        # Pinned once started: the start may use any free core, the run only the rollout's.
+        pin_to_cores(cores)
+        if endpoints is not None:
+            self.connect(endpoints)
+
+    def connect(self, endpoints: Sequence[EngineEndpoint]) -> None:
+        """Generate on the engines at `endpoints` from now on. Called once, when they have started; a
+        repeated call with the same endpoints (a retried call) changes nothing, other ones are refused."""
+        endpoints = list(endpoints)
+        if self._endpoints is not None:
+            if endpoints != self._endpoints:
+                raise RunnerError(
+                    f"agent-loop worker {self.worker_index} is connected to {self._endpoints} already"
+                )
+            return
+        self._client = _connect_engines(self.config, endpoints)
+        self._endpoints = endpoints
+        self._loop = self._make_loop(group_size=self.config.algorithm.group_size)
+
+    @property
+    def client(self) -> EngineClient:
+        if self._client is None:
+            raise RunnerError(f"agent-loop worker {self.worker_index} is not connected to the engines yet")
+        return self._client
+
+    @property
+    def loop(self) -> AgentLoop:
+        if self._loop is None:
+            raise RunnerError(f"agent-loop worker {self.worker_index} is not connected to the engines yet")
+        return self._loop
 
     def _make_loop(self, *, group_size: int) -> AgentLoop:
         config = self.config
@@ -88,7 +123,7 @@ class AgentLoopWorker:
         return agent_loop_factory(config)(
             self.task,
             self.client,
-            self.model_path,
+            self.tokenizer,
             group_size=group_size,
             sampling=SamplingParams(
                 max_new_tokens=sampling.max_new_tokens,
@@ -118,13 +153,13 @@ class AgentLoopWorker:
         return events
 
     def dataset_size(self, split: str = "train") -> int:
-        return len(self.loop.dataset(split))
+        return len(self.task.dataset(split))
 
     def dataset_fingerprint(self, split: str = "train") -> str:
         """A hash of the split's samples (ids, messages, answers), so a checkpoint names its dataset."""
         from asyncrl_core.runner.checkpoint import dataset_fingerprint
 
-        return dataset_fingerprint(self.loop.dataset(split))
+        return dataset_fingerprint(self.task.dataset(split))
 
     def _start(
         self,
@@ -254,7 +289,10 @@ class AgentLoopWorker:
     async def aclose(self) -> None:
         self._closed = True
         self._tool_health_told.set()
-        await self.loop.aclose()  # closes the task, which the evaluation loop shares
+        if self._loop is None:  # never connected: the task is closed here
+            await self.task.aclose()
+            return
+        await self._loop.aclose()  # closes the task, which the evaluation loop shares
         await self.client.aclose()
 
 
