@@ -15,7 +15,8 @@ import torch
 
 from asyncrl_core.actor import TorchActor
 from asyncrl_core.algorithms import PackedBatch
-from asyncrl_core.config import AlgorithmConfig, TorchActorConfig
+from asyncrl_core.config import AlgorithmConfig, TorchActorConfig, load_config
+from asyncrl_core.errors import ConfigError
 from asyncrl_core.models import tiny_llama
 from asyncrl_core.shares import LENGTH_MULTIPLE, bucket_length, cut_by_tokens
 from asyncrl_core.types import NO_VERSION, Group, Trajectory
@@ -207,3 +208,14 @@ def test_cut_by_tokens_keeps_every_row_once_within_its_budget() -> None:
     assert cut_by_tokens([500, 10], 100, padded=False) == [[0], [1]]
     assert bucket_length(1) == LENGTH_MULTIPLE
     assert bucket_length(LENGTH_MULTIPLE + 1) == 2 * LENGTH_MULTIPLE
+
+
+def test_the_token_budget_must_hold_the_longest_trajectory() -> None:
+    mini = Path(__file__).parents[3] / "examples" / "searchr1-mini.yaml"
+    with pytest.raises(ConfigError) as raised:
+        load_config(mini, ["actor.max_tokens_per_micro_batch=700"])
+    problems = {problem.key: problem.message for problem in raised.value.problems}
+    assert "rollout.context_length 768" in problems["actor.max_tokens_per_micro_batch"]
+    # With a budget, the row count no longer has to divide a rank's share.
+    config = load_config(mini, ["actor.max_tokens_per_micro_batch=768", "actor.micro_batch_size=3"])
+    assert config.actor.max_tokens_per_micro_batch == 768
