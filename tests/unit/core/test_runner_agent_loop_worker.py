@@ -18,7 +18,13 @@ import pytest
 from asyncrl_core import metrics
 from asyncrl_core.config import AsyncRLConfig, load_config
 from asyncrl_core.errors import EngineUnavailableError, GenerationError
-from asyncrl_core.runner.workers import AgentLoopWorker, BufferWorker, EngineEndpoint, LocalBufferPort
+from asyncrl_core.runner.workers import (
+    AgentLoopWorker,
+    BufferWorker,
+    EngineEndpoint,
+    LocalBufferPort,
+    RunnerError,
+)
 from asyncrl_core.types import Generation, SamplingParams, VersionSpan
 
 pytestmark = pytest.mark.timeout(120)
@@ -193,3 +199,32 @@ async def test_the_worker_runs_the_agent_loop_the_configuration_names(
     assert built[0] is worker.loop
     assert [loop.group_size for loop in built] == [2, 1]  # training, then evaluation
     assert [loop.groups_run for loop in built] == [2, 2]  # 2 groups, then the test split's 2 prompts
+
+
+async def test_a_worker_starts_before_the_engines_and_connects_once(
+    tmp_path: Path, tiny_llama_path: Path
+) -> None:
+    """A run starts its agent loops beside the engines: the task and the tokenizer are ready before any
+    engine answers, generation waits for `connect`, and a retried `connect` changes nothing."""
+    config = _config(tmp_path, tiny_llama_path)
+    worker = AgentLoopWorker(config, model_path=str(tiny_llama_path), task_services={})
+    assert worker.dataset_size() == 16
+    assert worker.tokenizer.encode("1", add_special_tokens=False)
+    with pytest.raises(RunnerError, match="agent-loop worker 0 is not connected to the engines yet"):
+        worker.loop  # noqa: B018
+    buffer = BufferWorker(config, dataset_size=16)
+    with pytest.raises(RunnerError, match="not connected to the engines yet"):
+        await worker.run_groups(LocalBufferPort(buffer), 1, timeout_s=10)
+    assert buffer.buffer.num_inflight == 0  # nothing was admitted for a worker that cannot run it
+
+    endpoints = [EngineEndpoint("http://127.0.0.1:9")]
+    worker.connect(endpoints)
+    loop = worker.loop
+    worker.connect(list(endpoints))  # a retried call
+    assert worker.loop is loop
+    with pytest.raises(RunnerError, match="is connected to"):
+        worker.connect([EngineEndpoint("http://127.0.0.1:10")])
+    assert worker.loop is loop
+    worker.loop.client = AnsweringEngine(worker.loop.tokenizer)
+    assert await worker.run_groups(LocalBufferPort(buffer), 1, timeout_s=60) == 1
+    await worker.aclose()

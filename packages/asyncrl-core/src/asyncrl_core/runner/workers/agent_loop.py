@@ -98,23 +98,28 @@ class AgentLoopWorker:
                     f"agent-loop worker {self.worker_index} is connected to {self._endpoints} already"
                 )
             return
-        self._client = _connect_engines(self.config, endpoints)
-        self._endpoints = endpoints
-        self._loop = self._make_loop(group_size=self.config.algorithm.group_size)
+        client = _connect_engines(self.config, endpoints)
+        loop = self._make_loop(client, group_size=self.config.algorithm.group_size)
+        self._client, self._loop, self._endpoints = client, loop, endpoints
 
     @property
     def client(self) -> EngineClient:
-        if self._client is None:
-            raise RunnerError(f"agent-loop worker {self.worker_index} is not connected to the engines yet")
+        self._check_connected()
+        assert self._client is not None
         return self._client
 
     @property
     def loop(self) -> AgentLoop:
-        if self._loop is None:
-            raise RunnerError(f"agent-loop worker {self.worker_index} is not connected to the engines yet")
+        self._check_connected()
+        assert self._loop is not None
         return self._loop
 
-    def _make_loop(self, *, group_size: int) -> AgentLoop:
+    def _check_connected(self) -> None:
+        """Refuse to admit work before `connect`: an admitted group would only fail and be issued again."""
+        if self._client is None:
+            raise RunnerError(f"agent-loop worker {self.worker_index} is not connected to the engines yet")
+
+    def _make_loop(self, client: EngineClient, *, group_size: int) -> AgentLoop:
         config = self.config
         sampling = config.rollout.sampling
         assert sampling.max_new_tokens is not None  # derived
@@ -122,7 +127,7 @@ class AgentLoopWorker:
         assert max_concurrent is not None  # derived
         return agent_loop_factory(config)(
             self.task,
-            self.client,
+            client,
             self.tokenizer,
             group_size=group_size,
             sampling=SamplingParams(
@@ -202,6 +207,7 @@ class AgentLoopWorker:
         fails is replaced by a new admission, until the buffer's failure guard stops the run. Admission
         waits for the limits like in async mode, so a batch larger than the in-flight limit runs in
         waves. `RunnerError` when `timeout_s` passes first."""
+        self._check_connected()
         deadline = time.monotonic() + timeout_s
         finished_before = self.num_groups
         running: set[asyncio.Task[None]] = set()
@@ -236,6 +242,7 @@ class AgentLoopWorker:
         """Async mode: keep admitting prompts and running their groups until `stop`; then wait for the
         groups already running. A failed group's prompt is handed back or dropped; an error of the loop
         itself stops it."""
+        self._check_connected()
         self._stop.clear()
         async with asyncio.TaskGroup() as tasks:
             while not self._stop.is_set():
@@ -260,7 +267,7 @@ class AgentLoopWorker:
         training groups), with the weight versions the evaluation saw."""
         started = time.perf_counter()
         if self._eval_loop is None:
-            self._eval_loop = self._make_loop(group_size=1)
+            self._eval_loop = self._make_loop(self.client, group_size=1)
         dataset = self._eval_loop.dataset(split)
         count = len(dataset) if max_prompts is None else min(max_prompts, len(dataset))
         groups: list[Group] = await asyncio.gather(
