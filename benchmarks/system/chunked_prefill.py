@@ -25,9 +25,10 @@ from typing import Any
 import torch
 
 from asyncrl_core.models import smollm2_135m
-from asyncrl_engine.engine import Engine, Request
+from asyncrl_engine.engine import Engine
 from asyncrl_engine.model import EngineModel
-from asyncrl_engine.sampling import SamplingOptions
+from asyncrl_engine.options import SamplingOptions
+from asyncrl_engine.request import Request
 
 WAIT_S = 600.0
 

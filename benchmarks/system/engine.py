@@ -252,7 +252,8 @@ def build_models(args: argparse.Namespace, device: torch.device, dtype: torch.dt
     """(transformers model, engine model) with identical weights, and a description."""
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-    from asyncrl_engine.model import EngineModel, ModelConfig
+    from asyncrl_engine.model import EngineModel
+    from asyncrl_engine.model_config import ModelConfig
 
     if args.random_weights:
         torch.manual_seed(args.seed)
@@ -380,32 +381,32 @@ def time_device_work(model: Any) -> None:
     and the sampling operators the engine launches. On a CPU device that is the compute, so the thread's CPU
     time less it is the engine's host work per step (scheduling, bookkeeping, stop strings, clients), which
     a GPU cannot hide; on CUDA it is the host side of the launches. Also counts the decode steps launched
-    and their rows. (Whatever an older engine lacks is skipped.)"""
-    import asyncrl_engine.engine as engine_module
+    and their rows."""
+    import asyncrl_engine.cuda_graphs as graphs_module
+    import asyncrl_engine.step_runner as runner_module
 
     for name in ("decode", "prefill_batch", "prefill_packed", "logits"):
         if hasattr(model, name):
             counted = "prefill" if name == "prefill_packed" else None
             setattr(model, name, _timed(getattr(model, name), counted))
     for name in ("sample_on_device", "sample_tokens"):
-        function = getattr(engine_module, name, None)
+        function = getattr(runner_module, name, None)
         if function is not None and not getattr(function, "device_work", False):
             timed = _timed(function)
             timed.device_work = True
-            setattr(engine_module, name, timed)
-    launch = getattr(engine_module.Engine, "_launch_decode", None)
-    if launch is not None and not getattr(launch, "device_work", False):
+            setattr(runner_module, name, timed)
+    launch = runner_module.StepRunner.launch_decode
+    if not getattr(launch, "device_work", False):
 
-        def counted(engine: Any, *args: Any, **kwargs: Any) -> Any:
+        def counted(runner: Any, *args: Any, **kwargs: Any) -> Any:
             DEVICE_WORK["decode_steps"] += 1
-            DEVICE_WORK["decode_rows"] += len(engine.running)
-            return launch(engine, *args, **kwargs)
+            DEVICE_WORK["decode_rows"] += len(runner.scheduler.table.running)
+            return launch(runner, *args, **kwargs)
 
         counted.device_work = True
-        engine_module.Engine._launch_decode = counted  # pyright: ignore[reportPrivateUsage]
-    graphs = getattr(engine_module, "_CudaGraphs", None) or getattr(engine_module, "_DecodeGraphs", None)
-    capture = getattr(graphs, "_capture", None)
-    if graphs is not None and capture is not None and not getattr(capture, "device_work", False):
+        runner_module.StepRunner.launch_decode = counted
+    capture = graphs_module.CudaGraphs._capture  # pyright: ignore[reportPrivateUsage]
+    if not getattr(capture, "device_work", False):
 
         def captured(self: Any, *args: Any, **kwargs: Any) -> Any:
             began = time.perf_counter()
@@ -416,19 +417,19 @@ def time_device_work(model: Any) -> None:
                 DEVICE_WORK["graph_capture_s"] += time.perf_counter() - began
 
         captured.device_work = True
-        graphs._capture = captured  # pyright: ignore[reportPrivateUsage]
-    ensure = getattr(engine_module.Engine, "_ensure_cache", None)
-    if ensure is not None and not getattr(ensure, "device_work", False):
+        graphs_module.CudaGraphs._capture = captured  # pyright: ignore[reportPrivateUsage]
+    ensure = runner_module.StepRunner.ensure_cache
+    if not getattr(ensure, "device_work", False):
 
-        def ensured(engine: Any, *args: Any, **kwargs: Any) -> Any:
-            before = engine._cache  # pyright: ignore[reportPrivateUsage]
-            cache = ensure(engine, *args, **kwargs)
+        def ensured(runner: Any, *args: Any, **kwargs: Any) -> Any:
+            before = runner.cache
+            cache = ensure(runner, *args, **kwargs)
             if before is not None and cache is not before:
                 DEVICE_WORK["cache_grows"] += 1
             return cache
 
         ensured.device_work = True
-        engine_module.Engine._ensure_cache = ensured  # pyright: ignore[reportPrivateUsage]
+        runner_module.StepRunner.ensure_cache = ensured
 
 
 def bench_engine(
@@ -436,8 +437,8 @@ def bench_engine(
 ) -> float:
     """Tokens/s of B requests submitted at once; `cpu_us_per_token["engine"]` gets the scheduler thread's CPU
     microseconds per generated token."""
-    from asyncrl_engine.engine import Request
-    from asyncrl_engine.sampling import SamplingOptions
+    from asyncrl_engine.options import SamplingOptions
+    from asyncrl_engine.request import Request
 
     options = SamplingOptions(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     remaining = [prompts.shape[0]]
@@ -507,7 +508,7 @@ def bench_http(engine: Any, prompts: torch.Tensor, new_tokens: int) -> float:
 
 def bench_bound(model: Any, batch: int, prompt_len: int, new_tokens: int) -> float:
     """Bare decode forward (no sampling) with a static KV cache, one CUDA graph replay per step."""
-    from asyncrl_engine.model import KVCache
+    from asyncrl_engine.kv_cache import KVCache
 
     device = model.device
     capacity = prompt_len + new_tokens + 1
@@ -608,8 +609,8 @@ def run_agentic(
     timeout_s: float = 3600.0,
 ) -> AgenticResult:
     """Run the agentic workload on a started `Engine` and wait for every trajectory's last turn."""
-    from asyncrl_engine.engine import Request
-    from asyncrl_engine.sampling import SamplingOptions
+    from asyncrl_engine.options import SamplingOptions
+    from asyncrl_engine.request import Request
 
     rng = random.Random(seed)
     draws = [
@@ -860,7 +861,7 @@ OVERLAP = "overlap_schedule"
 def compare_extend_attention(args: argparse.Namespace, model: Any, device: torch.device) -> dict[str, Any]:
     """Milliseconds per prefill of agentic turns, right-padded against packed, alternating `--rounds` times
     (a drift of the machine falls on both); prints each round and padded / packed of the rounds' medians."""
-    from asyncrl_engine.model import KVCache
+    from asyncrl_engine.kv_cache import KVCache
 
     rng = random.Random(args.seed)
     batch, new_tokens = args.extend_batch, args.extend_new_tokens

@@ -11,9 +11,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from asyncrl_engine.engine import Engine, Request
+from asyncrl_engine.engine import Engine
 from asyncrl_engine.model import EngineModel
-from asyncrl_engine.sampling import SamplingOptions
+from asyncrl_engine.options import SamplingOptions
+from asyncrl_engine.request import Request
 
 WAIT_S = 120.0
 INTERPRETER_TIMEOUT_S = 600.0

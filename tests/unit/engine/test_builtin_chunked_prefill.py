@@ -19,9 +19,11 @@ import torch
 from aiohttp.test_utils import TestClient
 from engine_testing import WAIT_S, generate_together, start_engine
 
-from asyncrl_engine.engine import Engine, Request
-from asyncrl_engine.model import EngineModel, KVCache
-from asyncrl_engine.sampling import SamplingOptions
+from asyncrl_engine.engine import Engine
+from asyncrl_engine.kv_cache import KVCache
+from asyncrl_engine.model import EngineModel
+from asyncrl_engine.options import SamplingOptions
+from asyncrl_engine.request import Request
 
 CHUNK = 16
 LONG = [random.Random(7).randrange(3, 40000) for _ in range(100)]
@@ -58,7 +60,7 @@ def _request(prompt: list[int], max_new_tokens: int = 8, **fields: Any) -> Reque
 
 def _between_steps(engine: Engine, fn: Any) -> Any:
     """Run `fn` as `Engine.call` runs it: after the step in flight is read."""
-    engine._drain()
+    engine.batch.drain()
     result = fn()
     engine._publish()
     return result
@@ -68,8 +70,8 @@ def _run_to_end(engine: Engine) -> None:
     for _ in range(10_000):
         if not engine._has_work():
             break
-        engine._step()
-    engine._drain()
+        engine.batch.step()
+    engine.batch.drain()
     assert engine.is_idle()
 
 
@@ -168,8 +170,9 @@ def test_a_half_prefilled_request_is_neither_running_nor_waiting(tiny_model: Eng
     short, long = _request([1, 2, 3, 4, 5], max_new_tokens=50), _request(LONG)
     engine.add_request(short)
     engine.add_request(long)
-    engine._step()  # the short prompt (5 tokens) and the long one's first chunk (the 11 left of the budget)
-    engine._step()  # its second chunk
+    # The short prompt (5 tokens) and the long one's first chunk (the 11 left of the budget).
+    engine.batch.step()
+    engine.batch.step()  # its second chunk
     _between_steps(engine, lambda: None)
     snapshot = engine.snapshot
     assert (snapshot.num_running, snapshot.num_waiting) == (1, 0)
@@ -189,8 +192,8 @@ def test_a_cached_prefix_does_not_count_against_the_prefill_budget(tiny_model: E
     _run_to_end(engine)
     turn = _request(first.prompt_ids + first.output_ids + [11, 12, 13, 14, 15, 16, 17, 18])
     engine.add_request(turn)
-    engine._step()
-    assert engine._chunked is None
+    engine.batch.step()
+    assert engine.scheduler.table.chunked is None
     assert engine.running == [turn]
     assert turn.cached_tokens == 100  # the context less its last token, in whole blocks of 4
     _run_to_end(engine)
@@ -204,7 +207,7 @@ def test_abort_in_the_middle_of_the_chunks(tiny_model: EngineModel) -> None:
     engine.add_request(short)
     engine.add_request(long)
     for _ in range(3):
-        engine._step()
+        engine.batch.step()
     assert _between_steps(engine, lambda: engine.abort(long.rid))
     assert long.finish_reason is not None
     assert long.finish_reason["type"] == "abort"
@@ -224,7 +227,7 @@ def test_a_pause_in_the_middle_of_the_chunks_loses_nothing(tiny_model: EngineMod
     long = _request(LONG, logprob_start_len=60)
     engine.add_request(long)
     for _ in range(3):
-        engine._step()
+        engine.batch.step()
     _between_steps(engine, lambda: engine.pause(mode))  # type: ignore[arg-type]
     waiting = 1 if mode == "retract" else 0
     assert (engine.snapshot.num_running, engine.snapshot.num_waiting) == (0, waiting)
@@ -251,7 +254,7 @@ def test_a_retract_in_the_middle_of_the_chunks_recomputes_under_new_weights(tiny
     long = _request(LONG)
     engine.add_request(long)
     for _ in range(3):
-        engine._step()
+        engine.batch.step()
     _between_steps(engine, lambda: engine.pause("retract"))
     new_weights = _perturbed(model, seed=3)
     _between_steps(engine, lambda: engine.load_weights(new_weights, "v2"))
@@ -270,7 +273,7 @@ def test_an_in_place_weight_load_between_chunks_keeps_the_old_chunks(tiny_llama_
     long = _request(LONG)
     engine.add_request(long)
     for _ in range(3):
-        engine._step()  # 48 tokens prefilled under the old weights
+        engine.batch.step()  # 48 tokens prefilled under the old weights
     _between_steps(engine, lambda: engine.pause("in_place"))
     new_weights = _perturbed(model, seed=4)
     # The reference: the first 48 positions' KV under the old weights, every later one under the new.

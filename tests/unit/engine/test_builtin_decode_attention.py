@@ -11,8 +11,10 @@ import torch
 from engine_testing import generate_together, run_interpreted
 
 from asyncrl_engine import decode_attention
-from asyncrl_engine.engine import Engine, Request
-from asyncrl_engine.model import EngineModel, ModelConfig
+from asyncrl_engine.engine import Engine
+from asyncrl_engine.model import EngineModel
+from asyncrl_engine.model_config import ModelConfig
+from asyncrl_engine.request import Request
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 
@@ -22,9 +24,11 @@ import torch
 import torch.nn.functional as F
 
 from asyncrl_engine import decode_attention
-from asyncrl_engine.model import EngineModel, KVCache, ModelConfig
+from asyncrl_engine.model import EngineModel
 
 # Lengths at block edges (1, 64, 65) and beyond, rows reading the first of more slots, every split count (a
+from asyncrl_engine.kv_cache import KVCache
+from asyncrl_engine.model_config import ModelConfig
 # split past a row's length included), head dims of a power of two and not (80 and 10, padded to 128 and 16 in
 # the kernel): equal to SDPA under a length mask.
 generator = torch.Generator().manual_seed(0)

@@ -10,9 +10,12 @@ import pytest
 import torch
 from engine_testing import WAIT_S, generate_together, start_engine
 
-from asyncrl_engine.engine import Engine, Request
-from asyncrl_engine.model import EngineModel, KVCache, ModelLoadError
-from asyncrl_engine.sampling import SamplingOptions
+from asyncrl_engine.engine import Engine
+from asyncrl_engine.kv_cache import KVCache
+from asyncrl_engine.model import EngineModel
+from asyncrl_engine.model_config import ModelLoadError
+from asyncrl_engine.options import SamplingOptions
+from asyncrl_engine.request import Request
 
 
 def _hf_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
@@ -427,7 +430,7 @@ def test_abort_pause_finishes_everything_with_partial_output(
 
 
 def test_flush_and_release_need_an_idle_engine(tiny_model: EngineModel, engines: list[Engine]) -> None:
-    from asyncrl_engine.engine import EngineBusyError
+    from asyncrl_engine.request import EngineBusyError
 
     engine = start_engine(engines, tiny_model)
     request, done = _submit(engine, [1, 2, 3], max_new_tokens=1000, ignore_eos=True)
@@ -460,6 +463,6 @@ def test_the_kv_cache_grows_on_demand_or_takes_the_whole_context_once(
     for new_tokens in (8, 400):
         (request,) = generate_together(engine, [[3, 1, 4, 1, 5]], new_tokens)
         outputs.append(request.output_ids)
-        capacities.append(engine.call(lambda: engine._cache.capacity if engine._cache else 0))  # pyright: ignore[reportPrivateUsage]
+        capacities.append(engine.call(lambda: engine.runner.cache.capacity if engine.runner.cache else 0))
     assert capacities == ([700, 700] if whole_context else [256, 512])
     assert outputs[1][:8] == outputs[0]

@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from asyncrl_engine.__main__ import _text_decoder  # pyright: ignore[reportPrivateUsage]
-from asyncrl_engine.engine import INTERNAL_ERROR, Engine, Request
+from asyncrl_engine.engine import Engine
 from asyncrl_engine.model import EngineModel
-from asyncrl_engine.sampling import SamplingOptions
+from asyncrl_engine.options import SamplingOptions
+from asyncrl_engine.request import INTERNAL_ERROR, Request
 from asyncrl_engine.snapshot import WaitingQueue
 
 WAIT_S = 120.0
@@ -248,7 +249,7 @@ def test_incremental_stop_strings_stop_where_the_full_decode_does(
         matched = None
         for length, token in enumerate(ids, start=1):
             request.output_ids.append(token)
-            found = engine._match_stop_string(request)  # pyright: ignore[reportPrivateUsage]
+            found = engine.scheduler.match_stop_string(request)
             if found is not None:
                 matched = (length, found)
                 break

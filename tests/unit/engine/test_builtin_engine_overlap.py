@@ -16,9 +16,10 @@ import pytest
 import torch
 from engine_testing import WAIT_S, start_engine
 
-from asyncrl_engine.engine import Engine, Request
+from asyncrl_engine.engine import Engine
 from asyncrl_engine.model import EngineModel
-from asyncrl_engine.sampling import SamplingOptions
+from asyncrl_engine.options import SamplingOptions
+from asyncrl_engine.request import Request
 
 PROMPTS = [[5, 6, 7], [11, 12, 13, 14, 15], [21, 22], [31, 32, 33, 34], [41, 42, 43, 44, 45, 46]]
 
@@ -473,8 +474,8 @@ def test_admission_beside_the_step_in_flight_gives_the_non_overlapped_loops_toke
     beside: list[bool] = []
     taken_over: list[int] = []
     appended: list[int] = []
-    admit = engine._admit_beside  # pyright: ignore[reportPrivateUsage]
-    prefill = engine._prefill  # pyright: ignore[reportPrivateUsage]
+    admit = engine.batch.admit_beside
+    prefill = engine.batch.prefill
 
     def spy_admit(step: Any) -> bool:
         beside.append(admit(step))
@@ -487,8 +488,8 @@ def test_admission_beside_the_step_in_flight_gives_the_non_overlapped_loops_toke
             appended.extend(s for s in slots if s >= len(engine.running))
         return prefill(requests, read, slots)
 
-    engine._admit_beside = spy_admit  # pyright: ignore[reportPrivateUsage]
-    engine._prefill = spy_prefill  # pyright: ignore[reportPrivateUsage]
+    engine.batch.admit_beside = spy_admit
+    engine.batch.prefill = spy_prefill
     overlapped = _staggered_workload(engine)
     assert any(beside)
     assert taken_over if slots == 4 else appended

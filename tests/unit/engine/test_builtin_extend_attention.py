@@ -19,7 +19,9 @@ from asyncrl_engine.__main__ import launch_arguments
 from asyncrl_engine.engine import Engine
 from asyncrl_engine.flags import parse_args
 from asyncrl_engine.info import server_args
-from asyncrl_engine.model import EngineModel, KVCache, ModelConfig, PackedShape
+from asyncrl_engine.kv_cache import KVCache, PackedShape
+from asyncrl_engine.model import EngineModel
+from asyncrl_engine.model_config import ModelConfig
 from asyncrl_sglang.launcher import builtin_command
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
@@ -66,7 +68,9 @@ for heads, kv_heads, dim in ((4, 4, 64), (9, 3, 64), (8, 2, 24)):
 # The model's packed prefill with the kernel (and the fused rotary + cache write) against the same prefill
 # with the reference and against the padded prefill, fresh and over cached prefixes: hidden states and the
 # whole cache to 1e-5 in float32.
-from asyncrl_engine.model import EngineModel, KVCache, ModelConfig, PackedShape
+from asyncrl_engine.model import EngineModel
+from asyncrl_engine.kv_cache import KVCache, PackedShape
+from asyncrl_engine.model_config import ModelConfig
 
 for kv_heads in (1, 3):
     config = ModelConfig.from_dict(

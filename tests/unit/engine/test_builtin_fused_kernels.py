@@ -1,4 +1,4 @@
-"""The fused kernels (`builtin/fused_kernels.py`: residual add + RMSNorm, rotary embedding + KV cache write,
+"""The fused kernels (`fused_kernels.py`: residual add + RMSNorm, rotary embedding + KV cache write,
 SiLU * up) against the torch ops they replace. On the CPU the Triton kernels run under Triton's interpreter
 (float32); on CUDA (`gpu`) they run compiled, in bfloat16 within bfloat16 ulps of torch, and through the
 engine's decode graphs in float32.
@@ -17,9 +17,11 @@ import torch
 from engine_testing import generate_together, run_interpreted
 
 from asyncrl_engine import fused_kernels
-from asyncrl_engine.engine import Engine, Request
-from asyncrl_engine.model import EngineModel, ModelConfig
-from asyncrl_engine.sampling import SamplingOptions
+from asyncrl_engine.engine import Engine
+from asyncrl_engine.model import EngineModel
+from asyncrl_engine.model_config import ModelConfig
+from asyncrl_engine.options import SamplingOptions
+from asyncrl_engine.request import Request
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 
@@ -32,7 +34,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from asyncrl_engine import extend_attention
 from asyncrl_engine import fused_kernels as fused
-from asyncrl_engine.model import EngineModel, KVCache, ModelConfig
+from asyncrl_engine._kernels import LazyKernels
+from asyncrl_engine.model import EngineModel
+from asyncrl_engine.kv_cache import KVCache
+from asyncrl_engine.model_config import ModelConfig
 
 generator = torch.Generator().manual_seed(0)
 
@@ -177,10 +182,11 @@ class CountedKernel:
         return run
 
 
-fused._load("rotary")
-for name, kernel in list(fused._kernels.items()):
-    fused._kernels[name] = CountedKernel(name, kernel)
-extend_attention._kernel = CountedKernel("extend_attention", extend_attention._load())
+kernels = fused._kernels()
+for name, kernel in list(kernels.items()):
+    kernels[name] = CountedKernel(name, kernel)
+counted_extend = CountedKernel("extend_attention", extend_attention._kernel())
+extend_attention._kernel = LazyKernels(lambda: counted_extend)
 
 
 def count(layers, use_fused, dtype, step):

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from asyncrl_engine.engine import PauseMode
 from asyncrl_engine.gate import AdmissionGate, Ticket
+from asyncrl_sglang.wire import PauseMode
 
 WAIT_S = 5.0
 

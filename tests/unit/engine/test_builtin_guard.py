@@ -22,10 +22,11 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from asyncrl_core.errors import EngineUnavailableError, GenerationError
 from asyncrl_core.types import SamplingParams
-from asyncrl_engine.engine import Engine, EngineStoppedError, Request, shutdown_reason
+from asyncrl_engine.engine import Engine
 from asyncrl_engine.grpc_service import SchedulerService, start_grpc_server
 from asyncrl_engine.model import EngineModel
-from asyncrl_engine.sampling import SamplingOptions
+from asyncrl_engine.options import SamplingOptions
+from asyncrl_engine.request import EngineStoppedError, Request, shutdown_reason
 from asyncrl_engine.server import BuiltinServer
 from asyncrl_sglang._schema import AbortStatusError, parse_generation
 from asyncrl_sglang.client import RetryPolicy, SGLangClient

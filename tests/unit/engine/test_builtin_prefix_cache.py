@@ -14,11 +14,14 @@ import pytest
 import torch
 from engine_testing import WAIT_S, generate_together, start_engine
 
-from asyncrl_engine.engine import KV_CAPACITY_STEP, Engine, Request
+from asyncrl_engine.engine import Engine
 from asyncrl_engine.gate import AdmissionGate
 from asyncrl_engine.info import Load
-from asyncrl_engine.model import EngineModel, KVCache
-from asyncrl_engine.sampling import SamplingOptions
+from asyncrl_engine.kv_cache import KVCache
+from asyncrl_engine.model import EngineModel
+from asyncrl_engine.options import SamplingOptions
+from asyncrl_engine.request import Request
+from asyncrl_engine.step_runner import KV_CAPACITY_STEP
 
 BLOCK = 4
 
@@ -203,19 +206,19 @@ def test_waiting_requests_join_at_the_prefill_interval(tiny_model: EngineModel) 
         return Request(rid=name, prompt_ids=[5, 6, 7], options=options)
 
     engine.add_request(request("first"))
-    engine._step()  # pyright: ignore[reportPrivateUsage]
+    engine.batch.step()
     assert (engine.num_running, engine.num_waiting) == (1, 0)  # an empty batch admits at once
     engine.add_request(request("second"))
     waiting: list[int] = []
     for _ in range(3):
-        engine._step()  # pyright: ignore[reportPrivateUsage]
+        engine.batch.step()
         waiting.append(engine.num_waiting)
     assert waiting == [1, 1, 0]
     engine.add_request(request("third"))
     engine.add_request(request("fourth"))
-    engine._step()  # pyright: ignore[reportPrivateUsage]
+    engine.batch.step()
     assert engine.num_waiting == 0  # 2 waiting = a quarter of 8 slots
-    assert Engine(tiny_model).prefill_interval == 1  # on CPU every step admits
+    assert Engine(tiny_model).scheduler.prefill_interval == 1  # on CPU every step admits
 
 
 def test_an_admission_cut_short_by_its_prefill_budget_goes_on_at_the_next_step(
@@ -230,11 +233,11 @@ def test_an_admission_cut_short_by_its_prefill_budget_goes_on_at_the_next_step(
         engine.add_request(Request(rid=f"r{i}", prompt_ids=[3 + i, 4, 5, 6], options=options))
     waiting: list[int] = []
     for _ in range(4):
-        engine._step()  # pyright: ignore[reportPrivateUsage]
+        engine.batch.step()
         waiting.append(engine.num_waiting)
     assert waiting == [11, 6, 1, 0]
     engine.add_request(Request(rid="late", prompt_ids=[40, 4, 5, 6], options=options))
-    engine._step()  # pyright: ignore[reportPrivateUsage]
+    engine.batch.step()
     assert engine.num_waiting == 1  # one arriving later, with slots free, still waits for the interval
 
 
@@ -257,10 +260,10 @@ def test_an_admission_put_back_for_a_cache_growth_still_goes_on_at_the_next_step
         engine.add_request(Request(rid=f"r{i}", prompt_ids=[3 + i] + [4] * (length - 1), options=options))
     waiting: list[int] = []
     for _ in range(4):
-        engine._step()  # pyright: ignore[reportPrivateUsage]
+        engine.batch.step()
         waiting.append(engine.num_waiting)
     assert waiting == [11, 6, 1, 0]
-    cache = engine._cache  # pyright: ignore[reportPrivateUsage]
+    cache = engine.runner.cache
     assert cache is not None
     assert cache.capacity > KV_CAPACITY_STEP  # the path that puts the prompt back was taken
 
@@ -320,7 +323,7 @@ def test_cached_prefixes_match_a_full_prefill_on_cuda(engines: list[Engine]) -> 
     """The CUDA kernels of a packed prefill over cached prefixes (the extend-attention kernel reading them in
     place) against prefills from position 0 (the same kernel without a prefix), float32, greedy, several
     turns in one batch."""
-    from asyncrl_engine.model import ModelConfig
+    from asyncrl_engine.model_config import ModelConfig
 
     config = ModelConfig.from_dict(
         {

@@ -7,8 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from asyncrl_engine.kv_cache import KVCache
 from asyncrl_engine.kv_pool import BlockAllocator
-from asyncrl_engine.model import KVCache, ModelConfig
+from asyncrl_engine.model_config import ModelConfig
 from asyncrl_engine.prefix_cache import EVICTION_RESERVE, PrefixCache
 from asyncrl_engine.radix_tree import RadixTree
 

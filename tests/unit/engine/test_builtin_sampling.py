@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from asyncrl_engine.sampling import CDF_BLOCK, SamplingOptions, sample_tokens
+from asyncrl_engine.options import SamplingOptions
+from asyncrl_engine.sampling import CDF_BLOCK, sample_tokens
 
 DRAWS = 20_000
 

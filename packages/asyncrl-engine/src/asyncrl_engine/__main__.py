@@ -98,7 +98,8 @@ async def _serve(args: argparse.Namespace, model_path: Path, command: str) -> No
     from asyncrl_core.server_process import bound_port, write_port_file
     from asyncrl_engine.engine import Engine
     from asyncrl_engine.info import Startup, available_memory_gb
-    from asyncrl_engine.model import EngineModel, ModelConfig
+    from asyncrl_engine.model import EngineModel
+    from asyncrl_engine.model_config import ModelConfig
     from asyncrl_engine.server import BuiltinServer
 
     if args.num_threads:
@@ -211,8 +212,9 @@ def _warmup(engine: object) -> None:
     """One short greedy generation through the scheduler (captures CUDA graphs on CUDA)."""
     import threading
 
-    from asyncrl_engine.engine import Engine, Request
-    from asyncrl_engine.sampling import SamplingOptions
+    from asyncrl_engine.engine import Engine
+    from asyncrl_engine.options import SamplingOptions
+    from asyncrl_engine.request import Request
 
     assert isinstance(engine, Engine)
     done = threading.Event()

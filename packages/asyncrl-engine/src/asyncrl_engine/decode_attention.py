@@ -29,8 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from asyncrl_engine._kernel_check import KernelCheck
-from asyncrl_engine._kernel_shapes import dot_size
+from asyncrl_engine._kernels import KernelCheck, LazyKernels, dot_size
 
 BLOCK_N = 64
 """Key positions per block of the kernel's loop."""
@@ -39,11 +38,9 @@ TARGET_PROGRAMS = 512
 SMs): a small batch over long contexts still spreads over the GPU."""
 MAX_SPLITS = 16
 
-_kernel: Any = None
-
 
 def _self_check(device: torch.device) -> None:
-    _load()
+    _kernel()
     generator = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(3, 2, 3, 64, device=device, generator=generator)
     keys = torch.randn(3, 2, 100, 64, device=device, generator=generator)
@@ -76,7 +73,7 @@ def decode_attention(
     q [B, kv_heads, group, D]; keys, values [slots >= B, kv_heads, capacity, D] (last dim contiguous);
     lengths [B] int (each in 1..capacity). Returns [B, kv_heads, group, D] in q's dtype. Shapes and the
     launch depend only on B and the capacity (lengths are read on the GPU), so a CUDA graph replays it."""
-    kernel = _load()
+    kernel = _kernel()
     batch, kv_heads, group, head_dim = q.shape
     if splits is None:
         splits = num_splits(batch, kv_heads)
@@ -127,13 +124,6 @@ def decode_attention(
     total = (denominator * weights).sum(dim=2)  # [B, H, G]
     out = (partial * weights.unsqueeze(-1)).sum(dim=2) / total.unsqueeze(-1)
     return out.to(q.dtype)
-
-
-def _load() -> Any:
-    global _kernel
-    if _kernel is None:
-        _kernel = _build()
-    return _kernel
 
 
 def _build() -> Any:
@@ -227,3 +217,6 @@ def _build() -> Any:
             tl.store(den_ptr + stat, l_i, mask=g < GROUP)
 
     return kernel
+
+
+_kernel = LazyKernels(_build)

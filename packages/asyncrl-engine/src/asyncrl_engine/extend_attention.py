@@ -39,15 +39,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from asyncrl_engine._kernel_check import KernelCheck
-from asyncrl_engine._kernel_shapes import dot_size
+from asyncrl_engine._kernels import KernelCheck, LazyKernels, dot_size
 
 ROWS = 64
 """Query rows (tokens x the query heads of one KV head) per program."""
 BLOCK_N = 64
 """Key positions per block of the kernel's loop."""
-
-_kernel: Any = None
 
 
 def torch_extend_attention(
@@ -135,7 +132,7 @@ def extend_attention(
     (sequence b's queries are rows cu_seqlens[b]..cu_seqlens[b+1]-1 of q); `work_sequence`, `work_first` [I]
     int64 (the rows of `work_items`, on q's device): the grid, which depends on nothing else, so a CUDA graph
     of a padded batch replays it whatever its sequences. Returns [N, q_heads, D] in q's dtype."""
-    kernel = _load()
+    kernel = _kernel()
     tokens, num_heads, head_dim = q.shape
     kv_heads = keys.shape[1]
     if num_heads % kv_heads or q.stride(-1) != 1 or keys.stride(-1) != 1 or values.stride(-1) != 1:
@@ -216,13 +213,6 @@ available = KernelCheck(
 """`available(device)`: whether the kernel runs on `device`: CUDA, Triton importable, and a first launch there
 (compiled on the spot) equal to `torch_extend_attention` in float32 and bfloat16. Checked once per device; a
 failure is logged and the model keeps the reference."""
-
-
-def _load() -> Any:
-    global _kernel
-    if _kernel is None:
-        _kernel = _build()
-    return _kernel
 
 
 def _build() -> Any:
@@ -318,3 +308,6 @@ def _build() -> Any:
             )
 
     return kernel
+
+
+_kernel = LazyKernels(_build)

@@ -36,11 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from asyncrl_engine._kernel_check import KernelCheck
-from asyncrl_engine._kernel_shapes import next_power_of_2
-
-_kernels: dict[str, Any] = {}
-"""The compiled kernels by name (`add_rms_norm`, `rotary`, `silu_mul`), built at the first use."""
+from asyncrl_engine._kernels import KernelCheck, LazyKernels, next_power_of_2
 
 SILU_BLOCK = 1024
 """Most columns of `silu_mul` per program."""
@@ -132,7 +128,7 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tup
 
 
 def _norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    kernel = _load("add_rms_norm")
+    kernel = _kernels()["add_rms_norm"]
     hidden = x.shape[-1]
     rows_x = _rows(x)
     rows_r = rows_x if residual is None else _rows(residual)
@@ -177,7 +173,7 @@ def rotary(
     With `cache` (keys, values: [slots, kv_heads, capacity, head_dim], last dim contiguous), also writes the
     rotated K and V of token (b, t) at slot `slots[b]` (default: b) and position `write_positions[b, t]`
     (default: `positions`)."""
-    kernel = _load("rotary")
+    kernel = _kernels()["rotary"]
     if qkv.dim() == 2:
         qkv = qkv.unsqueeze(1)
     batch, length, width = qkv.shape
@@ -239,7 +235,7 @@ def _token_strides(positions: Tensor, batch: int, length: int) -> tuple[int, int
 def silu_mul(gate_up: Tensor) -> Tensor:
     """`F.silu(gate) * up` for `gate, up = gate_up.chunk(2, -1)` in one kernel; gate_up [..., 2 F] with
     contiguous rows. Returns [..., F] in gate_up's dtype (SiLU rounded to it before the product, as torch)."""
-    kernel = _load("silu_mul")
+    kernel = _kernels()["silu_mul"]
     width = gate_up.shape[-1] // 2
     rows = _rows(gate_up)
     out = torch.empty((rows.shape[0], width), device=gate_up.device, dtype=gate_up.dtype)
@@ -254,12 +250,6 @@ def _rows(x: Tensor) -> Tensor:
     """x [..., n] as rows [N, n] with a contiguous last dimension (a view where it can be one)."""
     rows = x.reshape(-1, x.shape[-1])
     return rows if rows.stride(-1) == 1 else rows.contiguous()
-
-
-def _load(name: str) -> Any:
-    if not _kernels:
-        _kernels.update(_build())
-    return _kernels[name]
 
 
 def _build() -> dict[str, Any]:
@@ -402,3 +392,7 @@ def _build() -> dict[str, Any]:
         tl.store(out_ptr + row * stride_out + cols, out, mask=inside)
 
     return {"add_rms_norm": add_rms_norm_kernel, "rotary": rotary_kernel, "silu_mul": silu_mul_kernel}
+
+
+_kernels = LazyKernels(_build)
+"""The kernels by name (`add_rms_norm`, `rotary`, `silu_mul`), defined at their first use."""

@@ -18,7 +18,7 @@ from collections.abc import AsyncGenerator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from asyncrl_engine.engine import PauseMode
+from asyncrl_sglang.wire import PauseMode
 
 
 @dataclass(slots=True)

@@ -37,9 +37,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from asyncrl_engine.engine import Engine, EngineStoppedError, Request
-from asyncrl_engine.gate import AdmissionGate, Ticket
-from asyncrl_engine.generate import (
+from asyncrl_engine.calls import (
     Call,
     Limits,
     QueueFullError,
@@ -53,6 +51,8 @@ from asyncrl_engine.generate import (
     forwarder,
     prompt_requests,
 )
+from asyncrl_engine.engine import Engine
+from asyncrl_engine.gate import AdmissionGate, Ticket
 from asyncrl_engine.info import (
     HEALTH_CHECK_TIMEOUT_S,
     SERVER_VERSION,
@@ -63,13 +63,14 @@ from asyncrl_engine.info import (
     scheduler_info,
     server_args,
 )
-from asyncrl_engine.sampling import RequestError, SamplingOptions
+from asyncrl_engine.options import RequestError, SamplingOptions
+from asyncrl_engine.request import EngineStoppedError, Request
 from asyncrl_sglang.grpc_wire import authorization, encode_trailer, sampling_fields
 from asyncrl_sglang.wire import SamplingParamsBody, WireError, parse_object
 
 SERVER_TYPE = "grpc"
 _ABORT_CODES = {503: grpc.StatusCode.UNAVAILABLE, 500: grpc.StatusCode.INTERNAL}
-"""The code of a call one of whose requests the engine ended with an error (`generate.error_abort`), as
+"""The code of a call one of whose requests the engine ended with an error (`calls.error_abort`), as
 SGLang's servicer maps the status of such an abort."""
 _UNSUPPORTED_FIELDS = (
     "mm_inputs",

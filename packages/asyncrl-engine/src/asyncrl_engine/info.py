@@ -24,9 +24,10 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from asyncrl_engine._http import Json, error_response, json_model, not_found
-from asyncrl_engine.engine import Engine, Request
+from asyncrl_engine.engine import Engine
 from asyncrl_engine.gate import AdmissionGate
-from asyncrl_engine.sampling import SamplingOptions
+from asyncrl_engine.options import SamplingOptions
+from asyncrl_engine.request import Request
 from asyncrl_engine.snapshot import EngineSnapshot
 from asyncrl_sglang.wire import LoadsQuery, ModelInfo, WeightVersionReply, parse_object
 

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
-from asyncrl_engine.model import KVCache, ModelConfig
+from asyncrl_engine.kv_cache import KVCache
+from asyncrl_engine.model_config import ModelConfig
 
 
 class BlockAllocator:

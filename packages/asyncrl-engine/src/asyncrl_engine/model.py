@@ -1,9 +1,5 @@
-"""A compact Llama / Qwen2 decoder that loads HuggingFace safetensors by their HuggingFace names.
-
-The engine keeps the projections fused (`q|k|v` in one matrix, `gate|up` in another) because one matmul beats
-three on every device; each HuggingFace name is a *view* into a fused tensor, so `load_named_tensors` copies a
-tensor sent under its HuggingFace name straight into place. Tied embeddings share one tensor, so
-`lm_head.weight` is accepted for a tied model and lands in the embedding.
+"""A compact Llama / Qwen2 decoder that loads HuggingFace safetensors by their HuggingFace names (its
+parameters and their loading: `parameters.py`).
 
 Three entry points:
 - `forward_logits(input_ids)`: a plain full-sequence forward without a cache (reference and tests).
@@ -15,276 +11,20 @@ Three entry points:
 
 from __future__ import annotations
 
-import itertools
-import math
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from pathlib import Path
-from typing import cast
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from asyncrl_core.errors import AsyncRLError
-from asyncrl_core.models import read_hf_config
 from asyncrl_engine import decode_attention, extend_attention
 from asyncrl_engine import fused_kernels as fused
-
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
-
-
-class ModelLoadError(AsyncRLError):
-    """A checkpoint or a weight update does not fit the model. `problems` lists every offending name."""
-
-    def __init__(self, message: str, problems: Sequence[str] = ()) -> None:
-        self.problems: tuple[str, ...] = tuple(problems)
-        text = message if not problems else f"{message}: " + "; ".join(problems)
-        super().__init__(text)
+from asyncrl_engine.kv_cache import KVCache, PackedPrefill, PrefillReplay
+from asyncrl_engine.model_config import ModelConfig, inverse_frequencies
+from asyncrl_engine.parameters import EngineParameters
 
 
-@dataclass(frozen=True, slots=True)
-class ModelConfig:
-    """The architecture, read from a HuggingFace `config.json` (Llama or Qwen2)."""
-
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, float | str] | None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool
-    """q/k/v projections carry a bias (always for Qwen2; `attention_bias` for Llama)."""
-    eos_token_ids: tuple[int, ...]
-
-    @property
-    def architectures(self) -> list[str]:
-        """The HuggingFace model class, as `/model_info` and `GetModelInfo` report it."""
-        return ["Qwen2ForCausalLM" if self.model_type == "qwen2" else "LlamaForCausalLM"]
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, object]) -> ModelConfig:
-        model_type = str(raw.get("model_type", ""))
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ModelLoadError(
-                f"model_type {model_type!r} is not supported; the built-in engine runs "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        hidden_size = _int(raw, "hidden_size")
-        num_heads = _int(raw, "num_attention_heads")
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        if not isinstance(rope, dict):
-            raise ModelLoadError(f"rope parameters must be a mapping, got {rope!r}")
-        rope_dict: dict[str, float | str] = {
-            str(k): v for k, v in rope.items() if isinstance(v, float | int | str)
-        }
-        theta = rope_dict.pop("rope_theta", _float(raw, "rope_theta", 10000.0))
-        rope_type = str(rope_dict.get("rope_type", rope_dict.get("type", "default")))
-        scaling = None if rope_type == "default" else {**rope_dict, "rope_type": rope_type}
-        eos = raw.get("eos_token_id")
-        eos_list = cast(list[object], eos) if isinstance(eos, list) else [eos]
-        eos_ids = tuple(e for e in eos_list if isinstance(e, int))
-        head_dim = raw.get("head_dim")
-        return cls(
-            model_type=model_type,
-            vocab_size=_int(raw, "vocab_size"),
-            hidden_size=hidden_size,
-            intermediate_size=_int(raw, "intermediate_size"),
-            num_layers=_int(raw, "num_hidden_layers"),
-            num_heads=num_heads,
-            num_kv_heads=_int(raw, "num_key_value_heads", num_heads),
-            head_dim=int(head_dim) if isinstance(head_dim, int) else hidden_size // num_heads,
-            rms_norm_eps=_float(raw, "rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
-            rope_scaling=scaling,
-            max_position_embeddings=_int(raw, "max_position_embeddings", 4096),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
-            eos_token_ids=eos_ids,
-        )
-
-
-def _float(raw: dict[str, object], key: str, default: float) -> float:
-    value = raw.get(key, default)
-    if not isinstance(value, float | int):
-        raise ModelLoadError(f"config.json: `{key}` must be a number, got {value!r}")
-    return float(value)
-
-
-def _int(raw: dict[str, object], key: str, default: int | None = None) -> int:
-    value = raw.get(key, default)
-    if value is None:
-        value = default
-    if not isinstance(value, int):
-        raise ModelLoadError(f"config.json: `{key}` must be an int, got {value!r}")
-    return value
-
-
-def _inverse_frequencies(config: ModelConfig) -> Tensor:
-    """RoPE inverse frequencies [head_dim / 2], with the `linear` and `llama3` scalings applied."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    scaling = config.rope_scaling
-    if scaling is None:
-        return inv_freq
-    rope_type = scaling["rope_type"]
-    if rope_type == "linear":
-        return inv_freq / float(scaling["factor"])
-    if rope_type == "llama3":
-        factor = float(scaling["factor"])
-        low = float(scaling.get("low_freq_factor", 1.0))
-        high = float(scaling.get("high_freq_factor", 4.0))
-        original = float(scaling.get("original_max_position_embeddings", 8192))
-        wavelength = 2 * math.pi / inv_freq
-        low_wavelength, high_wavelength = original / low, original / high
-        smooth = (original / wavelength - low) / (high - low)
-        smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-        scaled = torch.where(wavelength > low_wavelength, inv_freq / factor, inv_freq)
-        medium = (wavelength >= high_wavelength) & (wavelength <= low_wavelength)
-        return torch.where(medium, smoothed, scaled)
-    raise ModelLoadError(f"rope scaling {rope_type!r} is not supported (default, linear and llama3 are)")
-
-
-class KVCache:
-    """Per-slot KV buffers of the running requests, one tensor for every layer:
-    `kv` [num_layers, 2 (K, V), num_slots, kv_heads, capacity, head_dim]; `keys[l]` and `values[l]` are views.
-
-    Slot `s` holds one request's KV at positions `0..length-1`. The engine keeps the running requests in slots
-    `0..B-1` (it moves the last slot into a freed one), so a decode step reads one contiguous view; with every
-    layer in one tensor, that move is a single copy.
-    """
-
-    def __init__(
-        self, config: ModelConfig, num_slots: int, capacity: int, device: torch.device, dtype: torch.dtype
-    ) -> None:
-        self.num_slots = num_slots
-        self.capacity = capacity
-        shape = (config.num_layers, 2, num_slots, config.num_kv_heads, capacity, config.head_dim)
-        self.kv = torch.zeros(shape, device=device, dtype=dtype)
-        self.keys = list(self.kv[:, 0].unbind(0))
-        self.values = list(self.kv[:, 1].unbind(0))
-
-    @staticmethod
-    def bytes_for(config: ModelConfig, num_slots: int, capacity: int, dtype: torch.dtype) -> int:
-        """The bytes of a cache of `num_slots` x `capacity` positions."""
-        per_position = 2 * config.num_layers * config.num_kv_heads * config.head_dim
-        return per_position * num_slots * capacity * dtype.itemsize
-
-    def move_slot(self, source: int, target: int, length: int) -> None:
-        """Copy the first `length` positions of slot `source` into slot `target` (every layer at once)."""
-        self.kv[:, :, target, :, :length].copy_(self.kv[:, :, source, :, :length])
-
-    def copy_from(self, other: KVCache, num_slots: int, length: int) -> None:
-        """Copy the first `length` positions of the first `num_slots` slots of `other` (a smaller cache)."""
-        self.kv[:, :, :num_slots, :, :length].copy_(other.kv[:, :, :num_slots, :, :length])
-
-    def copy_slot_from(self, other: KVCache, slot: int, length: int) -> None:
-        """Copy the first `length` positions of slot `slot` of `other` (a smaller cache), into that slot."""
-        self.kv[:, :, slot, :, :length].copy_(other.kv[:, :, slot, :, :length])
-
-    def nbytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
-
-
-def aligned_bounds(sizes: Sequence[int]) -> tuple[list[tuple[int, int]], int]:
-    """Where columns of `sizes` int64 values go in one tensor so that each starts on a 16-byte boundary
-    whatever the sizes: ([(start, stop)] per column, the total length). Triton specializes a kernel on its
-    pointers' 16-byte alignment, so a view that is aligned or not by the parity of a batch's length would
-    compile a second variant of the kernel in the middle of serving."""
-    bounds: list[tuple[int, int]] = []
-    end = 0
-    for size in sizes:
-        bounds.append((end, end + size))
-        end += size + size % 2  # 2 int64 = 16 bytes
-    return bounds, end
-
-
-@dataclass(frozen=True, slots=True)
-class PackedPrefill:
-    """A packed prefill batch on the host (`EngineModel.pack_prefill`), as `forward_packed` reads it.
-
-    `columns` (int64, in this order): per token its id, position and slot ([N] each); per sequence its slot,
-    cached prefix and the offsets of its rows ([B], [B], [B + 1]); per program of the extend kernel its
-    sequence and first token ([I] each, `extend_attention.work_items`; empty without the kernel). The lists
-    are what the torch path reads."""
-
-    columns: tuple[Tensor, ...]
-    slots: list[int]
-    starts: list[int]
-    lengths: list[int]
-    end: int
-    """The furthest position written (the rope table must cover it)."""
-
-    @property
-    def total(self) -> int:
-        return self.columns[0].shape[0]
-
-    @property
-    def num_sequences(self) -> int:
-        return len(self.slots)
-
-    @property
-    def shape(self) -> PackedShape:
-        """Its own sizes, unpadded."""
-        return PackedShape(self.total, self.num_sequences, self.columns[-1].numel())
-
-    def padded(self, shape: PackedShape, capacity: int) -> Tensor:
-        """The columns padded to `shape` (which must fit them) as one host tensor laid out by
-        `shape.bounds`, for a cache of `capacity` positions. Padding tokens (id 0) write their K/V at the
-        cache's last position of slot 0, which the capacity rule keeps free of live KV, and no work item takes
-        them, so their rows are left as they are (rows do not mix outside attention); padding sequences have
-        no tokens; padding work items start past every sequence and do nothing."""
-        if not shape.fits(self):
-            raise ValueError(f"a packed prefill of {self.total} tokens does not fit {shape}")
-        bounds, end = shape.bounds
-        packed = torch.zeros(end, dtype=torch.long)
-        fills = (0, capacity - 1, 0, 0, 0, self.total, 0, extend_attention.NO_WORK)
-        for (start, stop), column, fill in zip(bounds, self.columns, fills, strict=True):
-            packed[start : start + column.numel()] = column
-            packed[start + column.numel() : stop] = fill
-        return packed
-
-
-@dataclass(frozen=True, slots=True)
-class PackedShape:
-    """The fixed sizes of a padded packed prefill (a CUDA graph's): tokens, sequences, extend-kernel
-    programs."""
-
-    tokens: int
-    sequences: int
-    work: int
-
-    @property
-    def bounds(self) -> tuple[list[tuple[int, int]], int]:
-        """Where each column lies in the tensor of `PackedPrefill.padded` (`aligned_bounds`)."""
-        return aligned_bounds(
-            [self.tokens] * 3 + [self.sequences] * 2 + [self.sequences + 1] + [self.work] * 2
-        )
-
-    def columns(self, packed: Tensor) -> list[Tensor]:
-        """The columns of a tensor laid out by `bounds`, as views."""
-        return [packed[start:stop] for start, stop in self.bounds[0]]
-
-    def fits(self, batch: PackedPrefill) -> bool:
-        return (
-            batch.total <= self.tokens
-            and batch.num_sequences <= self.sequences
-            and batch.columns[-1].numel() <= self.work
-        )
-
-
-PrefillReplay = Callable[[PackedPrefill, "KVCache"], Tensor | None]
-"""Runs a packed prefill another way (a CUDA graph): its hidden states, or None where it cannot."""
-
-
-class EngineModel:
+class EngineModel(EngineParameters):
     """The decoder. Parameters are plain tensors (no autograd) in fused layouts with HuggingFace-named views.
 
     Not thread-safe: the engine calls it from its one scheduler thread.
@@ -298,72 +38,13 @@ class EngineModel:
         fused_kernels: bool = True,
         attention_kernels: bool = True,
     ) -> None:
-        self.config = config
-        self.device = device
-        self.dtype = dtype
+        super().__init__(config, device, dtype, fused_kernels, attention_kernels)
         c = config
-        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-
-        def empty(*shape: int) -> Tensor:
-            return torch.zeros(shape, device=device, dtype=dtype)
-
-        self.embed = empty(c.vocab_size, c.hidden_size)
-        self.lm_head = self.embed if c.tie_word_embeddings else empty(c.vocab_size, c.hidden_size)
-        self.final_norm = empty(c.hidden_size)
-        self.qkv: list[Tensor] = []
-        self.qkv_bias: list[Tensor | None] = []
-        self.o_proj: list[Tensor] = []
-        self.gate_up: list[Tensor] = []
-        self.down: list[Tensor] = []
-        self.attn_norm: list[Tensor] = []
-        self.mlp_norm: list[Tensor] = []
-        # HuggingFace name -> the view it is loaded into.
-        self.named: dict[str, Tensor] = {
-            "model.embed_tokens.weight": self.embed,
-            "model.norm.weight": self.final_norm,
-        }
-        self.named["lm_head.weight"] = self.lm_head
-        for i in range(c.num_layers):
-            qkv = empty(q_size + 2 * kv_size, c.hidden_size)
-            bias = empty(q_size + 2 * kv_size) if c.attention_bias else None
-            gate_up = empty(2 * c.intermediate_size, c.hidden_size)
-            layer = (
-                qkv,
-                empty(c.hidden_size, q_size),
-                gate_up,
-                empty(c.hidden_size, c.intermediate_size),
-                empty(c.hidden_size),
-                empty(c.hidden_size),
-            )
-            self.qkv.append(layer[0])
-            self.qkv_bias.append(bias)
-            self.o_proj.append(layer[1])
-            self.gate_up.append(layer[2])
-            self.down.append(layer[3])
-            self.attn_norm.append(layer[4])
-            self.mlp_norm.append(layer[5])
-            prefix = f"model.layers.{i}."
-            splits = {
-                "q": (0, q_size),
-                "k": (q_size, q_size + kv_size),
-                "v": (q_size + kv_size, q_size + 2 * kv_size),
-            }
-            for letter, (start, end) in splits.items():
-                self.named[f"{prefix}self_attn.{letter}_proj.weight"] = qkv[start:end]
-                if bias is not None:
-                    self.named[f"{prefix}self_attn.{letter}_proj.bias"] = bias[start:end]
-            self.named[f"{prefix}self_attn.o_proj.weight"] = layer[1]
-            self.named[f"{prefix}mlp.gate_proj.weight"] = gate_up[: c.intermediate_size]
-            self.named[f"{prefix}mlp.up_proj.weight"] = gate_up[c.intermediate_size :]
-            self.named[f"{prefix}mlp.down_proj.weight"] = layer[3]
-            self.named[f"{prefix}input_layernorm.weight"] = layer[4]
-            self.named[f"{prefix}post_attention_layernorm.weight"] = layer[5]
-        inv_freq = _inverse_frequencies(c)
+        inv_freq = inverse_frequencies(c)
         self._inv_freq = inv_freq
         self._rope_cos = torch.empty(0, device=device)
         self._rope_sin = torch.empty(0, device=device)
         self.ensure_rope(c.max_position_embeddings)
-        self._attention_requested = attention_kernels
         self.decode_kernel = attention_kernels and decode_attention.available(device)
         """Whether `decode` uses the Triton kernel that reads each row's KV up to its own length (requested,
         the default, and CUDA with Triton; set False to measure the masked SDPA it replaces)."""
@@ -371,113 +52,10 @@ class EngineModel:
         """Whether `prefill_packed` attends with the Triton kernel that reads each sequence's cached KV in
         place (requested, the default, and CUDA with Triton; set False to measure the per-sequence SDPA, its
         reference)."""
-        self._fused_requested = fused_kernels
         self.fused_kernels = fused_kernels and fused.available(device)
         """Whether the forwards use the fused Triton kernels (`fused_kernels.py`: residual add + RMSNorm,
         rotary embedding + KV cache write, SiLU * up) instead of torch's elementwise ops: requested (the
         default) and available (CUDA with Triton, first launches equal to torch). Set it to switch paths."""
-
-    # ---------------------------------------------------------------------------------------------- loading
-    @classmethod
-    def from_pretrained(
-        cls,
-        path: str | Path,
-        device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
-        fused_kernels: bool = True,
-        attention_kernels: bool = True,
-    ) -> EngineModel:
-        """Build from a HuggingFace folder (`config.json` + `*.safetensors`); all parameters must be there.
-        `fused_kernels=False` keeps torch's elementwise ops where the fused kernels would run;
-        `attention_kernels=False` keeps SDPA where the decode and extend attention kernels would run."""
-        folder = Path(path)
-        try:
-            raw = read_hf_config(folder)
-        except AsyncRLError as error:
-            raise ModelLoadError(str(error)) from None
-        config = ModelConfig.from_dict(raw)
-        model = cls(config, torch.device(device), dtype, fused_kernels, attention_kernels)
-        files = sorted(folder.glob("*.safetensors"))
-        if not files:
-            raise ModelLoadError(f"no *.safetensors file in {folder}")
-        from safetensors.torch import load_file
-
-        loaded: set[str] = set()
-        for file in files:
-            tensors = list(load_file(str(file)).items())
-            model.load_named_tensors(tensors)
-            loaded.update(name for name, _ in tensors)
-        missing = sorted(model.required_names() - loaded)
-        if missing:
-            raise ModelLoadError(f"checkpoint {folder} lacks {len(missing)} parameters", missing[:20])
-        return model
-
-    @classmethod
-    def random(
-        cls,
-        config: ModelConfig,
-        device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
-        seed: int = 0,
-        fused_kernels: bool = True,
-        attention_kernels: bool = True,
-    ) -> EngineModel:
-        """A model with random weights (normal, std 0.02; norms at 1), for benchmarks."""
-        model = cls(config, torch.device(device), dtype, fused_kernels, attention_kernels)
-        generator = torch.Generator().manual_seed(seed)
-        for name in sorted(model.required_names()):
-            view = model.named[name]
-            if name.endswith("norm.weight"):
-                view.fill_(1.0)
-            elif name.endswith(".bias"):
-                view.zero_()
-            else:
-                view.copy_(torch.randn(view.shape, generator=generator) * 0.02)
-        return model
-
-    def required_names(self) -> set[str]:
-        """The names a full checkpoint must carry (`lm_head.weight` only when not tied)."""
-        names = set(self.named)
-        if self.config.tie_word_embeddings:
-            names.discard("lm_head.weight")
-        return names
-
-    def nbytes(self) -> int:
-        """Bytes held by the weights (a tied output layer counted once)."""
-        storages = {view.untyped_storage().data_ptr(): view.untyped_storage() for view in self.named.values()}
-        return sum(storage.nbytes() for storage in storages.values())
-
-    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {name: tuple(view.shape) for name, view in self.named.items()}
-
-    def validate_named_tensors(self, tensors: Iterable[tuple[str, Tensor]]) -> None:
-        """Raise `ModelLoadError` listing every unknown name, shape mismatch and non-floating tensor."""
-        problems: list[str] = []
-        for name, tensor in tensors:
-            view = self.named.get(name)
-            if view is None:
-                problems.append(f"unknown parameter {name!r}")
-            elif tuple(tensor.shape) != tuple(view.shape):
-                problems.append(f"{name}: shape {list(tensor.shape)} but the model has {list(view.shape)}")
-            elif not tensor.is_floating_point():
-                problems.append(f"{name}: dtype {tensor.dtype} is not a floating-point type")
-        if problems:
-            raise ModelLoadError(f"{len(problems)} tensors do not fit the model", problems)
-
-    @torch.inference_mode()
-    def load_named_tensors(self, tensors: Sequence[tuple[str, Tensor]]) -> None:
-        """Copy tensors (any subset, HuggingFace names) into the model; on any error nothing changes."""
-        self.validate_named_tensors(tensors)
-        for name, tensor in tensors:
-            self.named[name].copy_(tensor)
-
-    def move_weights(self, device: torch.device) -> None:
-        """Move every parameter (and the rope tables) to `device`; the named views are rebuilt to match."""
-        if device == self.device:
-            return
-        moved = EngineModel(self.config, device, self.dtype, self._fused_requested, self._attention_requested)
-        moved.load_named_tensors([(name, self.named[name]) for name in sorted(self.required_names())])
-        self.__dict__.update(moved.__dict__)
 
     # ---------------------------------------------------------------------------------------------- forward
     def ensure_rope(self, length: int) -> None:
@@ -645,41 +223,13 @@ class EngineModel:
         slots: Sequence[int],
         starts: Sequence[int] | None = None,
     ) -> PackedPrefill:
-        """The host side of `prefill_packed`: its arguments checked against `cache`, as columns."""
-        num = len(sequences)
-        starts = [0] * num if starts is None else list(starts)
-        lengths = [len(s) for s in sequences]
-        if num == 0 or len(slots) != num or len(starts) != num:
-            raise ValueError(
-                f"{num} sequences but {len(slots)} slots and {len(starts)} starts (one each, >= 1)"
-            )
-        for row, (slot, start, length) in enumerate(zip(slots, starts, lengths, strict=True)):
-            if length == 0 or start < 0 or start + length > cache.capacity or not 0 <= slot < cache.num_slots:
-                raise ValueError(
-                    f"sequence {row}: {length} tokens from position {start} in slot {slot} do not fit a "
-                    f"cache of {cache.num_slots} slots x {cache.capacity} positions (each needs a token)"
-                )
+        """The host side of `prefill_packed`: its arguments checked against `cache`, as columns, with the
+        extend kernel's work items when the model attends with it."""
         c = self.config
-        total = sum(lengths)
-        length_t = torch.tensor(lengths)
-        offsets = torch.zeros(num + 1, dtype=torch.long)
-        torch.cumsum(length_t, 0, out=offsets[1:])
-        slot_t, start_t = torch.tensor(slots), torch.tensor(starts)
-        owner = torch.repeat_interleave(torch.arange(num), length_t)
-        positions = torch.arange(total) - offsets[owner] + start_t[owner]
-        tokens = torch.tensor(list(itertools.chain.from_iterable(sequences)), dtype=torch.long)
-        if self.extend_kernel:
-            per_program = extend_attention.tokens_per_program(c.num_heads, c.num_kv_heads)
-            work = extend_attention.work_items(length_t, per_program)
-        else:
-            work = torch.empty((2, 0), dtype=torch.long)
-        return PackedPrefill(
-            (tokens, positions, slot_t[owner], slot_t, start_t, offsets, work[0], work[1]),
-            list(slots),
-            starts,
-            lengths,
-            max(start + length for start, length in zip(starts, lengths, strict=True)),
+        per_program = (
+            extend_attention.tokens_per_program(c.num_heads, c.num_kv_heads) if self.extend_kernel else None
         )
+        return PackedPrefill.pack(sequences, cache, slots, starts, per_program)
 
     @property
     def packed_from_columns(self) -> bool:

@@ -15,8 +15,9 @@ from collections.abc import Sequence
 
 import torch
 
+from asyncrl_engine.kv_cache import KVCache
 from asyncrl_engine.kv_pool import KVBlockPool
-from asyncrl_engine.model import KVCache, ModelConfig
+from asyncrl_engine.model_config import ModelConfig
 from asyncrl_engine.radix_tree import RadixTree
 
 EVICTION_RESERVE = 32

@@ -27,10 +27,12 @@ from asyncrl_engine._http import (
     read_model,
     semantic_error,
 )
-from asyncrl_engine.engine import Engine, EngineBusyError, EngineStoppedError, PauseMode
+from asyncrl_engine.calls import Limits
+from asyncrl_engine.engine import Engine
 from asyncrl_engine.gate import AdmissionGate
-from asyncrl_engine.generate import GenerateRoutes, Limits, Tokenizer
+from asyncrl_engine.generate import GenerateRoutes, Tokenizer
 from asyncrl_engine.info import InfoRoutes
+from asyncrl_engine.request import EngineBusyError, EngineStoppedError
 from asyncrl_engine.weights import WeightRoutes
 from asyncrl_sglang.tensor_codec import encode_tensors as encode_safetensors
 from asyncrl_sglang.wire import (
@@ -38,6 +40,7 @@ from asyncrl_sglang.wire import (
     GenerationControlResult,
     MemoryRequest,
     MemoryTag,
+    PauseMode,
     PauseRequest,
     WireError,
 )

@@ -15,9 +15,10 @@ import torch
 from aiohttp import web
 
 from asyncrl_engine._http import json_model, read_model, semantic_error, update_failure
-from asyncrl_engine.engine import Engine, EngineBusyError
+from asyncrl_engine.engine import Engine
 from asyncrl_engine.gate import AdmissionGate
-from asyncrl_engine.model import ModelLoadError
+from asyncrl_engine.model_config import ModelLoadError
+from asyncrl_engine.request import EngineBusyError
 from asyncrl_sglang.process_group import join_weight_update_group
 from asyncrl_sglang.tensor_codec import decode_tensors
 from asyncrl_sglang.wire import (
