@@ -7,6 +7,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import hypothesis.strategies as st
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
 from asyncrl_engine.options import SamplingOptions
 from asyncrl_engine.request import Request
 from asyncrl_engine.scheduler import Scheduler
@@ -160,3 +164,77 @@ def test_a_relabel_marks_every_live_request() -> None:
     s.table.relabel("0")
     assert running.version_marks == [("0", 0)]
     assert waiting.version_marks == [("0", 0)]
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Requests arrive, steps admit them (and prefill the chunked one's next chunk) as the batch does, and
+    running requests finish in any order; after every rule the table holds each live request in exactly one
+    place, the chunked request's slot stays free, and every admission was FIFO within the free slots and the
+    prefill budget."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.s = scheduler(max_running_requests=4, context_length=4096, chunked_prefill_size=16)
+        self.live: list[Request] = []
+        self.arrivals = 0
+
+    @rule(prompt_len=st.integers(1, 40))
+    def arrive(self, prompt_len: int) -> None:
+        made = request(f"r{self.arrivals}", prompt_len)
+        self.arrivals += 1
+        self.s.table.add(made)
+        self.live.append(made)
+
+    @rule()
+    def step(self) -> None:
+        s, table = self.s, self.s.table
+        queued = list(table.waiting)
+        due = s.admission_due()
+        s.steps_since_prefill = 0 if due else s.steps_since_prefill + 1
+        free = s.max_running_requests - len(table.running)
+        chunked_before = table.chunked
+        admitted = s.take_admitted(free) if due else []
+        assert len(admitted) <= free
+        fresh = [r for r in admitted if r is not chunked_before]
+        assert fresh == queued[: len(fresh)]  # FIFO
+        if chunked_before is not None and chunked_before in admitted:
+            computed = chunked_before.num_tokens - table.chunk_prefilled
+        else:
+            computed = 0
+        computed += sum(r.num_tokens for r in fresh)
+        assert computed + table.chunk_next <= 16  # the prefill budget, the next chunk included
+        if table.chunked in admitted:  # its last chunk: it joins the batch
+            table.chunked = None
+        table.running.extend(admitted)
+        for r in admitted:
+            r.was_running = True
+        if table.chunk_next:
+            assert table.chunked is not None
+            table.chunk_prefilled = min(
+                table.chunk_prefilled + table.chunk_next, table.chunked.num_tokens - 1
+            )
+            table.chunk_next = 0
+
+    @precondition(lambda self: bool(self.s.table.running))
+    @rule(data=st.data())
+    def finish(self, data: st.DataObject) -> None:
+        table = self.s.table
+        slot = data.draw(st.integers(0, len(table.running) - 1))
+        done = table.running[slot]
+        table.forget(done)
+        table.remove_slot(slot)
+        self.live.remove(done)
+
+    @invariant()
+    def each_live_request_is_in_one_place(self) -> None:
+        table = self.s.table
+        places = [*table.running, *table.chunked_list(), *table.waiting]
+        assert sorted(id(r) for r in places) == sorted(id(r) for r in self.live)
+        assert set(table.by_rid) == {r.rid for r in self.live}
+        assert len(table.running) <= self.s.max_running_requests
+        if table.chunked is not None:  # its slot, the last one, stays free
+            assert len(table.running) < self.s.max_running_requests
+
+
+TestSchedulerMachine = SchedulerMachine.TestCase
+TestSchedulerMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
