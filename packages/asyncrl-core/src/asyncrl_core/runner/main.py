@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from asyncrl_core import models
-from asyncrl_core.runner.timeouts import timed_out, timeout_of
 
 if TYPE_CHECKING:
     from asyncrl_core.config import AsyncRLConfig
@@ -67,6 +66,7 @@ def run(config: AsyncRLConfig) -> Path:
 
 def _run(config: AsyncRLConfig, run_dir: Path, stopper: RunStopper, *, owns_ray: bool) -> None:
     from asyncrl_core.runner.checkpoint import checkpoint_step, resolve_resume
+    from asyncrl_core.runner.timeouts import timed_out, timeout_of
 
     stopper.phase = "the check of the checkpoint to resume"
     resume = config.checkpoint.resume_from
