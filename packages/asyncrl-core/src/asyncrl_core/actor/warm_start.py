@@ -233,7 +233,7 @@ def warm_start_inputs(
     """Everything a warm start's result depends on, the key of its cache entry: the task and its
     arguments, the base model by content (a named model by its own cache entry), the demonstrations, the
     settings, the seed, the device type it trains on, and the versions of the libraries that compute it."""
-    from asyncrl_core.actor.torch_actor import default_device
+    from asyncrl_core.config.placement import visible_gpu_count
 
     digest = hashlib.sha256()
     for demonstration in demonstrations:
@@ -246,7 +246,8 @@ def warm_start_inputs(
         "demonstrations": digest.hexdigest(),
         "settings": config.warm_start.model_dump(mode="json"),
         "seed": config.runner.seed,
-        "device_type": default_device().type,
+        # `fine_tune` trains on the current CUDA device when there is one (known here without torch).
+        "device_type": "cuda" if visible_gpu_count() > 0 else "cpu",
         "libraries": cache.library_versions("asyncrl-core", "torch", "transformers", "safetensors"),
     }
 

@@ -60,9 +60,8 @@ class RayBufferPort:
 class WorkerGroups:
     """Every Ray actor of a run: buffer, agent loops, rollout engines and actor ranks; `stop` ends them all.
 
-    They start together: the rollout engines, the actor ranks and the agent loops at once, the buffer as
-    soon as an agent loop has read the dataset's size; the agent loops connect to the engines once these
-    answer.
+    They start together (the buffer with the size of the task's train split, `dataset_size`); the agent
+    loops connect to the engines once these answer.
     """
 
     def __init__(
@@ -73,6 +72,7 @@ class WorkerGroups:
         rollout_model_path: str,
         run_dir: Path,
         task_services: dict[str, str],
+        dataset_size: int,
         stopped: list[str] | None = None,
     ) -> None:
         self.config = config
@@ -92,7 +92,7 @@ class WorkerGroups:
         self.placement: Placement | None = None
         """The run's placement groups, once reserved; removed by `stop`."""
         try:
-            self._start(config, actor_model_path, rollout_model_path, run_dir, task_services)
+            self._start(config, actor_model_path, rollout_model_path, run_dir, task_services, dataset_size)
         except BaseException:
             # A failure or a signal while the workers are built: nothing else holds the actors made so far.
             self.stop()
@@ -106,6 +106,7 @@ class WorkerGroups:
         rollout_model_path: str,
         run_dir: Path,
         task_services: dict[str, str],
+        dataset_size: int,
     ) -> None:
         import ray
 
@@ -211,18 +212,23 @@ class WorkerGroups:
             )
 
         self._agent_loop = agent_loop
-        # Every role starts at once: the agent loops start without the engines (they connect once the
-        # engines answer), and the buffer as soon as the first agent loop has read the dataset's size.
+        # Every role starts at once; the agent loops connect to the engines once these answer.
         self.agent_loops.extend(agent_loop(i) for i in range(config.agentloop.num_workers))
+        buffer_class = ray.remote(BufferWorker)
+        self.buffer = self._keep(
+            buffer_class.options(
+                **placement.options(placement.head_slot()), max_concurrency=MAX_BUFFER_CALLS
+            ).remote(config, dataset_size, by_reference=True)
+        )
+        self.buffer_port = RayBufferPort(self.buffer)
         endpoint_refs = [rollout.endpoint.remote() for rollout in self.rollouts]
-        dataset_size_ref = self.agent_loops[0].dataset_size.remote()
         starting: dict[Any, str] = {
             **dict.fromkeys(endpoint_refs, "engines"),
             **{actor.get_version.remote(): "actor" for actor in self.actors},
-            dataset_size_ref: "agent loops",
-            **{loop.dataset_size.remote(): "agent loops" for loop in self.agent_loops[1:]},
+            **{loop.dataset_size.remote(): "agent loops" for loop in self.agent_loops},
+            self.buffer.counts.remote(): "buffer",
         }
-        results = self._wait_for_start(starting, stage_started, dataset_size_ref, config)
+        results = self._wait_for_start(starting, stage_started, config)
         self.endpoints: list[EngineEndpoint] = [results[ref] for ref in endpoint_refs]
         self.engine_pids: list[int | None] = self.get(
             [rollout.pid.remote() for rollout in self.rollouts], "the engines' process ids"
@@ -238,12 +244,11 @@ class WorkerGroups:
         )
 
     def _wait_for_start(
-        self, starting: dict[Any, str], started: float, dataset_size_ref: Any, config: AsyncRLConfig
+        self, starting: dict[Any, str], started: float, config: AsyncRLConfig
     ) -> dict[Any, Any]:
-        """Wait for every start call of `starting` (a reference per worker, with its role), starting the
-        buffer once `dataset_size_ref` (the first agent loop's) has answered. Records in `start_times` when
-        each role was ready; the first failure is raised at once, naming its worker. Returns each
-        reference's result."""
+        """Wait for every start call of `starting` (a reference per worker, with its role), recording in
+        `start_times` when each role was ready; the first failure is raised at once, naming its worker.
+        Returns each reference's result."""
         import ray
 
         timeout_s = timeout_of(config, "runner.startup_timeout_s")
@@ -266,23 +271,7 @@ class WorkerGroups:
                 left[role] -= 1
                 if left[role] == 0:
                     self.start_times[role] = time.perf_counter() - started
-                if ref == dataset_size_ref:
-                    buffer_class = ray.remote(BufferWorker)
-                    self.buffer = self._keep(
-                        buffer_class.options(
-                            **self._placement().options(self._placement().head_slot()),
-                            max_concurrency=MAX_BUFFER_CALLS,
-                        ).remote(config, results[ref], by_reference=True)
-                    )
-                    self.buffer_port = RayBufferPort(self.buffer)
-                    waiting[self.buffer.counts.remote()] = "buffer"
-                    left["buffer"] = 1
         return results
-
-    def _placement(self) -> Placement:
-        if self.placement is None:
-            raise RunnerError("the run's placement groups were given back")
-        return self.placement
 
     def restart_agent_loop(self, index: int) -> Any:
         """A new agent-loop worker in place of worker `index` (whose process died); returns its handle once

@@ -95,6 +95,7 @@ def _run(config: AsyncRLConfig, run_dir: Path, stopper: RunStopper, *, owns_ray:
                 checkpoint,
                 model_paths=(actor_path, rollout_path),
                 task_services=dict(task_services),
+                dataset_size=len(task.dataset("train")),
                 started=started,
                 stages={"Ray": ray_s, "task and model": task_and_model_s},
                 start_step=checkpoint_step(checkpoint) if checkpoint is not None else 0,
@@ -154,6 +155,7 @@ def _train(
     *,
     model_paths: tuple[str, str],
     task_services: dict[str, str],
+    dataset_size: int,
     started: float,
     stages: dict[str, float],
     start_step: int,
@@ -174,6 +176,7 @@ def _train(
         rollout_model_path=rollout_path,
         run_dir=run_dir,
         task_services=task_services,
+        dataset_size=dataset_size,
         stopped=stopper.stopped,
     )
     logger.info(
