@@ -11,7 +11,8 @@ small one on a CPU, float32), 1 warm-up step and `--steps` timed ones each:
 - `torch_before`: the torch actor as it was: padded micro-batches of `--micro-batch-size` rows, each as wide
   as its longest row, transformers' stock `sdpa` attention with torch's default kernel choice (cuDNN first
   on Hopper);
-- `torch_padded`: the same micro-batches at bucketed widths, through the actor's attention (no cuDNN);
+- `torch_padded`: the same micro-batches at widths bucketed to 64 tokens on a GPU, through the actor's
+  attention (no cuDNN);
 - `torch_packed`: micro-batches of `--max-tokens` tokens, each packed into one row (variable-length flash
   attention on a GPU);
 - `megatron_before` / `megatron_budget`: the Megatron actor at `--micro-batch-size` rows, each as wide as its
@@ -177,7 +178,6 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
-    import asyncrl_core.algorithms.batch as batch_module
     from asyncrl_core.actor import TorchActor
     from asyncrl_core.config import AlgorithmConfig, TorchActorConfig
 
@@ -209,11 +209,9 @@ def main() -> int:
                 num_tokens = sum(lengths)
                 print(f"\n{batch_name}: {len(lengths)} rows of {min(lengths)}-{max(lengths)} tokens, "
                       f"{num_tokens} tokens")  # fmt: skip
-                runs = torch_runs(torch_actor, groups, num_tokens, args, sampler, batch_module, dtype)
+                runs = torch_runs(torch_actor, groups, num_tokens, args, sampler, dtype)
                 if not args.skip_megatron:
-                    runs |= megatron_runs(
-                        model_dir, groups, num_tokens, args, dtype_name, sampler, batch_module
-                    )
+                    runs |= megatron_runs(model_dir, groups, num_tokens, args, dtype_name, sampler)
 
                 print("  ratios (tokens/s):")
                 ratios: dict[str, float] = {}
@@ -257,20 +255,15 @@ def torch_runs(
     num_tokens: int,
     args: argparse.Namespace,
     sampler: GpuSampler | None,
-    batch_module: Any,
     dtype: torch.dtype,
 ) -> dict[str, Any]:
     """`torch_before`, `torch_padded`, `torch_packed` and `bare_packed` (the module docstring)."""
     runs: dict[str, Any] = {}
-    bucket = batch_module.bucket_length
     # Before: padded to the longest row (no buckets), transformers' stock attention.
-    batch_module.bucket_length = lambda n: max(n, 1)
-    try:
-        before = torch_actor(micro_batch_size=args.micro_batch_size)
-        before.module.set_attn_implementation("sdpa")
-        runs["torch_before"] = actor_run(before, groups, num_tokens, args.steps, sampler, "torch_before")
-    finally:
-        batch_module.bucket_length = bucket
+    before = torch_actor(micro_batch_size=args.micro_batch_size)
+    before.length_multiple = 1
+    before.module.set_attn_implementation("sdpa")
+    runs["torch_before"] = actor_run(before, groups, num_tokens, args.steps, sampler, "torch_before")
     del before
     padded = torch_actor(micro_batch_size=args.micro_batch_size)
     runs["torch_padded"] = actor_run(padded, groups, num_tokens, args.steps, sampler, "torch_padded")
@@ -295,7 +288,6 @@ def megatron_runs(
     args: argparse.Namespace,
     dtype_name: str,
     sampler: GpuSampler | None,
-    batch_module: Any,
 ) -> dict[str, Any]:
     """`megatron_before` and `megatron_budget`, or nothing when megatron-core does not import."""
     try:
@@ -316,15 +308,9 @@ def megatron_runs(
         )
         return MegatronActor(settings, LossSettings())
 
-    bucket = batch_module.bucket_length
-    batch_module.bucket_length = lambda n: max(n, 1)
-    try:
-        before = actor(micro_batch_size=args.micro_batch_size)
-        runs["megatron_before"] = actor_run(
-            before, groups, num_tokens, args.steps, sampler, "megatron_before"
-        )
-    finally:
-        batch_module.bucket_length = bucket
+    before = actor(micro_batch_size=args.micro_batch_size)
+    before.length_multiple = 1
+    runs["megatron_before"] = actor_run(before, groups, num_tokens, args.steps, sampler, "megatron_before")
     del before
     budget = actor(max_tokens_per_micro_batch=args.max_tokens)
     runs["megatron_budget"] = actor_run(budget, groups, num_tokens, args.steps, sampler, "megatron_budget")

@@ -87,6 +87,16 @@ def test_flash_varlen_on_a_gpu_gives_the_per_sequence_attention() -> None:
     )
     reference = each_alone(*(tensor.float().detach().requires_grad_(True) for tensor in (query, key, value)))
     torch.testing.assert_close(packed.float(), reference.detach(), rtol=2e-2, atol=2e-2)
+    # Under autocast, float32 queries (rotary embeddings leave them so) take the same bfloat16 kernel.
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        autocast, _ = packed_attention(
+            torch.nn.Module(),
+            *(tensor.detach().float() for tensor in (query, key, value)),
+            None,
+            **packed_attention_arguments(offsets, max(LENGTHS)),
+        )
+    assert autocast.dtype == torch.bfloat16
+    torch.testing.assert_close(autocast, packed.detach())
     upstream = torch.randn(packed.shape, device=device)
     grads = torch.autograd.grad(packed, (query, key, value), upstream.to(packed.dtype))
     float_inputs = [tensor.detach().float().requires_grad_(True) for tensor in (query, key, value)]

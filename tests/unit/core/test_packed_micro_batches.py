@@ -127,6 +127,7 @@ def test_packed_token_budget_gives_the_padded_loss_logprobs_and_gradients(
 ) -> None:
     padded = make_actor(model_dir, aggregation, micro_batch_size=3)
     packed = make_actor(model_dir, aggregation, max_tokens_per_micro_batch=BUDGET)
+    packed.length_multiple = LENGTH_MULTIPLE  # as on a GPU: each packed row ends in a padding sequence
     groups = multi_turn_groups(seed)
     padded_plan, packed_plan = padded.plan(groups), packed.plan(groups)
     padded_parts, packed_parts = padded_plan.micro_batches[0], packed_plan.micro_batches[0]

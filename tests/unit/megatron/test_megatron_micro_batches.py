@@ -15,10 +15,11 @@ import torch
 
 from asyncrl_core.algorithms import LossSettings, PackedBatch
 from asyncrl_core.models import tiny_llama
-from asyncrl_core.shares import cut_by_tokens
+from asyncrl_core.shares import LENGTH_MULTIPLE, cut_by_tokens
 from asyncrl_core.types import NO_VERSION, Group, Trajectory
 from asyncrl_megatron import parallel
 from asyncrl_megatron.actor import MegatronActor, MegatronActorSettings
+from asyncrl_megatron.model import megatron_warnings_ignored
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -82,7 +83,7 @@ def make_actor(model_dir: Path, aggregation: str, **changes: object) -> Megatron
 def logprobs_by_row(actor: MegatronActor, parts: list[PackedBatch]) -> list[torch.Tensor]:
     rows: list[torch.Tensor] = []
     for part in parts:
-        with torch.no_grad():
+        with torch.no_grad(), megatron_warnings_ignored():
             logprobs = actor._proximal_logprobs(part)
         mask = part.loss_mask.bool()
         rows += [logprobs[row][mask[row]] for row in range(part.num_rows)]
@@ -92,7 +93,8 @@ def logprobs_by_row(actor: MegatronActor, parts: list[PackedBatch]) -> list[torc
 def gradients(
     actor: MegatronActor, parts: list[PackedBatch]
 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    totals = actor._accumulate_gradients(parts, [None] * len(parts))
+    with megatron_warnings_ignored():  # as `train_step` runs it
+        totals = actor._accumulate_gradients(parts, [None] * len(parts))
     grads = {
         name: parameter.main_grad.detach().clone()  # pyright: ignore[reportAttributeAccessIssue]
         for name, parameter in actor.module.named_parameters()
@@ -106,6 +108,7 @@ def test_token_budget_gives_the_fixed_row_loss_logprobs_and_gradients(
 ) -> None:
     rows = make_actor(model_dir, aggregation, micro_batch_size=3)
     budget = make_actor(model_dir, aggregation, max_tokens_per_micro_batch=BUDGET)
+    budget.length_multiple = LENGTH_MULTIPLE  # widths in buckets, as on a GPU
     groups = multi_turn_groups(seed)
     row_parts, budget_parts = rows.plan(groups).micro_batches[0], budget.plan(groups).micro_batches[0]
     assert all(part.input_ids.numel() <= BUDGET or part.num_rows == 1 for part in budget_parts)

@@ -14,9 +14,9 @@ trained token) travel with every share: they fix each token's share of the mini-
 losses add up to the mini-batch loss whatever the cut.
 
 A rank then cuts each of its mini-batches into micro-batches, by row count or by token budget
-(`cut_by_tokens`: as few micro-batches of at most so many tokens as first-fit decreasing finds); widths and
-packed lengths are rounded up to `LENGTH_MULTIPLE` tokens (`bucket_length`). Round-robin dealing of the
-length-sorted rows keeps the ranks' token counts within one row of each other.
+(`cut_by_tokens`: as few micro-batches of at most so many tokens as first-fit decreasing finds); widths
+and packed lengths are rounded up to `LENGTH_MULTIPLE` tokens on a GPU (`bucket_length`). Round-robin
+dealing of the length-sorted rows keeps the ranks' token counts within one row of each other.
 
 NumPy only, no torch: the buffer worker imports this module.
 """
@@ -88,23 +88,26 @@ def num_micro_batches(num_rows: int, num_ranks: int, micro_batch_size: int) -> i
 
 
 LENGTH_MULTIPLE = 64
-"""Widths of padded micro-batches and lengths of packed rows are rounded up to a multiple of this many
-tokens, so a run meets a few shapes again and again instead of a new one per micro-batch (kernels that plan
-per shape then plan once per bucket)."""
+"""On a GPU, widths of padded micro-batches and lengths of packed rows are rounded up to a multiple of this
+many tokens, so a run meets a few shapes again and again instead of a new one per micro-batch (kernels that
+plan per shape then plan once per bucket). A CPU plans nothing per shape: the actors round to 1 there."""
 
 
-def bucket_length(num_tokens: int) -> int:
-    """`num_tokens` rounded up to a multiple of `LENGTH_MULTIPLE` (at least one multiple)."""
-    return max(1, math.ceil(num_tokens / LENGTH_MULTIPLE)) * LENGTH_MULTIPLE
+def bucket_length(num_tokens: int, multiple: int = LENGTH_MULTIPLE) -> int:
+    """`num_tokens` rounded up to a multiple of `multiple` (at least one multiple)."""
+    return max(1, math.ceil(num_tokens / multiple)) * multiple
 
 
-def cut_by_tokens(lengths: Sequence[int], max_tokens: int, *, padded: bool) -> list[list[int]]:
+def cut_by_tokens(
+    lengths: Sequence[int], max_tokens: int, *, padded: bool, length_multiple: int = LENGTH_MULTIPLE
+) -> list[list[int]]:
     """A rank's rows (`lengths`, in training order) grouped into as few micro-batches of at most
     `max_tokens` tokens as first-fit decreasing finds; each micro-batch's rows in training order.
 
-    A micro-batch costs the sum of its rows' lengths when packed, and its rows times the bucketed width of
-    its longest row when `padded`. A row that alone costs more than `max_tokens` gets a micro-batch of its
-    own: a row is never split. Deterministic: the same lengths give the same cut on every rank.
+    A micro-batch costs the sum of its rows' lengths when packed, and its rows times the width of its
+    longest row rounded up to `length_multiple` when `padded`. A row that alone costs more than
+    `max_tokens` gets a micro-batch of its own: a row is never split. Deterministic: the same lengths give
+    the same cut on every rank.
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be positive, got {max_tokens}")
@@ -122,7 +125,7 @@ def cut_by_tokens(lengths: Sequence[int], max_tokens: int, *, padded: bool) -> l
                 break
         else:
             bins.append([row])
-            costs.append((bucket_length(length) if padded else length, 1))
+            costs.append((bucket_length(length, length_multiple) if padded else length, 1))
     return [sorted(rows) for rows in bins]
 
 

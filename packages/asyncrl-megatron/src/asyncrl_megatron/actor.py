@@ -61,6 +61,7 @@ from asyncrl_core.algorithms import (
 )
 from asyncrl_core.errors import AsyncRLError
 from asyncrl_core.protocols import NamedTensors, WeightExportRole
+from asyncrl_core.shares import LENGTH_MULTIPLE
 from asyncrl_core.types import BatchShare, Group
 from asyncrl_megatron import checkpoint, parallel
 from asyncrl_megatron.mapping import SafetensorsReader, export_hf_weights, load_hf_weights
@@ -217,6 +218,9 @@ class MegatronActor(UpdateLoop):
         self.dp_group = parallel.process_group(parallel_state.get_data_parallel_group())
         self.tp_group = parallel.process_group(parallel_state.get_tensor_model_parallel_group())
         self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        self.length_multiple = LENGTH_MULTIPLE if on_gpu else 1
+        """Micro-batch widths are rounded up to a multiple of this many tokens: buckets on a GPU, none on a
+        CPU (`asyncrl_core.shares.LENGTH_MULTIPLE`)."""
 
         with megatron_warnings_ignored():
             self._build_all(loss, on_gpu)
@@ -656,6 +660,7 @@ class MegatronActor(UpdateLoop):
             max_tokens=self.settings.max_tokens_per_micro_batch,
             # The local layer spec's attention refuses packed sequences (see the package README).
             packed=False,
+            length_multiple=self.length_multiple,
         )
 
     def _proximal_logprobs(self, part: PackedBatch) -> torch.Tensor:

@@ -147,7 +147,12 @@ def packed_attention(
         return output.transpose(1, 2), None
     if query.shape[0] != 1:
         raise ValueError(f"a packed batch is one row, got {query.shape[0]}")
-    if attention_backend(query.device, query.dtype) == "flash_varlen":
+    device_type = query.device.type
+    # Under autocast the rotary embedding leaves float32 queries and keys (bfloat16 projections times
+    # float32 tables); SDPA casts them itself, the variable-length kernel (a custom op) does not.
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else query.dtype
+    if attention_backend(query.device, dtype) == "flash_varlen":
+        query, key, value = (tensor.to(dtype) for tensor in (query, key, value))
         return _flash_varlen(query, key, value, offsets, int(kwargs["max_length_q"]), scaling), None
     bounds = offsets.tolist()
     with _sdpa_kernels(query.device):

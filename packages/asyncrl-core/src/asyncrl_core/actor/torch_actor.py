@@ -78,6 +78,7 @@ from asyncrl_core.algorithms import (
 from asyncrl_core.config.models import TorchActorConfig
 from asyncrl_core.errors import ActorError
 from asyncrl_core.protocols import NamedTensors, WeightExportRole
+from asyncrl_core.shares import LENGTH_MULTIPLE
 from asyncrl_core.types import BatchShare, Group
 
 if TYPE_CHECKING:
@@ -174,6 +175,9 @@ class TorchActor(UpdateLoop):
         self.update_metrics: tuple[dict[str, float], ...] = ()
         """The metrics of each optimiser update of the last `train_step`, in order."""
         self.device = torch.device(device) if device is not None else default_device()
+        self.length_multiple = LENGTH_MULTIPLE if self.device.type == "cuda" else 1
+        """Micro-batch widths and packed lengths are rounded up to a multiple of this many tokens: shape
+        buckets on a GPU, none on a CPU (`asyncrl_core.shares.LENGTH_MULTIPLE`)."""
         self.rank, self.world_size = world()
         seed_all(seed)  # `runner.seed`: every generator of the run derives from it
         self.model_path = models.resolve_model_path(actor.model_path, key="actor.model_path")
@@ -313,6 +317,7 @@ class TorchActor(UpdateLoop):
             aggregation=self.settings.loss_aggregation,
             max_tokens=self.config.max_tokens_per_micro_batch,
             packed=True,
+            length_multiple=self.length_multiple,
         )
 
     def export_weights(

@@ -10,7 +10,8 @@ position, has a zero mask.
 - **Padded**: row `n` holds one trajectory, right-padded (`sequence_offsets` is None). Attention is causal
   within each row; right padding needs no mask, since a real token never sees a later pad.
 - **Packed**: one row holds the micro-batch's trajectories one after the other, then padding up to a
-  multiple of `asyncrl_core.shares.LENGTH_MULTIPLE` tokens; `position_ids` restart at 0 with each
+  multiple of `length_multiple` tokens (`asyncrl_core.shares.LENGTH_MULTIPLE` on a GPU); `position_ids`
+  restart at 0 with each
   trajectory, and `sequence_offsets` (`[S + 1]`, int32) says where each attention sequence starts
   (a trajectory, or the padding at the end), so attention never crosses from one trajectory to another.
   Nothing is computed for padding beyond its own short tail.
@@ -27,7 +28,7 @@ gradients that simply add up to the mini-batch's, for both aggregations:
 Micro-batches (`micro_batches`, `rank_plan`): `micro_batch_size` rows each, padded (the same number on every
 rank); or, with `max_tokens`, as many rows as fit in that many tokens (`asyncrl_core.shares.cut_by_tokens`),
 packed or padded as the actor's attention needs. Padded widths are rounded up to a multiple of
-`LENGTH_MULTIPLE` too, so that a run meets a few shapes again and again rather than a new one per
+`length_multiple` too, so that a run on a GPU meets a few shapes again and again rather than a new one per
 micro-batch.
 """
 
@@ -41,6 +42,7 @@ import numpy as np
 import torch
 
 from asyncrl_core.shares import (
+    LENGTH_MULTIPLE,
     BatchError,
     bucket_length,
     cut_by_tokens,
@@ -272,11 +274,11 @@ class _TokenRows:
         lengths = torch.tensor([self.length(row) for row in rows], dtype=torch.int64)
         return _from_fields(out, lengths)
 
-    def packed(self, rows: Sequence[int]) -> PackedBatch:
-        """`rows` one after the other in one row, padded to a multiple of `LENGTH_MULTIPLE` tokens."""
+    def packed(self, rows: Sequence[int], multiple: int) -> PackedBatch:
+        """`rows` one after the other in one row, padded to a multiple of `multiple` tokens."""
         index = torch.cat([torch.arange(self.offsets[row], self.offsets[row + 1]) for row in rows])
         real = int(index.numel())
-        width = bucket_length(real)
+        width = bucket_length(real, multiple)
         out = {name: _filled((1, width), name, self.pad_id) for name in _ROW_FIELDS}
         out["position_ids"][0, real:] = torch.arange(width - real)
         for name in _ROW_FIELDS:
@@ -355,6 +357,7 @@ def micro_batches(
     *,
     max_tokens: int | None = None,
     packed: bool = False,
+    length_multiple: int = LENGTH_MULTIPLE,
 ) -> list[PackedBatch]:
     """A rank's share of one mini-batch in micro-batches, in the share's order (longest rows first).
 
@@ -362,7 +365,8 @@ def micro_batches(
     runs (`num_micro_batches`), the missing ones made of one zero-weight row. With `max_tokens`: micro-batches
     of at most that many tokens (`asyncrl_core.shares.cut_by_tokens`; a longer row alone), each packed
     into one row when `packed`, else padded (the padded width times the rows within the budget); a rank
-    without rows runs one zero-weight micro-batch. Padded widths are rounded up to `LENGTH_MULTIPLE`.
+    without rows runs one zero-weight micro-batch. Padded widths and packed lengths are rounded up to a
+    multiple of `length_multiple` tokens.
     """
     if rows.num_share_rows == 0:
         count = 1 if max_tokens is not None else num_micro_batches(rows.num_rows, num_ranks, micro_batch_size)
@@ -374,15 +378,17 @@ def micro_batches(
         cuts = [list(range(rows.num_share_rows))[i * micro_batch_size : (i + 1) * micro_batch_size]
                 for i in range(count)]  # fmt: skip
         return [
-            flat.padded(cut, bucket_length(max(lengths[row] for row in cut)))
+            flat.padded(cut, bucket_length(max(lengths[row] for row in cut), length_multiple))
             if cut
-            else _zero_weight(flat.padded([0], bucket_length(lengths[0])))
+            else _zero_weight(flat.padded([0], bucket_length(lengths[0], length_multiple)))
             for cut in cuts
         ]
-    cuts = cut_by_tokens(lengths, max_tokens, padded=not packed)
+    cuts = cut_by_tokens(lengths, max_tokens, padded=not packed, length_multiple=length_multiple)
     if packed:
-        return [flat.packed(cut) for cut in cuts]
-    return [flat.padded(cut, bucket_length(max(lengths[row] for row in cut))) for cut in cuts]
+        return [flat.packed(cut, length_multiple) for cut in cuts]
+    return [
+        flat.padded(cut, bucket_length(max(lengths[row] for row in cut), length_multiple)) for cut in cuts
+    ]
 
 
 def _widened(batch: PackedBatch) -> PackedBatch:
@@ -452,12 +458,14 @@ def rank_plan(
     aggregation: LossAggregation,
     max_tokens: int | None = None,
     packed: bool = False,
+    length_multiple: int = LENGTH_MULTIPLE,
 ) -> RankPlan:
     """Data-parallel rank `rank`'s part of a step: from its `BatchShare` (what the runner hands each rank),
     or from the step's groups, which every rank is then given and cuts the same way
     (`asyncrl_core.shares.split_batch`). Each mini-batch is cut by `micro_batches` (`micro_batch_size`
-    rows, or `max_tokens` tokens, packed or not). A share cut for another rank, or for another number of
-    ranks, raises `BatchError`: a rank never trains on rows that are not its own."""
+    rows, or `max_tokens` tokens, packed or not, lengths rounded up to `length_multiple`). A share cut
+    for another rank, or for another number of ranks, raises `BatchError`: a rank never trains on rows
+    that are not its own."""
     if isinstance(batch, BatchShare):
         share = batch
     else:
@@ -472,7 +480,14 @@ def rank_plan(
     return RankPlan(
         micro_batches=[
             micro_batches(
-                rows, num_ranks, pad_id, aggregation, micro_batch_size, max_tokens=max_tokens, packed=packed
+                rows,
+                num_ranks,
+                pad_id,
+                aggregation,
+                micro_batch_size,
+                max_tokens=max_tokens,
+                packed=packed,
+                length_multiple=length_multiple,
             )
             for rows in share.mini_batches
         ],
