@@ -1,6 +1,7 @@
 """Where a run's start-up goes: `asyncrl-run` started, timed to its first step, then stopped with SIGTERM.
 
-    uv run python benchmarks/system/startup.py [CONFIG] [key=value ...] [--repeats 1] [--out FILE]
+    uv run python benchmarks/system/startup.py [CONFIG] [key=value ...] [--repeats 1] [--rebuild-cache]
+        [--out FILE]
 
 Default: the embedded `searchr1-mini` (its warm start from the cache once a first run has built it). Each
 repeat is a fresh `asyncrl-run` in its own session (a run folder under a temporary directory); the stages
@@ -72,9 +73,14 @@ def main() -> int:
     )
     parser.add_argument("config", nargs="*", help="CONFIG and key=value overrides (default: searchr1-mini)")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument(
+        "--rebuild-cache",
+        action="store_true",
+        help="pass --rebuild-cache to asyncrl-run: the start-up of a first run (warm start trained anew)",
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).parents[1] / "results" / "startup.json")
     args = parser.parse_args()
-    config = args.config
+    config = [*args.config, *(["--rebuild-cache"] if args.rebuild_cache else [])]
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="asyncrl-startup-") as folder:
         for index in range(args.repeats):
