@@ -19,7 +19,7 @@ test: install lint typecheck  ## the whole suite, as CI runs it
 # since loom explores thousands of executions, but without LTO, to keep the build short
 	RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom CARGO_PROFILE_RELEASE_LTO=false \
 	  CARGO_PROFILE_RELEASE_CODEGEN_UNITS=16 $(CARGO) test -p buffer_core --release --test loom
-	$(UV) run pytest -n auto --maxprocesses 4 --dist loadgroup --durations=25
+	$(UV) run pytest --durations=25
 
 wheels:  ## build the wheel of every distribution into $(DIST)/ (the Rust extension is in asyncrl-core's, abi3)
 	@command -v uv >/dev/null 2>&1 || python3 -m uv --version >/dev/null 2>&1 || python3 -m pip install --quiet uv

@@ -35,16 +35,3 @@ def smollm2_path() -> Path:
     from asyncrl_core.models import smollm2_135m
 
     return smollm2_135m()
-
-
-_RUNS = Path(__file__).parent / "integration"
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (`make test`), the integration tests, which start Ray, engines and whole runs on
-    both cores and probe ports from a fixed base, run one after another on one worker; the other tests are
-    shared among all workers."""
-    for item in items:
-        if item.path.is_relative_to(_RUNS):
-            item.add_marker(pytest.mark.xdist_group("runs"))
