@@ -67,7 +67,7 @@ def main() -> int:
         f"runner.num_steps={args.steps}",
         "agentloop.max_actor_accept_staleness=null",
     ]
-    overrides = runs.common_overrides(config_path, overrides, args.runs_dir)
+    overrides = runs.common_overrides(config_path, overrides)
     base = load_config(config_path, overrides)
     batch = base.data.rollout_batch_size
     instances = base.rollout.num_instances or 1

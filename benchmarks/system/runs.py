@@ -35,7 +35,7 @@ def config_and_overrides(arguments: list[str]) -> tuple[str | None, list[str]]:
     return None, list(arguments)
 
 
-def common_overrides(config_path: str | None, overrides: list[str], runs_dir: Path) -> list[str]:
+def common_overrides(config_path: str | None, overrides: list[str]) -> list[str]:
     """`overrides` for runs compared with each other: no progress bar, evaluation or final checkpoint, and
     one warm start (when the configuration has one) that every run then starts from, made once into the
     user cache and reused by later invocations with the same inputs (`asyncrl_core.actor.warm_start`)."""

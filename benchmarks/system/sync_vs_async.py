@@ -138,9 +138,7 @@ def main() -> int:
         parser.error("--gpu-utilization samples nvidia-smi, which is not on PATH on this machine")
     config_path, overrides = runs.config_and_overrides(args.arguments)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    overrides = runs.common_overrides(
-        config_path, [*overrides, f"runner.num_steps={args.steps}"], args.runs_dir
-    )
+    overrides = runs.common_overrides(config_path, [*overrides, f"runner.num_steps={args.steps}"])
     records: dict[str, list[dict[str, float]]] = {}
     gpu_busy_shares: dict[str, float | None] = {}
     for name, async_mode in (("sync", False), ("async", True)):

@@ -11,6 +11,7 @@ Nothing here downloads anything; torch and transformers are imported only when a
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from pathlib import Path
@@ -103,9 +104,10 @@ def smollm2_135m() -> Path:
     return entry.path
 
 
+@functools.cache
 def _smollm2_inputs() -> dict[str, object]:
     """What the converted SmolLM2 folder is made from: the GGUF file (by content) and the libraries that
-    read and write it."""
+    read and write it. Read once a process: the tokenizer, the converted model and every tiny preset ask."""
     return {
         "model": SMOLLM2_DIR_NAME,
         "gguf_blake3": cache.file_digest(smollm2_gguf()),
