@@ -48,6 +48,8 @@ PARTS = (
     metrics.TIME_TRAINING,
     metrics.TIME_SYNC_WEIGHTS,
 )
+PER_STEP = (*PARTS, metrics.TRAIN_NUM_TOKENS, metrics.TRAIN_NUM_LOSS_TOKENS)
+"""Each step's figures in the JSON (`per_step`): its times, to see the first steps against the later ones."""
 REPORTED = (
     *PARTS,
     metrics.DATA_STALENESS_MEAN,
@@ -225,6 +227,10 @@ def main() -> int:
         "rollout_window": {"sync": metrics.TIME_ROLLOUT, "async": metrics.TIME_STEP},
         "per_rollout_s": per_rollout_s,
         "reward": {name: [r.get(metrics.REWARD_MEAN) for r in steps] for name, steps in records.items()},
+        "per_step": {
+            name: [{key: r[key] for key in PER_STEP if key in r} for r in steps]
+            for name, steps in records.items()
+        },
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")

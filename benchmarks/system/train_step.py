@@ -27,8 +27,12 @@ of its `train_step` calls: `nvidia-smi`'s `utilization.gpu` sampled every 200 ms
 measure of `sync_vs_async.py --gpu-utilization`), averaged over the samples inside the timed calls. Then the
 ratios, side by side: packed against before, packed against the bare limit.
 
+With `--profile FILE`, each path but the before ones runs one more step under `torch.profiler`, and FILE
+gets its kernels' time over the step's wall time (the device's own busy share, without sampling), the number
+of kernels, and the operators that took the most device and host time.
+
     python benchmarks/system/train_step.py [--steps 5] [--max-tokens 16384] [--micro-batch-size 8] \\
-        [--batches gpu,long_tail] [--skip-megatron] [--json out.json]
+        [--batches gpu,long_tail] [--skip-megatron] [--json out.json] [--profile profile.txt]
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -139,6 +143,38 @@ def measure(
     return result
 
 
+def profile_step(name: str, step: Callable[[], object], path: Path) -> dict[str, float]:
+    """One call of `step` under `torch.profiler`; appends its summary and top operators to `path` and
+    returns the kernels' summed time over the wall time (`device_busy`) and the number of kernels."""
+    from torch.profiler import DeviceType, ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=activities) as profiler:
+        start = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+        wall_s = time.perf_counter() - start
+    events = profiler.key_averages()
+    kernels = [event for event in events if event.device_type == DeviceType.CUDA]
+    device_s = sum(event.self_device_time_total for event in kernels) / 1e6
+    num_kernels = sum(event.count for event in kernels)
+    summary = {"wall_s": wall_s, "device_s": device_s, "device_busy": device_s / wall_s,
+               "num_kernels": float(num_kernels)}  # fmt: skip
+    with path.open("a", encoding="utf-8") as out:
+        out.write(f"\n=== {name}: {wall_s:.3f} s wall (profiled), kernels {device_s:.3f} s "
+                  f"({device_s / wall_s:.0%}), {num_kernels} kernels\n")  # fmt: skip
+        if cuda:
+            out.write(events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70))
+        out.write(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
+    print(f"    profiled {name}: kernels {device_s:.3f} s of {wall_s:.3f} s ({device_s / wall_s:.0%}), "
+          f"{num_kernels} kernels", flush=True)  # fmt: skip
+    return summary
+
+
 def bare_packed_step(
     model: Any, parts: list[Any], device: torch.device, dtype: torch.dtype
 ) -> Callable[[], None]:
@@ -176,12 +212,13 @@ def main() -> int:
     parser.add_argument("--batches", default="gpu,long_tail")
     parser.add_argument("--skip-megatron", action="store_true")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--profile", type=Path, help="append a profile of one more step of each path here")
     args = parser.parse_args()
 
     from asyncrl_core.actor import TorchActor
     from asyncrl_core.config import AlgorithmConfig, TorchActorConfig
 
-    dtype_name = "bfloat16" if on_gpu else "float32"
+    dtype_name: Literal["bfloat16", "float32"] = "bfloat16" if on_gpu else "float32"
     dtype = torch.bfloat16 if on_gpu else torch.float32
     shape = SMOLLM2_SHAPE if on_gpu else CPU_SHAPE
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
@@ -231,21 +268,23 @@ def main() -> int:
                     "rows": len(lengths), "min_len": min(lengths), "max_len": max(lengths),
                     "num_tokens": num_tokens, "runs": runs, "ratios": ratios,
                 }  # fmt: skip
+                if args.json:  # after each batch, so that a run cut short keeps what it measured
+                    args.json.write_text(json.dumps(results, indent=2) + "\n")
     finally:
         if sampler is not None:
             sampler.stop()
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
     return 0
 
 
 def actor_run(actor: Any, groups: list[Group], num_tokens: int, steps: int, sampler: GpuSampler | None,
-              name: str) -> dict[str, Any]:  # fmt: skip
+              name: str, profile: Path | None) -> dict[str, Any]:  # fmt: skip
     """`measure` of an actor's `train_step` on `groups`, with the padding share of its micro-batches."""
     plan = actor.plan(groups)
     run = measure(name, lambda: actor.train_step(groups), num_tokens, steps, sampler)
     run["padding_share"] = padding_share(plan.micro_batches)
     run["micro_batches"] = len(plan.micro_batches[0])
+    if profile is not None:
+        run["profile"] = profile_step(name, lambda: actor.train_step(groups), profile)
     return run
 
 
@@ -263,17 +302,23 @@ def torch_runs(
     before = torch_actor(micro_batch_size=args.micro_batch_size)
     before.length_multiple = 1
     before.module.set_attn_implementation("sdpa")
-    runs["torch_before"] = actor_run(before, groups, num_tokens, args.steps, sampler, "torch_before")
+    runs["torch_before"] = actor_run(before, groups, num_tokens, args.steps, sampler, "torch_before", None)
     del before
     padded = torch_actor(micro_batch_size=args.micro_batch_size)
-    runs["torch_padded"] = actor_run(padded, groups, num_tokens, args.steps, sampler, "torch_padded")
+    runs["torch_padded"] = actor_run(
+        padded, groups, num_tokens, args.steps, sampler, "torch_padded", args.profile
+    )
     del padded
     packed = torch_actor(max_tokens_per_micro_batch=args.max_tokens)
-    runs["torch_packed"] = actor_run(packed, groups, num_tokens, args.steps, sampler, "torch_packed")
+    runs["torch_packed"] = actor_run(
+        packed, groups, num_tokens, args.steps, sampler, "torch_packed", args.profile
+    )
     runs["torch_packed"]["attention"] = packed.attention_backend
     plan = packed.plan(groups)
     bare = bare_packed_step(packed.module, plan.micro_batches[0], packed.device, dtype)
     runs["bare_packed"] = measure("bare_packed", bare, num_tokens, args.steps, sampler)
+    if args.profile is not None:
+        runs["bare_packed"]["profile"] = profile_step("bare_packed", bare, args.profile)
     runs["bare_packed"]["padding_share"] = runs["torch_packed"]["padding_share"]
     del packed, bare
     if torch.cuda.is_available():
@@ -286,7 +331,7 @@ def megatron_runs(
     groups: list[Group],
     num_tokens: int,
     args: argparse.Namespace,
-    dtype_name: str,
+    dtype_name: Literal["bfloat16", "float32"],
     sampler: GpuSampler | None,
 ) -> dict[str, Any]:
     """`megatron_before` and `megatron_budget`, or nothing when megatron-core does not import."""
@@ -310,10 +355,14 @@ def megatron_runs(
 
     before = actor(micro_batch_size=args.micro_batch_size)
     before.length_multiple = 1
-    runs["megatron_before"] = actor_run(before, groups, num_tokens, args.steps, sampler, "megatron_before")
+    runs["megatron_before"] = actor_run(
+        before, groups, num_tokens, args.steps, sampler, "megatron_before", None
+    )
     del before
     budget = actor(max_tokens_per_micro_batch=args.max_tokens)
-    runs["megatron_budget"] = actor_run(budget, groups, num_tokens, args.steps, sampler, "megatron_budget")
+    runs["megatron_budget"] = actor_run(
+        budget, groups, num_tokens, args.steps, sampler, "megatron_budget", args.profile
+    )
     return runs
 
 
