@@ -315,12 +315,19 @@ class InfoRoutes:
             f"The '{request.path}' endpoint is deprecated. Please use '/model_info' instead.", 404, "404"
         )
 
+    @property
+    def can_serve(self) -> bool:
+        """Up, and the scheduler forms batches whenever the gate admits requests (a pause holds both, a
+        continue releases both: the gate open over a paused scheduler would serve nothing)."""
+        return self.ready and not (self.gate.paused is None and self.engine.paused is not None)
+
     async def health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200 if self.ready else 503)
+        return web.Response(status=200 if self.can_serve else 503)
 
     async def ready_route(self, request: web.Request) -> web.Response:
         """`/ready`: whether new requests are admitted now (up, and not paused), as SGLang answers it."""
-        return web.Response(status=200 if self.ready and self.gate.paused is None else 503)
+        paused = self.gate.paused is not None or self.engine.paused is not None
+        return web.Response(status=200 if self.can_serve and not paused else 503)
 
     async def health_generate(self, request: web.Request) -> web.Response:
         if not self.ready:

@@ -110,6 +110,9 @@ class BuiltinServer:
         self.tokenizer = tokenizer
         self.args = args
         self.gate = AdmissionGate()
+        self._control = asyncio.Lock()
+        """Held by each pause and continue for its whole length: the gate and the scheduler change together,
+        so two control calls at once never leave the gate open over a paused scheduler."""
         self.generation = GenerateRoutes(
             engine,
             tokenizer,
@@ -215,21 +218,23 @@ class BuiltinServer:
     # ------------------------------------------------------------------------------------------ pause
     async def pause_generation(self, request: web.Request) -> web.Response:
         mode = (await read_model(request, PauseRequest, required=True)).mode
-        await self.gate.pause(mode)
-        await self._engine(lambda: self.engine.pause(mode))
-        if mode == "abort":
-            # Returns once every in-flight /generate call has answered (their partial outputs are final).
-            deadline = time.monotonic() + 60.0
-            while self.gate.num_in_flight > 0 and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
-                if self.gate.num_in_flight > 0:
-                    await self._engine(self.engine.abort_all)
+        async with self._control:
+            await self.gate.pause(mode)
+            await self._engine(lambda: self.engine.pause(mode))
+            if mode == "abort":
+                # Returns once every in-flight /generate call has answered (their partial outputs are final).
+                deadline = time.monotonic() + 60.0
+                while self.gate.num_in_flight > 0 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+                    if self.gate.num_in_flight > 0:
+                        await self._engine(self.engine.abort_all)
         return json_model(GenerationControlResult(message="Generation paused successfully.", status="ok"))
 
     async def continue_generation(self, request: web.Request) -> web.Response:
         await read_model(request, ContinueRequest, required=True)
-        await self._engine(self.engine.resume)
-        await self.gate.resume()
+        async with self._control:
+            await self._engine(self.engine.resume)
+            await self.gate.resume()
         return json_model(GenerationControlResult(message="Generation continued successfully.", status="ok"))
 
     # -------------------------------------------------------------------------------------- caches, memory
