@@ -3,6 +3,7 @@ staleness cap that forces drops, evaluation and checkpoints. One local Ray insta
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -69,7 +70,9 @@ def test_async_run_in_each_pause_mode(tmp_path: Path, tiny_llama_path: Path, pau
     assert (run_dir / "checkpoints" / "step_2" / "runner_state.json").is_file()
 
 
-def test_sync_run_evaluates_and_resumes(tmp_path: Path, tiny_llama_path: Path) -> None:
+def test_sync_run_evaluates_and_resumes(
+    tmp_path: Path, tiny_llama_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     config = run_config(
         tmp_path, tiny_llama_path, runner={"async_mode": False, "eval_every_steps": 1, "num_steps": 2}
     )
@@ -91,6 +94,17 @@ def test_sync_run_evaluates_and_resumes(tmp_path: Path, tiny_llama_path: Path) -
     steps = [record["step"] for record in read_metrics(run_dir) if metrics.TIME_STEP in record]
     assert steps == [1, 2, 3]
     assert read_summary(run_dir)["version"] == 3
+    # Resumed once more, the finished run says so and stops before anything starts.
+    logged = (run_dir / "metrics.jsonl").read_text()
+    checkpoints = sorted(path.name for path in (run_dir / "checkpoints").iterdir())
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="asyncrl_core"):
+        run(resumed)
+    assert "the run has finished: " in caplog.text
+    assert "is after step 3, and runner.num_steps is 3; nothing to train" in caplog.text
+    assert "starting the engines" not in caplog.text
+    assert (run_dir / "metrics.jsonl").read_text() == logged
+    assert sorted(path.name for path in (run_dir / "checkpoints").iterdir()) == checkpoints
 
 
 def test_staleness_cap_drops_and_returns_prompts(tmp_path: Path, tiny_llama_path: Path) -> None:

@@ -302,6 +302,21 @@ def _model_install_problems(config: AsyncRLConfig) -> list[ConfigProblem]:
 
 
 def _launch(config: AsyncRLConfig) -> int:
+    from pathlib import Path
+
+    from asyncrl_core.runner.folder_lock import RunFolderBusy, locked
+
+    assert config.runner.run_dir is not None  # derived when unset
+    # Held before the folder is prepared: a second run into it changes nothing there, not even config.yaml.
+    try:
+        with locked(Path(config.runner.run_dir)):
+            return _launch_locked(config)
+    except RunFolderBusy as error:
+        print(f"{_PROGRAM}: {error}; nothing was started", file=sys.stderr)
+        return EXIT_INVALID
+
+
+def _launch_locked(config: AsyncRLConfig) -> int:
     try:
         run_dir = prepare_run_dir(config)
     except FileExistsError as error:

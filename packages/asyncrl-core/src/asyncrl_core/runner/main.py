@@ -38,12 +38,19 @@ def run(config: AsyncRLConfig) -> Path:
     # `uv run` there: the workers must import this interpreter's installed packages instead. The hook reads
     # this variable when Ray is first imported.
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
-    from asyncrl_core.runner.shutdown import RunStopper
+    from asyncrl_core.runner.folder_lock import locked
 
     assert config.runner.run_dir is not None  # derived
     assert config.agentloop.task_name is not None  # required
     run_dir = Path(config.runner.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    with locked(run_dir):  # one run at a time in a folder (asyncrl-run holds it already)
+        _run_in(config, run_dir)
+    return run_dir
+
+
+def _run_in(config: AsyncRLConfig, run_dir: Path) -> None:
+    from asyncrl_core.runner.shutdown import RunStopper
+
     _log_to_stderr(config.logging.level)
     # Ray is imported after the signals are taken (an import of seconds): a Ray started before (a test's)
     # is already imported.
@@ -61,7 +68,6 @@ def run(config: AsyncRLConfig) -> Path:
         raise interruption from None
     finally:
         stopper.finish()
-    return run_dir
 
 
 def _run(config: AsyncRLConfig, run_dir: Path, stopper: RunStopper, *, owns_ray: bool) -> None:
@@ -73,6 +79,15 @@ def _run(config: AsyncRLConfig, run_dir: Path, stopper: RunStopper, *, owns_ray:
     # Every file of the checkpoint is checked against its manifest before anything starts: a damaged one is
     # named at once (or passed over for `latest`), not after the workers' start-up.
     checkpoint = resolve_resume(run_dir, resume) if resume is not None else None
+    if checkpoint is not None and checkpoint_step(checkpoint) >= config.runner.num_steps:
+        logger.info(
+            "the run has finished: %s is after step %d, and runner.num_steps is %d; nothing to train "
+            "(raise runner.num_steps to train on from it)",
+            checkpoint,
+            checkpoint_step(checkpoint),
+            config.runner.num_steps,
+        )
+        return
     stopper.phase = "start-up"
     started = time.perf_counter()
     # The task and its model (a warm start, from the cache or trained now) are made in a thread while this
