@@ -3,7 +3,10 @@ staleness cap that forces drops, evaluation and checkpoints. One local Ray insta
 
 from __future__ import annotations
 
+import errno
+import json
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,7 +14,8 @@ import pytest
 from runner_testing import read_metrics, read_summary, run_config
 
 from asyncrl_core import metrics
-from asyncrl_core.runner import run
+from asyncrl_core.runner import checkpoint, run
+from asyncrl_core.runner.workers import BufferState, RunnerError
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -123,3 +127,40 @@ def test_staleness_cap_drops_and_returns_prompts(tmp_path: Path, tiny_llama_path
     assert prompts["dropped"] > 0
     assert prompts["issued"] == sum(prompts[key] for key in ("trained", "dropped", "handed_back", "buffered"))
     assert prompts["epoch"] >= 2  # 4 prompts, more than 8 issued: dropped ones came back in later epochs
+
+
+def test_a_checkpoint_that_cannot_be_written_stops_the_run_naming_it(
+    tmp_path: Path, tiny_llama_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk fills up while step 2's checkpoint is written (the driver's write of the buffer's groups
+    fails as a full disk does), on a disk reported nearly full from the start."""
+    config = run_config(
+        tmp_path,
+        tiny_llama_path,
+        runner={"async_mode": False, "num_steps": 3},
+        checkpoint={"save_every_steps": 1},
+    )
+    write_buffer_state = checkpoint.write_buffer_state
+    writes = 0
+
+    def filling_disk(folder: Path, state: BufferState) -> None:
+        nonlocal writes
+        writes += 1
+        if writes == 2:
+            full = os.strerror(errno.ENOSPC)
+            raise OSError(errno.ENOSPC, full, str(folder / checkpoint.BUFFER_GROUPS_FILE))
+        write_buffer_state(folder, state)
+
+    monkeypatch.setattr(checkpoint, "write_buffer_state", filling_disk)
+    monkeypatch.setattr(checkpoint, "free_bytes", lambda folder: 1 << 10)
+    with pytest.raises(RunnerError) as stopped:
+        run(config)
+    saved = tmp_path / "run" / "checkpoints"
+    assert f"checkpoint {saved / 'step_2'} could not be written: OSError: [Errno 28] " in str(stopped.value)
+    assert f"Resume the run from its last checkpoint ({saved / 'step_1'})" in str(stopped.value)
+    assert sorted(path.name for path in saved.iterdir()) == ["step_1"]  # no temporary folder left
+    faults = [json.loads(line) for line in (tmp_path / "run" / "faults.jsonl").read_text().splitlines()]
+    assert [(fault["part"], fault["event"]) for fault in faults] == [("checkpoint", "fatal")]
+    warnings = (tmp_path / "run" / "warnings.log").read_text()
+    assert "checkpoint: 0.0 MiB free on the disk of " in warnings
+    assert "less than the last checkpoint (step_1) took" in warnings

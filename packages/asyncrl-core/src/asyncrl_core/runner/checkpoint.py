@@ -303,17 +303,43 @@ def temporary_folder(final: Path) -> Path:
     return final.with_name(f".{final.name}{TEMPORARY_SUFFIX}")
 
 
+def folder_of(run_dir: Path, step: int) -> Path:
+    """Where the checkpoint after `step` is."""
+    return Path(run_dir) / "checkpoints" / f"{CHECKPOINT_PREFIX}{step}"
+
+
 def begin(run_dir: Path, step: int) -> tuple[Path, Path]:
     """The final and the (fresh, empty) temporary folder of the checkpoint after `step`; temporary
     folders left by an earlier crash are removed."""
-    parent = Path(run_dir) / "checkpoints"
+    final = folder_of(run_dir, step)
+    parent = final.parent
     parent.mkdir(parents=True, exist_ok=True)
     for leftover in parent.glob(f".{CHECKPOINT_PREFIX}*{TEMPORARY_SUFFIX}"):
         shutil.rmtree(leftover, ignore_errors=True)
-    final = parent / f"{CHECKPOINT_PREFIX}{step}"
     temporary = temporary_folder(final)
     temporary.mkdir()
     return final, temporary
+
+
+def free_bytes(folder: Path) -> int:
+    """Free bytes on the file system of `folder`."""
+    return shutil.disk_usage(folder).free
+
+
+def space_problem(run_dir: Path) -> str | None:
+    """Why the next checkpoint may not fit: less free space where it goes than the last one took (the last
+    is deleted only once the next is whole, so the next needs all of it); None when it fits or none exists."""
+    saved = checkpoints(run_dir)
+    if not saved:
+        return None
+    needed = sum(path.stat().st_size for path in saved[-1].rglob("*") if path.is_file())
+    free = free_bytes(saved[-1].parent)
+    if free >= needed:
+        return None
+    return (
+        f"{free / 2**20:.1f} MiB free on the disk of {saved[-1].parent}, less than the last checkpoint "
+        f"({saved[-1].name}) took, {needed / 2**20:.1f} MiB: the next one may not be written"
+    )
 
 
 def commit(temporary: Path, final: Path, runner_state: Mapping[str, Any], keep_last: int) -> Path:

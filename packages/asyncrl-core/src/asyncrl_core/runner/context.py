@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
@@ -245,8 +246,39 @@ class RunContext:
     def save_checkpoint(self, step: int) -> Path:
         """`<run_dir>/checkpoints/step_<step>/`, written atomically (`asyncrl_core.runner.checkpoint`): the
         actor, the buffer's state with its buffered groups, the dataloader's position and the prompts in
-        flight, the ledger, step and version; `ledger.json` in the run folder is brought up to date."""
-        final, temporary = checkpoint.begin(self.run_dir, step)
+        flight, the ledger, step and version; `ledger.json` in the run folder is brought up to date.
+
+        Any failure to write it (a full disk, permissions, an I/O error, here or in an actor rank) stops the
+        run naming the checkpoint, the cause and how to resume, with a `faults.jsonl` line, and leaves no
+        temporary folder; a disk with less free space than the last checkpoint took is warned about first.
+        """
+        problem = checkpoint.space_problem(self.run_dir)
+        if problem is not None:
+            self.tracker.warn(f"checkpoint: {problem}")
+        final = checkpoint.folder_of(self.run_dir, step)
+        temporary: Path | None = None
+        try:
+            final, temporary = checkpoint.begin(self.run_dir, step)
+            runner_state, ledger = self._write_checkpoint(temporary, step)
+            folder = checkpoint.commit(temporary, final, runner_state, self.config.checkpoint.keep_last)
+            write_json(self.run_dir / LEDGER_FILE, ledger)
+        except BaseException as error:
+            if temporary is not None:
+                shutil.rmtree(temporary, ignore_errors=True)
+            if isinstance(error, RunnerError) or not isinstance(error, Exception):
+                raise  # a worker that died or timed out, a signal: explained where it is raised
+            # A rank's error arrives wrapped by Ray, which keeps the original as `cause`.
+            cause = getattr(error, "cause", None) or error
+            raise self.liveness.fatal(
+                "checkpoint", f"{final} could not be written: {type(cause).__name__}: {cause}"
+            ) from error
+        self._saved_step = step
+        logger.info("checkpoint %s written", folder)
+        return folder
+
+    def _write_checkpoint(self, temporary: Path, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Write the actor's and the buffer's parts of the checkpoint after `step` into `temporary`; returns
+        the runner's state and the ledger."""
         self.workers.get(
             [
                 actor.save_checkpoint.remote(str(temporary / checkpoint.ACTOR_DIR))
@@ -266,11 +298,7 @@ class RunContext:
             "loader": asdict(state.loader),
             "identity": self.identity(),
         }
-        folder = checkpoint.commit(temporary, final, runner_state, self.config.checkpoint.keep_last)
-        write_json(self.run_dir / LEDGER_FILE, state.ledger)
-        self._saved_step = step
-        logger.info("checkpoint %s written", folder)
-        return folder
+        return runner_state, state.ledger
 
     def align_external_engines(self) -> None:
         """A new run against engines someone else runs (`rollout.sglang.launch: external`): they hold
