@@ -85,7 +85,7 @@ SERVER_ARGS = {
 # (SGLang has none: the launcher refuses to start an SGLang server paused).
 BUILTIN_ONLY_FLAGS = {
     "port_file", "api_key", "max_n", "weight_version_route", "random_weights", "disable_fused_kernels",
-    "num_threads", "start_paused",
+    "num_threads", "start_paused", "max_request_body_bytes",
 }  # fmt: skip
 STARTUP_TIME_KEYS = {"load_weight", "kv_cache_allocation", "scheduler_e2e", "cuda_graph"}
 GRAPH_PHASES = {"prefill", "decode", "target_verify", "draft_prefill", "draft_decode", "draft_extend"}

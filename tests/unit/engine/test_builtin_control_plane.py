@@ -1,17 +1,27 @@
 """The built-in engine's control plane cannot be wedged (HTTP, and gRPC where the service has the call; served
 in process on loopback over a tiny Llama): pause and continue are serialised, so the admission gate and the
-scheduler always change together, and `/health` and `/ready` say whether the scheduler can serve."""
+scheduler always change together, and `/health` and `/ready` say whether the scheduler can serve; every
+request is bounded before it is queued (body size, the top logprobs its response would hold, stop strings,
+the weight version), each refusal a 400 naming the field."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from typing import Any
 
+import grpc
+import pytest
 from aiohttp.test_utils import TestClient
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
+from asyncrl_engine.calls import MAX_TOP_LOGPROB_ENTRIES
+from asyncrl_engine.grpc_service import SchedulerService, start_grpc_server
+from asyncrl_engine.options import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from asyncrl_engine.server import BuiltinServer
+from asyncrl_engine.weights import MAX_WEIGHT_VERSION_CHARS
 
 WAIT_S = 60.0
 SERVED_S = 10.0
@@ -19,6 +29,53 @@ SERVED_S = 10.0
 a second); a wedged engine never answers."""
 
 Factory = Callable[..., Any]
+Served = tuple[TestClient[Any, Any], BuiltinServer, pb_grpc.SglangSchedulerStub]
+
+
+@pytest.fixture
+async def make_served(make_client: Factory) -> AsyncIterator[Callable[..., Any]]:
+    """An engine with its HTTP and gRPC fronts (`ServerArgs` overrides); all stop at teardown."""
+    started: list[tuple[grpc.aio.Server, grpc.aio.Channel]] = []
+
+    async def make(**overrides: Any) -> Served:
+        client, server = await make_client(**overrides)
+        service = SchedulerService(server.engine, server.gate, server.info, server.generation.limits)
+        service.ready = True
+        grpc_server, port = await start_grpc_server(service, "127.0.0.1", 0, None)
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        started.append((grpc_server, channel))
+        return client, server, pb_grpc.SglangSchedulerStub(channel)
+
+    yield make
+    for grpc_server, channel in started:
+        await channel.close()
+        await grpc_server.stop(grace=None)
+
+
+async def _refused(client: TestClient[Any, Any], field: str, **body: Any) -> None:
+    """`/generate` with `body` is a 400 whose message names `field` (in either of SGLang's envelopes)."""
+    async with asyncio.timeout(WAIT_S):
+        status, answer = await _generate(client, **body)
+    assert status == 400, answer
+    assert field in answer.get("error", answer)["message"]
+
+
+async def _grpc_refused(
+    stub: pb_grpc.SglangSchedulerStub,
+    field: str,
+    code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT,
+    **fields: Any,
+) -> None:
+    request = pb.GenerateRequest(
+        request_id=fields.pop("request_id", "g"),
+        tokenized=pb.TokenizedInput(input_ids=fields.pop("input_ids", [1, 2])),
+        **fields,
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        async for _ in stub.Generate(request, timeout=WAIT_S):
+            pass
+    assert refused.value.code() == code
+    assert field in (refused.value.details() or "")
 
 
 async def _generate(client: TestClient[Any, Any], **body: Any) -> tuple[int, Any]:
@@ -75,3 +132,95 @@ async def test_health_and_ready_refuse_a_scheduler_paused_under_an_open_gate(mak
     assert (await client.get("/health")).status == 200
     assert (await client.get("/ready")).status == 200
     await _served(client)
+
+
+# ---------------------------------------------------------------------------------------------- bounds
+async def test_a_body_above_the_configured_maximum_is_refused_before_it_is_read(
+    make_served: Callable[..., Any],
+) -> None:
+    client, _, stub = await make_served(max_request_body_bytes=4096)
+    await _refused(
+        client, "--max-request-body-bytes", text="a " * 4096, sampling_params={"max_new_tokens": 1}
+    )
+
+    async def chunks() -> AsyncIterable[bytes]:  # no Content-Length: refused once the chunks pass the bound
+        yield b'{"text": "'
+        for _ in range(8):
+            yield b"a " * 512
+        yield b'"}'
+
+    response = await client.post("/generate", data=chunks(), headers={"Content-Type": "application/json"})
+    assert response.status == 400
+    assert "--max-request-body-bytes" in json.loads(await response.text())["message"]
+    # The weight update route carries whole buckets of tensors: the bound does not apply to it.
+    response = await client.post(
+        "/update_weights_from_tensor", json={"serialized_named_tensors": ["x" * 8192]}
+    )
+    assert "--max-request-body-bytes" not in await response.text()
+    await _grpc_refused(stub, "", grpc.StatusCode.RESOURCE_EXHAUSTED, input_ids=[1] * 4096)
+    await _served(client)
+
+
+async def test_top_logprobs_over_the_prompt_are_bounded_by_the_response_they_imply(
+    make_served: Callable[..., Any],
+) -> None:
+    client, server, stub = await make_served()
+    vocab = server.engine.model.config.vocab_size
+    prompt = [1] * (MAX_TOP_LOGPROB_ENTRIES // vocab + 1)
+    request: dict[str, Any] = {"return_logprob": True, "top_logprobs_num": vocab, "logprob_start_len": 0}
+    await _refused(
+        client, "top_logprobs_num", input_ids=prompt, sampling_params={"max_new_tokens": 1}, **request
+    )
+    await _grpc_refused(
+        stub,
+        "top_logprobs_num",
+        input_ids=prompt,
+        sampling_params=pb.SamplingParams(max_new_tokens=1),
+        **request,
+    )
+    # The same from the last prompt position fits.
+    status, body = await _generate(
+        client,
+        input_ids=prompt,
+        sampling_params={"max_new_tokens": 1},
+        **(request | {"logprob_start_len": -1}),
+    )
+    assert status == 200
+    assert len(body["meta_info"]["output_top_logprobs"][0]) == vocab
+
+
+async def test_stop_strings_are_bounded_in_count_and_length(make_served: Callable[..., Any]) -> None:
+    client, _, stub = await make_served()
+    many = [f"stop{i}" for i in range(MAX_STOP_STRINGS + 1)]
+    long = ["s" * (MAX_STOP_STRING_CHARS + 1)]
+    for stop in (many, long):
+        await _refused(client, "sampling_params.stop", input_ids=[1, 2], sampling_params={"stop": stop})
+        await _grpc_refused(stub, "sampling_params.stop", sampling_params=pb.SamplingParams(stop=stop))
+    status, _ = await _generate(
+        client,
+        input_ids=[1, 2],
+        sampling_params={
+            "max_new_tokens": 1,
+            "stop": [*many[: MAX_STOP_STRINGS - 1], "s" * MAX_STOP_STRING_CHARS],
+        },
+    )
+    assert status == 200
+
+
+async def test_the_weight_version_is_bounded(make_client: Factory) -> None:
+    client, _ = await make_client()
+    response = await client.post(
+        "/update_weight_version", json={"new_version": "v" * (MAX_WEIGHT_VERSION_CHARS + 1)}
+    )
+    assert response.status == 400
+    body = json.loads(await response.text())
+    assert body["success"] is False
+    assert "new_version" in body["message"]
+    assert json.loads(await (await client.get("/model_info")).text())["weight_version"] == "default"
+    response = await client.post(
+        "/update_weight_version", json={"new_version": "v" * MAX_WEIGHT_VERSION_CHARS}
+    )
+    assert response.status == 200
+    status, body = await _generate(client, input_ids=[1, 2], sampling_params={"max_new_tokens": 1})
+    assert status == 200
+    assert body["meta_info"]["weight_version"] == "v" * MAX_WEIGHT_VERSION_CHARS

@@ -13,6 +13,10 @@ one per step (see `engine.Engine`). With chunking disabled (-1 or 0, as SGLang r
 at most this many, and a longer prompt goes alone in one prefill."""
 DEFAULT_MAX_N = 256
 """Default of `--max-n`: the largest `sampling_params.n` a request may ask for."""
+DEFAULT_MAX_REQUEST_BODY_BYTES = 64 << 20
+"""Default of `--max-request-body-bytes`: the largest body of any route but `/update_weights_from_tensor` (64
+MiB: a batch of long prompts fits many times over; a body that could not be tokenised and checked in time is
+refused before it is read whole)."""
 DEFAULT_MAX_QUEUED_REQUESTS = 65536
 """Default of `--max-queued-requests`: the most requests the waiting queue holds (SGLang's flag, unbounded by
 default there; bounded here so that no call can queue more work than the engine could ever get through)."""

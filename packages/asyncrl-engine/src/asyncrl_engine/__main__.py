@@ -51,6 +51,7 @@ def launch_arguments(
         chunked_prefill_size=args.chunked_prefill_size,
         max_queued_requests=args.max_queued_requests,
         max_n=args.max_n,
+        max_request_body_bytes=args.max_request_body_bytes,
         context_length=context_length,
         weight_version=args.weight_version,
         device=device,

@@ -40,12 +40,43 @@ def json_model(model: BaseModel, status: int = 200) -> web.Response:
     )
 
 
-async def read_model(request: web.Request, model: type[ModelT], *, required: bool) -> ModelT:
-    """The body as `model`. An absent body is `{}` unless `required`. Invalid: `WireError`, which the
-    server's middleware answers with SGLang's `ErrorResponse` (400)."""
-    raw = await request.read()
+MAX_REQUEST_BODY_BYTES = web.AppKey("max_request_body_bytes", int)
+"""The application's bound on a request body (the server's `--max-request-body-bytes`); unset: none."""
+
+
+async def read_model(
+    request: web.Request, model: type[ModelT], *, required: bool, bounded: bool = True
+) -> ModelT:
+    """The body as `model`. An absent body is `{}` unless `required`. Invalid, or larger than the
+    application's `MAX_REQUEST_BODY_BYTES` (unless not `bounded`): `WireError`, which the server's middleware
+    answers with SGLang's `ErrorResponse` (400)."""
+    limit = request.app.get(MAX_REQUEST_BODY_BYTES) if bounded else None
+    raw = await request.read() if limit is None else await read_bounded(request, limit)
     if not raw.strip():
         if required:
             raise WireError("A JSON request body is required.")
         raw = b"{}"
     return parse_json(model, raw)
+
+
+async def read_bounded(request: web.Request, limit: int) -> bytes:
+    """The body, refused (`WireError`) as soon as it is known to exceed `limit` bytes: from its
+    Content-Length before anything is read, else once the chunks read so far exceed it."""
+    declared = request.content_length
+    if declared is not None and declared > limit:
+        raise WireError(_too_large(f"{declared} bytes", limit))
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            raise WireError(_too_large(f"more than {limit} bytes", limit))
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(size: str, limit: int) -> str:
+    return (
+        f"The request body has {size}, more than the {limit} bytes the server takes "
+        "(its --max-request-body-bytes)"
+    )

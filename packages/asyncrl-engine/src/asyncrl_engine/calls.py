@@ -26,6 +26,12 @@ QUEUE_FULL = "The request queue is full."
 """SGLang's message (with status 503) for a request the waiting queue cannot take."""
 
 
+MAX_TOP_LOGPROB_ENTRIES = 1 << 20
+"""The most top logprobs one request's response may hold: `top_logprobs_num` times its logprob positions
+(the prompt's from `logprob_start_len`, and every new token). About 30 bytes each in JSON, so a response
+stays within some 32 MB; unbounded, a prompt's logprobs over the whole vocabulary made responses of
+gigabytes. SGLang bounds only `top_logprobs_num` (by the vocabulary)."""
+
 Update = tuple[int, int, bool]
 """What a request's `on_update` posts to its call's queue: (index in the call, output length, finished)."""
 
@@ -103,6 +109,10 @@ def prompt_requests(
         raise RequestError(
             f"top_logprobs_num must be in [0, {vocab}] (the vocabulary size), got {top_logprobs_num}"
         )
+    if return_logprob and top_logprobs_num > 0:
+        check_top_logprob_entries(
+            len(prompt), options, logprob_start_len, top_logprobs_num, engine.context_length
+        )
     rids = [rid] if options.n == 1 else [uuid.uuid4().hex for _ in range(options.n)]
     return [
         Request(
@@ -116,6 +126,29 @@ def prompt_requests(
         )
         for sample_rid in rids
     ]
+
+
+def check_top_logprob_entries(
+    prompt_len: int,
+    options: SamplingOptions,
+    logprob_start_len: int,
+    top_logprobs_num: int,
+    context_length: int,
+) -> None:
+    """`RequestError` naming `top_logprobs_num` when the response would hold more than
+    `MAX_TOP_LOGPROB_ENTRIES` top logprobs: `top_logprobs_num` times (the prompt positions from
+    `logprob_start_len`, when it is >= 0, plus `max_new_tokens`, or the rest of the context when unset)."""
+    input_positions = max(0, prompt_len - logprob_start_len) if logprob_start_len >= 0 else 0
+    max_new = options.max_new_tokens if options.max_new_tokens is not None else context_length - prompt_len
+    entries = top_logprobs_num * (input_positions + max(0, max_new))
+    if entries > MAX_TOP_LOGPROB_ENTRIES:
+        raise RequestError(
+            f"top_logprobs_num {top_logprobs_num} at {input_positions + max_new} positions "
+            f"({input_positions} of the prompt from logprob_start_len, up to {max_new} new tokens) would "
+            f"return {entries} top logprobs, more than the {MAX_TOP_LOGPROB_ENTRIES} the built-in engine "
+            "returns for one request: lower top_logprobs_num, raise logprob_start_len (-1: none of the "
+            "prompt) or lower max_new_tokens"
+        )
 
 
 def check_unique(requests: Sequence[Request], live: Collection[str]) -> None:

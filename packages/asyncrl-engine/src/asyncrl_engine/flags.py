@@ -11,7 +11,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from asyncrl_engine import DEFAULT_CHUNKED_PREFILL_SIZE, DEFAULT_MAX_N, DEFAULT_MAX_QUEUED_REQUESTS
+from asyncrl_engine import (
+    DEFAULT_CHUNKED_PREFILL_SIZE,
+    DEFAULT_MAX_N,
+    DEFAULT_MAX_QUEUED_REQUESTS,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+)
 
 
 def _positive(text: str) -> int:
@@ -63,6 +68,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=_positive,
         default=DEFAULT_MAX_N,
         help="the largest sampling_params.n a request may ask for (400 above)",
+    )
+    parser.add_argument(
+        "--max-request-body-bytes",
+        type=_positive,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="the largest request body of every route but /update_weights_from_tensor: a larger one is "
+        "answered 400 before it is read whole",
     )
     parser.add_argument("--context-length", type=int, help="default: min(max_position_embeddings, 4096)")
     parser.add_argument("--weight-version", default="default")

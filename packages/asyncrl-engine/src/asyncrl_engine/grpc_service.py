@@ -457,10 +457,13 @@ def _refusing(handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler
 async def start_grpc_server(
     service: SchedulerService, host: str, port: int, api_key: str | None
 ) -> tuple[grpc.aio.Server, int]:
-    """Serve `service` on `host:port` (0 picks a free port); returns the started server and its port."""
+    """Serve `service` on `host:port` (0 picks a free port); returns the started server and its port. A
+    message larger than the server's `--max-request-body-bytes` is refused by gRPC (`RESOURCE_EXHAUSTED`)
+    before it is read whole; responses are not bounded."""
+    max_receive = min(service.info.args.max_request_body_bytes, 2**31 - 1)  # a C int
     server = grpc.aio.server(
         interceptors=[ApiKeyInterceptor(api_key)] if api_key else None,
-        options=[("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)],
+        options=[("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", max_receive)],
     )
     pb_grpc.add_SglangSchedulerServicer_to_server(service, server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

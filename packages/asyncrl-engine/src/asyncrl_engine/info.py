@@ -41,7 +41,9 @@ GRAPH_PHASES = ("prefill", "decode", "target_verify", "draft_prefill", "draft_de
 """The CUDA-graph phases SGLang reports memory and capture time for; the built-in engine captures `decode`."""
 HEALTH_CHECK_TIMEOUT_S = 20.0
 """How long the one-token health probe may take (SGLang's `SGLANG_HEALTH_CHECK_TIMEOUT` default)."""
-_NOT_SERVER_ARGS = frozenset({"api_key", "weight_version_route", "launch_command", "max_n"})
+_NOT_SERVER_ARGS = frozenset(
+    {"api_key", "weight_version_route", "launch_command", "max_n", "max_request_body_bytes"}
+)
 """Launch arguments SGLang's `ServerArgs` has no field for (or that must not be shown: the key)."""
 _GB = float(1 << 30)
 

@@ -33,6 +33,12 @@ _UNSUPPORTED_UNLESS_DEFAULT: dict[str, object] = {
 }
 
 
+MAX_STOP_STRINGS = 256
+"""The most stop strings one request may list (`sampling_params.stop`). SGLang sets no bound; every string is
+compiled into the request's stop pattern and searched at each token, so the count is bounded here."""
+MAX_STOP_STRING_CHARS = 1024
+"""The longest stop string, in characters: the stop-string matcher keeps a window of the output this long."""
+
 NEVER_MATCHES = r"(?!)"
 """A regular expression that matches no text (the stop pattern of options without stop strings)."""
 
@@ -90,7 +96,8 @@ class SamplingOptions:
             value = getattr(params, key)
             if value is not None and value != default:
                 raise RequestError(f"sampling_params.{key} is not supported by the built-in engine")
-        stop = params.stop
+        stop = (params.stop,) if isinstance(params.stop, str) else tuple(params.stop or ())
+        check_stop(stop)  # before the stop pattern is compiled
         options = cls(
             max_new_tokens=params.max_new_tokens,
             temperature=params.temperature,
@@ -99,7 +106,7 @@ class SamplingOptions:
             min_p=params.min_p,
             min_new_tokens=params.min_new_tokens,
             n=params.n,
-            stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
+            stop=stop,
             stop_token_ids=frozenset(params.stop_token_ids or ()),
             ignore_eos=params.ignore_eos,
             skip_special_tokens=params.skip_special_tokens,
@@ -132,11 +139,28 @@ class SamplingOptions:
         bad = sorted(t for t in self.stop_token_ids if not 0 <= t < vocab_size)
         if bad:
             raise RequestError(f"stop_token_ids {bad} are outside the vocabulary (size {vocab_size})")
-        if any(not s for s in self.stop):
-            raise RequestError("stop strings must not be empty")
+        check_stop(self.stop)
         if self.sampling_seed is not None and not -(2**63) <= self.sampling_seed < 2**64:
             # torch.Generator.manual_seed takes a 64-bit value; a larger one would fail at admission.
             raise RequestError(f"sampling_seed must be a 64-bit integer, got {self.sampling_seed}")
+
+
+def check_stop(stop: Sequence[str]) -> None:
+    """`RequestError` naming `sampling_params.stop` for more than `MAX_STOP_STRINGS` strings, one longer than
+    `MAX_STOP_STRING_CHARS`, or an empty one."""
+    if len(stop) > MAX_STOP_STRINGS:
+        raise RequestError(
+            f"sampling_params.stop holds {len(stop)} strings, more than the {MAX_STOP_STRINGS} the built-in "
+            "engine takes"
+        )
+    if any(not s for s in stop):
+        raise RequestError("stop strings must not be empty")
+    longest = max(map(len, stop), default=0)
+    if longest > MAX_STOP_STRING_CHARS:
+        raise RequestError(
+            f"sampling_params.stop holds a string of {longest} characters, longer than the "
+            f"{MAX_STOP_STRING_CHARS} the built-in engine takes"
+        )
 
 
 def check_fits(prompt: Sequence[int], options: SamplingOptions, context_length: int) -> None:

@@ -18,8 +18,14 @@ from typing import Any, Literal, get_args
 
 from aiohttp import web
 
-from asyncrl_engine import DEFAULT_CHUNKED_PREFILL_SIZE, DEFAULT_MAX_N, DEFAULT_MAX_QUEUED_REQUESTS
+from asyncrl_engine import (
+    DEFAULT_CHUNKED_PREFILL_SIZE,
+    DEFAULT_MAX_N,
+    DEFAULT_MAX_QUEUED_REQUESTS,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+)
 from asyncrl_engine._http import (
+    MAX_REQUEST_BODY_BYTES,
     Handler,
     error_response,
     json_model,
@@ -49,8 +55,9 @@ __all__ = ["MAX_BODY_BYTES", "BuiltinServer", "ServerArgs", "Tokenizer", "encode
 
 
 MAX_BODY_BYTES = 1 << 36
-"""Largest request body accepted (64 GiB). A weight update carries a whole bucket of base64 safetensors, and
-SGLang sets no limit on that route; aiohttp's default of 1 MiB would refuse any real model with a 413."""
+"""Largest body of `/update_weights_from_tensor` (64 GiB). A weight update carries a whole bucket of base64
+safetensors, and SGLang sets no limit on that route; aiohttp's default of 1 MiB would refuse any real model
+with a 413. Every other route takes at most `ServerArgs.max_request_body_bytes`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +83,9 @@ class ServerArgs:
     answered 503 "The request queue is full.", a call larger than this is a 400."""
     max_n: int = DEFAULT_MAX_N
     """The largest `sampling_params.n` (400 above it)."""
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    """The largest body of every route but `/update_weights_from_tensor` (400 above it, before it is read
+    whole); the engine's own flag."""
     context_length: int = 2048
     weight_version: str = "default"
     device: str = "cpu"
@@ -124,6 +134,7 @@ class BuiltinServer:
         self.app = web.Application(
             middlewares=[self._errors_middleware, self._auth_middleware], client_max_size=MAX_BODY_BYTES
         )
+        self.app[MAX_REQUEST_BODY_BYTES] = args.max_request_body_bytes
         self._add_routes()
 
     @property

@@ -37,6 +37,9 @@ from asyncrl_sglang.wire import (
 )
 
 SAFETENSORS_FORMAT = "safetensors"
+MAX_WEIGHT_VERSION_CHARS = 256
+"""The longest weight version a route takes (`new_version`, `weight_version`): the version is echoed in every
+later response's `meta_info`, so an unbounded one would grow them all. SGLang sets no bound."""
 GROUP_TIMEOUT_S = 120.0
 _TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -75,6 +78,12 @@ class WeightRoutes:
             tensors = await tensors_fn()
         except (ValueError, ModelLoadError, RuntimeError) as error:
             return UpdateResult(success=False, message=f"Failed to update weights: {error}")
+        # After the tensors: a distributed update receives every broadcast whatever its fields.
+        refusal = version_refusal("weight_version", version)
+        if refusal is not None:
+            return UpdateResult(
+                success=False, message=f"Failed to update weights: {refusal}. Nothing was loaded."
+            )
         if body.abort_all_requests:
             await self._engine(self.engine.abort_all)
         async with self.gate.update():
@@ -100,7 +109,7 @@ class WeightRoutes:
         return UpdateResult(success=True, message=message)
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
-        body = await read_model(request, UpdateWeightsFromTensorRequest, required=True)
+        body = await read_model(request, UpdateWeightsFromTensorRequest, required=True, bounded=False)
         if body.load_format != SAFETENSORS_FORMAT:
             return update_failure(
                 f"load_format {body.load_format!r} is not accepted: the built-in engine takes only "
@@ -226,6 +235,9 @@ class WeightRoutes:
     async def update_weight_version(self, request: web.Request) -> web.Response:
         body = await read_model(request, UpdateWeightVersionRequest, required=True)
         version = body.new_version
+        refusal = version_refusal("new_version", version)
+        if refusal is not None:
+            return update_failure(refusal)
         if body.abort_all_requests:
             await self._engine(self.engine.abort_all)
         await self._engine(lambda: self.engine.set_weight_version(version))
@@ -281,3 +293,13 @@ def _read_safetensors_folder(path: str) -> list[tuple[str, torch.Tensor]]:
     for file in files:
         tensors.extend(load_file(str(file)).items())
     return tensors
+
+
+def version_refusal(field: str, version: str | None) -> str | None:
+    """Why a weight version given in `field` is refused (longer than `MAX_WEIGHT_VERSION_CHARS`), or None."""
+    if version is not None and len(version) > MAX_WEIGHT_VERSION_CHARS:
+        return (
+            f"{field} has {len(version)} characters, more than the {MAX_WEIGHT_VERSION_CHARS} the built-in "
+            "engine takes"
+        )
+    return None
