@@ -2,7 +2,7 @@
 in process on loopback over a tiny Llama): pause and continue are serialised, so the admission gate and the
 scheduler always change together, and `/health` and `/ready` say whether the scheduler can serve; every
 request is bounded before it is queued (body size, the top logprobs its response would hold, stop strings,
-the weight version), each refusal a 400 naming the field."""
+the weight version), each refusal a 400 naming the field; a request that can draw no token is refused."""
 
 from __future__ import annotations
 
@@ -224,3 +224,18 @@ async def test_the_weight_version_is_bounded(make_client: Factory) -> None:
     status, body = await _generate(client, input_ids=[1, 2], sampling_params={"max_new_tokens": 1})
     assert status == 200
     assert body["meta_info"]["weight_version"] == "v" * MAX_WEIGHT_VERSION_CHARS
+
+
+# ------------------------------------------------------------------------------------------ no valid token
+async def test_a_request_that_can_draw_no_token_is_refused(make_served: Callable[..., Any]) -> None:
+    client, server, stub = await make_served()
+    every_id = list(range(server.engine.model.config.vocab_size))
+    params: dict[str, Any] = {"stop_token_ids": every_id, "min_new_tokens": 4, "max_new_tokens": 8}
+    await _refused(client, "stop_token_ids", input_ids=[1, 2], return_logprob=True, sampling_params=params)
+    await _grpc_refused(
+        stub, "stop_token_ids", return_logprob=True, sampling_params=pb.SamplingParams(**params)
+    )
+    # Without min_new_tokens the first token stops the request: a valid request.
+    status, body = await _generate(client, input_ids=[1, 2], sampling_params=params | {"min_new_tokens": 0})
+    assert status == 200
+    assert body["meta_info"]["finish_reason"]["type"] == "stop"

@@ -113,6 +113,7 @@ def prompt_requests(
         check_top_logprob_entries(
             len(prompt), options, logprob_start_len, top_logprobs_num, engine.context_length
         )
+    check_drawable(options, engine.eos_token_ids, vocab)
     rids = [rid] if options.n == 1 else [uuid.uuid4().hex for _ in range(options.n)]
     return [
         Request(
@@ -148,6 +149,21 @@ def check_top_logprob_entries(
             f"return {entries} top logprobs, more than the {MAX_TOP_LOGPROB_ENTRIES} the built-in engine "
             "returns for one request: lower top_logprobs_num, raise logprob_start_len (-1: none of the "
             "prompt) or lower max_new_tokens"
+        )
+
+
+def check_drawable(options: SamplingOptions, eos_token_ids: Collection[int], vocab_size: int) -> None:
+    """`RequestError` naming `stop_token_ids` when the ids banned before `min_new_tokens` (the stop ids, and
+    EOS unless `ignore_eos`) cover the whole vocabulary: no token could be drawn."""
+    if options.min_new_tokens <= 0:
+        return
+    banned = set(options.stop_token_ids)
+    if not options.ignore_eos:
+        banned.update(t for t in eos_token_ids if 0 <= t < vocab_size)
+    if len(banned) >= vocab_size:
+        raise RequestError(
+            "sampling_params.stop_token_ids (with EOS unless ignore_eos) cover the whole vocabulary "
+            f"({vocab_size} ids), and min_new_tokens {options.min_new_tokens} bans them: nothing can be drawn"
         )
 
 
