@@ -2,13 +2,17 @@
 in process on loopback over a tiny Llama): pause and continue are serialised, so the admission gate and the
 scheduler always change together, and `/health` and `/ready` say whether the scheduler can serve; every
 request is bounded before it is queued (body size, the top logprobs its response would hold, stop strings,
-the weight version), each refusal a 400 naming the field; a request that can draw no token is refused."""
+the weight version), each refusal a 400 naming the field; tokenisation and stop-pattern compilation run off
+the event loop; a request that can draw no token is refused."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterable, AsyncIterator, Callable
+import re
+import threading
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -17,6 +21,7 @@ from aiohttp.test_utils import TestClient
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
+from asyncrl_engine import options as options_module
 from asyncrl_engine.calls import MAX_TOP_LOGPROB_ENTRIES
 from asyncrl_engine.grpc_service import SchedulerService, start_grpc_server
 from asyncrl_engine.options import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
@@ -239,3 +244,94 @@ async def test_a_request_that_can_draw_no_token_is_refused(make_served: Callable
     status, body = await _generate(client, input_ids=[1, 2], sampling_params=params | {"min_new_tokens": 0})
     assert status == 200
     assert body["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+# ---------------------------------------------------------------------------------------------- off the loop
+class _Blocker:
+    """Holds a worker in `block` until released (or `HOLD_S` passed), recording when it entered and left."""
+
+    HOLD_S = 5.0
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.left = threading.Event()
+
+    def block(self) -> None:
+        self.entered.set()
+        self.release.wait(self.HOLD_S)
+        self.left.set()
+
+
+class _SlowTokenizer:
+    def __init__(self, tokenizer: Any, blocker: _Blocker) -> None:
+        self.tokenizer, self.blocker = tokenizer, blocker
+
+    def encode(self, text: str) -> list[int]:
+        self.blocker.block()
+        return list(self.tokenizer.encode(text))
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens))
+
+
+async def _health_answers_during(
+    client: TestClient[Any, Any], blocker: _Blocker, call: Awaitable[Any]
+) -> None:
+    """`/health` answers 200 while `call` is held in `blocker` (the event loop is free), then `call` ends."""
+    task = asyncio.ensure_future(call)
+    async with asyncio.timeout(WAIT_S):
+        while not blocker.entered.is_set():  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+    async with asyncio.timeout(WAIT_S):
+        status = (await client.get("/health")).status
+    answered_while_held = not blocker.left.is_set()
+    blocker.release.set()
+    await asyncio.wait_for(task, WAIT_S)
+    assert status == 200
+    assert answered_while_held, "/health waited for the held work: it ran on the event loop"
+
+
+async def test_tokenisation_runs_off_the_event_loop(make_client: Factory) -> None:
+    client, server = await make_client()
+    blocker = _Blocker()
+    server.generation.tokenizer = _SlowTokenizer(server.generation.tokenizer, blocker)
+
+    async def call() -> None:
+        status, body = await _generate(client, text="hello", sampling_params={"max_new_tokens": 1})
+        assert status == 200, body
+
+    await _health_answers_during(client, blocker, call())
+
+
+async def test_stop_patterns_compile_off_the_event_loop(
+    make_served: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client, _, stub = await make_served()
+    blockers: list[_Blocker] = []
+
+    def compile_slowly(pattern: str) -> re.Pattern[str]:
+        if "held" in pattern and blockers:
+            blockers[-1].block()
+        return re.compile(pattern)
+
+    monkeypatch.setattr(options_module, "re", SimpleNamespace(compile=compile_slowly, escape=re.escape))
+
+    async def http_call() -> None:
+        status, body = await _generate(
+            client, input_ids=[1, 2], sampling_params={"max_new_tokens": 1, "stop": ["held"]}
+        )
+        assert status == 200, body
+
+    async def grpc_call() -> None:
+        request = pb.GenerateRequest(
+            request_id="held",
+            tokenized=pb.TokenizedInput(input_ids=[1, 2]),
+            sampling_params=pb.SamplingParams(max_new_tokens=1, stop=["held"]),
+        )
+        async for _ in stub.Generate(request, timeout=WAIT_S):
+            pass
+
+    for call in (http_call, grpc_call):
+        blockers.append(_Blocker())
+        await _health_answers_during(client, blockers[-1], call())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -13,6 +14,8 @@ from asyncrl_sglang.wire import ErrorBody, ErrorDetail, UpdateResult, WireError,
 Json = dict[str, Any]
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 ModelT = TypeVar("ModelT", bound=BaseModel)
+PARSE_OFF_LOOP_BYTES = 1 << 20
+"""A body larger than this is parsed in a worker thread, so that the event loop keeps answering meanwhile."""
 
 
 def error_response(message: str, status: int = 400, kind: str = "Bad Request") -> web.Response:
@@ -56,6 +59,8 @@ async def read_model(
         if required:
             raise WireError("A JSON request body is required.")
         raw = b"{}"
+    if len(raw) > PARSE_OFF_LOOP_BYTES:
+        return await asyncio.to_thread(parse_json, model, raw)
     return parse_json(model, raw)
 
 

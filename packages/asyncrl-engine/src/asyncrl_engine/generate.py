@@ -89,7 +89,10 @@ class GenerateRoutes:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await read_model(request, GenerateRequest, required=True)
         try:
-            requests, output, is_list = self._parse_generate(body)
+            # Tokenising a long text and compiling many stop strings take seconds: off the event loop, so
+            # that /health and every other call keep answering. The rid check reads loop-side state.
+            requests, output, is_list = await asyncio.to_thread(self._parse_generate, body)
+            check_unique(requests, self._live)
         except RequestError as error:
             if body.stream:
                 return await self._stream_error(request, str(error))
@@ -136,7 +139,8 @@ class GenerateRoutes:
 
     def _parse_generate(self, body: GenerateRequest) -> tuple[list[Request], _Output, bool]:
         """Turn a validated `GenerateReqInput` into engine requests; returns them, the render options and
-        whether the response is a list (batch input or n > 1). Values the engine refuses: `RequestError`."""
+        whether the response is a list (batch input or n > 1). Values the engine refuses: `RequestError`.
+        Runs in a worker thread: it reads nothing the event loop changes (`check_unique` is the caller's)."""
         unsupported = body.unsupported_inputs()
         if unsupported:
             raise RequestError(f"`{unsupported[0]}` is not supported by the built-in engine")
@@ -171,7 +175,6 @@ class GenerateRoutes:
                 top_logprobs_num=top_num[index],
                 stream=body.stream,
             )
-        check_unique(requests, self._live)
         return requests, output, is_batch or len(requests) > 1
 
     def _prompts(self, body: GenerateRequest) -> tuple[list[list[int]], bool]:

@@ -108,7 +108,9 @@ class SchedulerService(pb_grpc.SglangSchedulerServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            requests = self._requests(request)
+            # Stop strings are compiled off the event loop (as HTTP's parsing); the rid check reads loop state.
+            requests = await asyncio.to_thread(self._requests, request)
+            check_unique(requests, self._live)
         except RequestError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         call = Call(requests, Ticket(len(requests)))
@@ -178,7 +180,6 @@ class SchedulerService(pb_grpc.SglangSchedulerServicer):
             top_logprobs_num=request.top_logprobs_num,
             stream=request.stream,
         )
-        check_unique(requests, self._live)
         return requests
 
     async def _submit(self, call: Call, stream: bool) -> None:
