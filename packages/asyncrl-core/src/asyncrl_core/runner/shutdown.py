@@ -12,7 +12,10 @@
   SIGTERM, then SIGKILL after a grace period, so the command returns with none left.
 - A watchdog process (`python -m asyncrl_core.runner.shutdown TOKEN`, in its own session, deaf to SIGINT
   and SIGTERM) holds the read end of a pipe from the driver: when the driver dies, even by SIGKILL, it sees
-  the pipe close and stops the run's processes the same way.
+  the pipe close and stops the run's processes the same way. While the run lives it also remembers, every
+  `WATCH_INTERVAL_S`, the processes the token's carriers started (their descendants, by process id and start
+  time): Ray's `DashboardAgent` and `RuntimeEnvAgent` rename themselves, which blanks their environment, so
+  the token alone would miss them, and they outlive a killed driver for minutes, deaf to SIGTERM.
 
 With `runner.ray_address` (a cluster started with `ray start`) nothing of Ray's is the run's to stop: the
 workers are killed through Ray and the engines, in their own process group, get SIGTERM when their Ray worker
@@ -43,6 +46,8 @@ GRACE_S = 10.0
 """Seconds the run's processes get after SIGTERM, before SIGKILL."""
 WATCHDOG_WAIT_S = SETTLE_S + 2 * GRACE_S
 """Longest the driver waits for the watchdog to finish stopping the run's processes."""
+WATCH_INTERVAL_S = 2.0
+"""How often the watchdog records the descendants of the run's processes."""
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -171,38 +176,65 @@ class RunStopper:
 # The run's processes
 
 
-def run_processes(token: str, *, exclude: set[int] | None = None) -> list[psutil.Process]:
-    """The processes of this user whose environment carries `token` (processes of others, and those that
-    exit meanwhile, are skipped)."""
+def run_processes(
+    token: str, *, exclude: set[int] | None = None, known: dict[int, float] | None = None
+) -> list[psutil.Process]:
+    """The processes of this user whose environment carries `token`, and those of `known` (process id to
+    start time, as `remember_descendants` records them) still alive with the same start time. Processes of
+    others, and those that exit meanwhile, are skipped."""
     import psutil
 
     found: list[psutil.Process] = []
     skip = exclude or set()
+    remembered = known or {}
     for process in psutil.process_iter():
         if process.pid in skip:
             continue
         try:
             # A zombie has exited already (its parent, or init, reaps it); it holds nothing.
-            if process.status() != psutil.STATUS_ZOMBIE and process.environ().get(RUN_TOKEN_ENV) == token:
+            if process.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if remembered.get(process.pid) == process.create_time() or (
+                process.environ().get(RUN_TOKEN_ENV) == token
+            ):
                 found.append(process)
         except (psutil.Error, OSError):
             continue
     return found
 
 
+def remember_descendants(token: str, known: dict[int, float], *, exclude: set[int]) -> None:
+    """Add to `known` the processes carrying `token` and every descendant of theirs (process id to start
+    time), whatever their environment says now."""
+    import psutil
+
+    for process in run_processes(token, exclude=exclude, known=known):
+        try:
+            for member in (process, *process.children(recursive=True)):
+                if member.pid not in exclude:
+                    known[member.pid] = member.create_time()
+        except (psutil.Error, OSError):
+            continue
+
+
 def stop_processes(
-    token: str, *, exclude: set[int] | None = None, settle_s: float = SETTLE_S, grace_s: float = GRACE_S
+    token: str,
+    *,
+    exclude: set[int] | None = None,
+    known: dict[int, float] | None = None,
+    settle_s: float = SETTLE_S,
+    grace_s: float = GRACE_S,
 ) -> int:
-    """Wait up to `settle_s` for the processes carrying `token` to exit by themselves, then SIGTERM the
-    rest (their process groups too, for a group leader such as an engine), then SIGKILL what is left after
-    `grace_s`. Returns how many had to be signalled."""
+    """Wait up to `settle_s` for the processes carrying `token` (and those of `known`) to exit by
+    themselves, then SIGTERM the rest (their process groups too, for a group leader such as an engine), then
+    SIGKILL what is left after `grace_s`. Returns how many had to be signalled."""
     import psutil
 
     signalled: set[int] = set()
     deadline = time.monotonic() + settle_s
     for sig in (None, signal.SIGTERM, signal.SIGKILL):
         for _ in range(3):  # a process may start another while the first are stopped
-            alive = run_processes(token, exclude=exclude)
+            alive = run_processes(token, exclude=exclude, known=known)
             if not alive:
                 return len(signalled)
             if sig is not None:
@@ -232,15 +264,25 @@ def _send(process: psutil.Process, sig: int) -> None:
 
 
 def _main(argv: list[str]) -> int:
-    """The watchdog: wait until the driver closes the pipe on stdin (done, or dead), then stop the run's
-    processes."""
+    """The watchdog: remember the run's processes until the driver closes the pipe on stdin (done, or
+    dead), then stop them."""
     if len(argv) != 1:
         print("usage: python -m asyncrl_core.runner.shutdown TOKEN", file=sys.stderr)
         return 2
     for signum in (*_SIGNALS, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)  # a Ctrl-C or `timeout` meant for the driver
-    sys.stdin.buffer.read()
-    stop_processes(argv[0], exclude={os.getpid()})
+    token, own = argv[0], {os.getpid(), os.getppid()}
+    closed = threading.Event()
+
+    def wait_for_the_driver() -> None:
+        sys.stdin.buffer.read()
+        closed.set()
+
+    threading.Thread(target=wait_for_the_driver, name="driver-pipe", daemon=True).start()
+    known: dict[int, float] = {}
+    while not closed.wait(WATCH_INTERVAL_S):
+        remember_descendants(token, known, exclude=own)
+    stop_processes(token, exclude=own, known=known)
     return 0
 
 
