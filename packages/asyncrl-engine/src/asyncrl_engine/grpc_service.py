@@ -108,7 +108,7 @@ class SchedulerService(pb_grpc.SglangSchedulerServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            # Stop strings are compiled off the event loop (as HTTP's parsing); the rid check reads loop state.
+            # Stop strings are compiled off the event loop, as over HTTP; the rid check reads loop state.
             requests = await asyncio.to_thread(self._requests, request)
             check_unique(requests, self._live)
         except RequestError as error:
