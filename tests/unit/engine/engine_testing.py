@@ -1,5 +1,6 @@
-"""Helpers shared by the built-in engine's tests: start engines, run a batch of greedy requests, and run a
-check under Triton's interpreter."""
+"""Helpers shared by the built-in engine's tests: start engines, run a batch of greedy requests, run a
+check under Triton's interpreter, and an engine served over both fronts (`Served`, from the `make_served`
+fixture)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,32 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
+
+from aiohttp.test_utils import TestClient
+from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from asyncrl_engine.engine import Engine
 from asyncrl_engine.model import EngineModel
 from asyncrl_engine.options import SamplingOptions
 from asyncrl_engine.request import Request
+from asyncrl_engine.server import BuiltinServer
 
 WAIT_S = 120.0
 INTERPRETER_TIMEOUT_S = 600.0
+
+
+@dataclass
+class Served:
+    client: TestClient[Any, Any]
+    server: BuiltinServer
+    stub: pb_grpc.SglangSchedulerStub
+    grpc_target: str
+
+    @property
+    def engine(self) -> Engine:
+        return self.server.engine
 
 
 def start_engine(engines: list[Engine], model: EngineModel, **kwargs: Any) -> Engine:

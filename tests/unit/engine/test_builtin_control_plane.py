@@ -11,7 +11,7 @@ import asyncio
 import json
 import re
 import threading
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterable, Awaitable, Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -23,7 +23,6 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from asyncrl_engine import options as options_module
 from asyncrl_engine.calls import MAX_TOP_LOGPROB_ENTRIES
-from asyncrl_engine.grpc_service import SchedulerService, start_grpc_server
 from asyncrl_engine.options import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from asyncrl_engine.server import BuiltinServer
 from asyncrl_engine.weights import MAX_WEIGHT_VERSION_CHARS
@@ -34,27 +33,6 @@ SERVED_S = 10.0
 a second); a wedged engine never answers."""
 
 Factory = Callable[..., Any]
-Served = tuple[TestClient[Any, Any], BuiltinServer, pb_grpc.SglangSchedulerStub]
-
-
-@pytest.fixture
-async def make_served(make_client: Factory) -> AsyncIterator[Callable[..., Any]]:
-    """An engine with its HTTP and gRPC fronts (`ServerArgs` overrides); all stop at teardown."""
-    started: list[tuple[grpc.aio.Server, grpc.aio.Channel]] = []
-
-    async def make(**overrides: Any) -> Served:
-        client, server = await make_client(**overrides)
-        service = SchedulerService(server.engine, server.gate, server.info, server.generation.limits)
-        service.ready = True
-        grpc_server, port = await start_grpc_server(service, "127.0.0.1", 0, None)
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-        started.append((grpc_server, channel))
-        return client, server, pb_grpc.SglangSchedulerStub(channel)
-
-    yield make
-    for grpc_server, channel in started:
-        await channel.close()
-        await grpc_server.stop(grace=None)
 
 
 async def _refused(client: TestClient[Any, Any], field: str, **body: Any) -> None:
@@ -143,7 +121,8 @@ async def test_health_and_ready_refuse_a_scheduler_paused_under_an_open_gate(mak
 async def test_a_body_above_the_configured_maximum_is_refused_before_it_is_read(
     make_served: Callable[..., Any],
 ) -> None:
-    client, _, stub = await make_served(max_request_body_bytes=4096)
+    served = await make_served(max_request_body_bytes=4096)
+    client, stub = served.client, served.stub
     await _refused(
         client, "--max-request-body-bytes", text="a " * 4096, sampling_params={"max_new_tokens": 1}
     )
@@ -169,7 +148,8 @@ async def test_a_body_above_the_configured_maximum_is_refused_before_it_is_read(
 async def test_top_logprobs_over_the_prompt_are_bounded_by_the_response_they_imply(
     make_served: Callable[..., Any],
 ) -> None:
-    client, server, stub = await make_served()
+    served = await make_served()
+    client, server, stub = served.client, served.server, served.stub
     vocab = server.engine.model.config.vocab_size
     prompt = [1] * (MAX_TOP_LOGPROB_ENTRIES // vocab + 1)
     request: dict[str, Any] = {"return_logprob": True, "top_logprobs_num": vocab, "logprob_start_len": 0}
@@ -195,7 +175,8 @@ async def test_top_logprobs_over_the_prompt_are_bounded_by_the_response_they_imp
 
 
 async def test_stop_strings_are_bounded_in_count_and_length(make_served: Callable[..., Any]) -> None:
-    client, _, stub = await make_served()
+    served = await make_served()
+    client, stub = served.client, served.stub
     many = [f"stop{i}" for i in range(MAX_STOP_STRINGS + 1)]
     long = ["s" * (MAX_STOP_STRING_CHARS + 1)]
     for stop in (many, long):
@@ -233,7 +214,8 @@ async def test_the_weight_version_is_bounded(make_client: Factory) -> None:
 
 # ------------------------------------------------------------------------------------------ no valid token
 async def test_a_request_that_can_draw_no_token_is_refused(make_served: Callable[..., Any]) -> None:
-    client, server, stub = await make_served()
+    served = await make_served()
+    client, server, stub = served.client, served.server, served.stub
     every_id = list(range(server.engine.model.config.vocab_size))
     params: dict[str, Any] = {"stop_token_ids": every_id, "min_new_tokens": 4, "max_new_tokens": 8}
     await _refused(client, "stop_token_ids", input_ids=[1, 2], return_logprob=True, sampling_params=params)
@@ -307,7 +289,8 @@ async def test_tokenisation_runs_off_the_event_loop(make_client: Factory) -> Non
 async def test_stop_patterns_compile_off_the_event_loop(
     make_served: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    client, _, stub = await make_served()
+    served = await make_served()
+    client, stub = served.client, served.stub
     blockers: list[_Blocker] = []
 
     def compile_slowly(pattern: str) -> re.Pattern[str]:

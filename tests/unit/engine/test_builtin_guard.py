@@ -9,63 +9,27 @@ import asyncio
 import concurrent.futures
 import json
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import grpc
 import pytest
 from aiohttp import ClientTimeout
-from aiohttp.test_utils import TestClient
+from engine_testing import Served
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
-from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from asyncrl_core.errors import EngineUnavailableError, GenerationError
 from asyncrl_core.types import SamplingParams
 from asyncrl_engine.engine import Engine
-from asyncrl_engine.grpc_service import SchedulerService, start_grpc_server
 from asyncrl_engine.model import EngineModel
 from asyncrl_engine.options import SamplingOptions
 from asyncrl_engine.request import EngineStoppedError, Request, shutdown_reason
-from asyncrl_engine.server import BuiltinServer
 from asyncrl_sglang._schema import AbortStatusError, parse_generation
 from asyncrl_sglang.client import RetryPolicy, SGLangClient
 from asyncrl_sglang.grpc_client import GrpcSGLangClient
 
 WAIT_S = 60.0
 LONG = {"max_new_tokens": 60, "ignore_eos": True, "temperature": 0.0}
-
-
-@dataclass
-class Served:
-    client: TestClient[Any, Any]
-    server: BuiltinServer
-    stub: pb_grpc.SglangSchedulerStub
-    grpc_target: str
-
-    @property
-    def engine(self) -> Engine:
-        return self.server.engine
-
-
-@pytest.fixture
-async def make_served(make_client: Callable[..., Any]) -> AsyncIterator[Callable[..., Any]]:
-    """Start an engine with its HTTP and gRPC fronts (`ServerArgs` overrides); all stop at teardown."""
-    started: list[tuple[grpc.aio.Server, grpc.aio.Channel]] = []
-
-    async def make(**overrides: Any) -> Served:
-        client, server = await make_client(**overrides)
-        service = SchedulerService(server.engine, server.gate, server.info, server.generation.limits)
-        service.ready = True
-        grpc_server, port = await start_grpc_server(service, "127.0.0.1", 0, None)
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-        started.append((grpc_server, channel))
-        return Served(client, server, pb_grpc.SglangSchedulerStub(channel), f"127.0.0.1:{port}")
-
-    yield make
-    for grpc_server, channel in started:
-        await channel.close()
-        await grpc_server.stop(grace=None)
 
 
 async def _post(served: Served, **body: Any) -> tuple[int, Any]:
