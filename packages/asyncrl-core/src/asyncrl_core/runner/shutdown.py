@@ -205,16 +205,24 @@ def run_processes(
 
 def remember_descendants(token: str, known: dict[int, float], *, exclude: set[int]) -> None:
     """Add to `known` the processes carrying `token` and every descendant of theirs (process id to start
-    time), whatever their environment says now."""
+    time), whatever their environment says now. One pass over the process table for the parents, one for
+    the environments."""
     import psutil
 
-    for process in run_processes(token, exclude=exclude, known=known):
-        try:
-            for member in (process, *process.children(recursive=True)):
-                if member.pid not in exclude:
-                    known[member.pid] = member.create_time()
-        except (psutil.Error, OSError):
+    children: dict[int, list[int]] = {}
+    started: dict[int, float] = {}
+    for process in psutil.process_iter(["ppid", "create_time"]):
+        children.setdefault(process.info["ppid"], []).append(process.pid)
+        started[process.pid] = process.info["create_time"]
+    found = [process.pid for process in run_processes(token, exclude=exclude, known=known)]
+    seen: set[int] = set()
+    while found:
+        pid = found.pop()
+        if pid in seen or pid in exclude or pid not in started:
             continue
+        seen.add(pid)
+        known[pid] = started[pid]
+        found.extend(children.get(pid, ()))
 
 
 def stop_processes(
