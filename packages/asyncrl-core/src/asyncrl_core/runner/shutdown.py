@@ -48,6 +48,12 @@ WATCHDOG_WAIT_S = SETTLE_S + 2 * GRACE_S
 """Longest the driver waits for the watchdog to finish stopping the run's processes."""
 WATCH_INTERVAL_S = 2.0
 """How often the watchdog records the descendants of the run's processes."""
+FINISHED = b"finished\n"
+"""What the driver writes to the watchdog's pipe before it closes it at the end of a run."""
+ORPHANED_SETTLE_S = 1.0
+ORPHANED_GRACE_S = 5.0
+"""Shorter settle and grace once the driver has died (nothing waits for a clean stop then), so that nothing
+of the run lives past 15 s; Ray's agents ignore SIGTERM and are killed after the grace."""
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -152,6 +158,8 @@ class RunStopper:
         if self._watchdog is not None:
             stdin = self._watchdog.stdin
             if stdin is not None:
+                with contextlib.suppress(OSError):
+                    stdin.write(FINISHED)  # a driver that dies closes the pipe without it
                 stdin.close()  # the watchdog finds nothing left and exits
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._watchdog.wait(WATCHDOG_WAIT_S)
@@ -282,15 +290,20 @@ def _main(argv: list[str]) -> int:
     token, own = argv[0], {os.getpid(), os.getppid()}
     closed = threading.Event()
 
+    said = [b""]
+
     def wait_for_the_driver() -> None:
-        sys.stdin.buffer.read()
+        said[0] = sys.stdin.buffer.read()
         closed.set()
 
     threading.Thread(target=wait_for_the_driver, name="driver-pipe", daemon=True).start()
     known: dict[int, float] = {}
     while not closed.wait(WATCH_INTERVAL_S):
         remember_descendants(token, known, exclude=own)
-    stop_processes(token, exclude=own, known=known)
+    if said[0] == FINISHED:
+        stop_processes(token, exclude=own, known=known)
+    else:  # the pipe closed without a word: the driver died
+        stop_processes(token, exclude=own, known=known, settle_s=ORPHANED_SETTLE_S, grace_s=ORPHANED_GRACE_S)
     return 0
 
 
