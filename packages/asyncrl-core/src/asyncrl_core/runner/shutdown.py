@@ -158,9 +158,13 @@ class RunStopper:
         if self._watchdog is not None:
             stdin = self._watchdog.stdin
             if stdin is not None:
+                # A driver that dies closes the pipe without the word; a watchdog that is gone already
+                # (killed by someone) leaves a broken pipe, and nothing to tell.
                 with contextlib.suppress(OSError):
-                    stdin.write(FINISHED)  # a driver that dies closes the pipe without it
-                stdin.close()  # the watchdog finds nothing left and exits
+                    stdin.write(FINISHED)
+                    stdin.flush()
+                with contextlib.suppress(OSError):
+                    stdin.close()  # the watchdog finds nothing left and exits
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._watchdog.wait(WATCHDOG_WAIT_S)
         if self.token is not None:
